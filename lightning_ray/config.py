@@ -1,0 +1,93 @@
+"""The job's configuration schema. Hydra composes the YAML in configs/; pydantic validates it, so a wrong key or
+value fails before anything starts, with the key's dotted name in the message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Strict):
+    name: str = "tiny-calc"  # the model name agents ask for; LightningRL keeps only calls to it
+    path: str | None = None  # a local HF model directory; None builds the tiny model below
+    cache_dir: str = "~/.cache/lightning_ray/models"
+
+
+class TaskConfig(_Strict):
+    name: Literal["calc"] = "calc"
+    train_size: int = Field(256, gt=0)
+    seed: int = 0
+
+
+class ServeConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, lt=65536)
+    num_replicas: int = Field(1, gt=0)
+    api_key: str | None = None
+    max_model_len: int = Field(512, gt=0)
+    sync_timeout_s: float = Field(120.0, gt=0)
+
+
+class RolloutConfig(_Strict):
+    num_workers: int = Field(2, gt=0)
+    tasks_per_iteration: int = Field(4, gt=0)
+    group_size: int = Field(4, gt=0)  # rollouts per task: one GRPO group
+    max_tokens: int = Field(24, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class AlgorithmConfig(_Strict):
+    name: Literal["grpo"] = "grpo"
+    clip_eps: float = Field(0.2, gt=0)
+    normalize_std: bool = True  # GRPO's std scaling; False gives Dr. GRPO-style mean-centred advantages
+
+
+class TrainerConfig(_Strict):
+    iterations: int = Field(2, gt=0)
+    num_workers: int = Field(2, gt=0)
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    checkpoint_every: int = Field(1, gt=0)
+    step_timeout_s: float = Field(600.0, gt=0)
+
+
+class RayConfig(_Strict):
+    address: str | None = None  # None starts a local cluster; "auto" joins the one `ray job submit` runs on
+    num_cpus: int | None = 4  # logical CPUs for a local cluster: phases alternate, so they may exceed cores
+
+
+class TrainConfig(_Strict):
+    run_dir: str
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    serve: ServeConfig = ServeConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    ray: RayConfig = RayConfig()
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir).expanduser().resolve()
+
+
+class ConfigError(ValueError):
+    """A config key with a bad value; the message names each offending key."""
+
+
+def validate(raw: dict) -> TrainConfig:
+    try:
+        return TrainConfig.model_validate(raw)
+    except ValidationError as e:
+        lines = [f"  {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
+        raise ConfigError("invalid config:\n" + "\n".join(lines)) from None
