@@ -82,6 +82,8 @@ def train(cfg: TrainConfig) -> list[dict]:
                 "rollouts": len(rollouts),
                 "failed_rollouts": sum(r.status == "failed" for r in rollouts),
                 "transitions": len(transitions),
+                # a group whose rollouts all scored the same gives zero advantages: no learning signal
+                "groups_with_signal": len({t.group_id for t in transitions if t.advantage != 0}),
                 "llm_spans": sum(s.name == "llm.call" for s in spans),
                 "rollout_policy_versions": sorted({t.policy_version for t in transitions}),
                 "policy_version": version,
