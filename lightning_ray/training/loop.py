@@ -29,9 +29,11 @@ def deepspeed_config(cfg: dict) -> dict:
 def train_loop_per_worker(cfg: dict) -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", cfg["extensions_dir"])  # DeepSpeed's CPU comm op builds once
     import deepspeed
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
+    transformers.logging.disable_progress_bar()  # per-load bars from every worker bury the iteration summaries
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32)

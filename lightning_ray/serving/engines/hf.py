@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_ray.serving.engines.base import Generation, SamplingParams
@@ -12,6 +13,7 @@ from lightning_ray.serving.engines.base import Generation, SamplingParams
 
 class HFEngine:
     def __init__(self, model_path: str, dtype: str = "float32"):
+        transformers.logging.disable_progress_bar()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
         # One generation at a time: the model is shared, and a weight load must not land mid-generation.
