@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 import ray
 import torch
-from openai import OpenAI
+from openai import AsyncOpenAI, OpenAI
 from ray import serve
 
 from lightning_ray.serving.app import APP_NAME, deploy_policy
@@ -15,86 +17,220 @@ from lightning_ray.training.weights import WeightRegistry
 
 KEY = "test-key"
 MODEL = "tiny-calc"
-MESSAGES = [{"role": "user", "content": "What is 3 + 4?"}]
+MESSAGES = [{"role": "system", "content": "Solve the arithmetic."}, {"role": "user", "content": "What is 3 + 4?"}]
 
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     store = TraceStore.remote(str(tmp_path_factory.mktemp("store") / "traces.sqlite"))
     registry = WeightRegistry.remote()
-    url = deploy_policy(str(tiny_model_path), MODEL, store, registry, port=serve_port, max_model_len=128, api_key=KEY)
+    url = deploy_policy(str(tiny_model_path), MODEL, store, registry, port=serve_port, max_model_len=320, api_key=KEY,
+                        defaults={"max_tokens": 12})
     yield {"url": url, "store": store, "registry": registry}
     serve.delete(APP_NAME)
 
 
-def client(server, path="/v1"):
-    return OpenAI(base_url=server["url"] + path, api_key=KEY, max_retries=0)
+def client(server, path="/v1", cls=OpenAI):
+    return cls(base_url=server["url"] + path, api_key=KEY, max_retries=0)
 
 
-def test_chat_completion_records_the_engines_token_ids(server):
+def spans_of(server, rollout_id):
+    return ray.get(server["store"].get_spans.remote([rollout_id]))
+
+
+# ---- chat completions -------------------------------------------------------------------------------------------
+def test_chat_records_the_engines_token_ids_under_the_rollout(server):
     out = client(server, "/rollouts/ro-1/attempts/at-1/v1").chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=8, logprobs=True, seed=1)
     choice = out.choices[0]
     assert out.system_fingerprint == "lightning_ray-policy-v0"
     assert out.usage.completion_tokens == len(choice.token_ids) == len(choice.logprobs.content) > 0
-    assert choice.finish_reason in ("stop", "length")
-    [span] = ray.get(server["store"].get_spans.remote(["ro-1"]))
-    assert span.attempt_id == "at-1"
-    assert span.attributes["lightning_ray.completion_token_ids"] == choice.token_ids
-    assert span.attributes["lightning_ray.prompt_token_ids"] == out.prompt_token_ids
-    assert span.attributes["lightning_ray.logprobs"] == [t.logprob for t in choice.logprobs.content]
+    assert out.usage.prompt_tokens == len(out.prompt_token_ids)
+    [span] = spans_of(server, "ro-1")
+    a = span.attributes
+    assert span.attempt_id == "at-1" and a["gen_ai.operation.name"] == "chat"
+    assert a["lightning_ray.completion_token_ids"] == choice.token_ids
+    assert a["lightning_ray.prompt_token_ids"] == out.prompt_token_ids
+    assert a["lightning_ray.logprobs"] == [t.logprob for t in choice.logprobs.content]
+    assert a["lightning_ray.response"] == choice.message.content
+    assert a["lightning_ray.request"]["messages"][1]["content"] == "What is 3 + 4?"
 
 
-def test_seeded_sampling_repeats(server):
-    a, b = (client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, seed=7)
+def test_headers_attribute_a_call_like_the_rollout_path(server):
+    client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                           extra_headers={"X-Rollout-Id": "ro-h", "X-Attempt-Id": "at-h"})
+    [span] = spans_of(server, "ro-h")
+    assert span.attempt_id == "at-h"
+
+
+def test_calls_outside_any_rollout_are_served_and_recorded(server):
+    before = ray.get(server["store"].count_spans.remote())
+    client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+    assert ray.get(server["store"].count_spans.remote()) == before + 1
+
+
+def test_seeded_sampling_repeats_and_n_choices_differ(server):
+    a, b = (client(server).chat.completions.create(model=MODEL, messages=MESSAGES, n=4, seed=7, temperature=1.5)
             for _ in range(2))
-    assert a.choices[0].token_ids == b.choices[0].token_ids
+    assert [c.index for c in a.choices] == [0, 1, 2, 3]
+    assert [c.token_ids for c in a.choices] == [c.token_ids for c in b.choices]
+    assert len({tuple(c.token_ids) for c in a.choices}) > 1
+    assert a.usage.completion_tokens == sum(len(c.token_ids) for c in a.choices)
 
 
-@pytest.mark.parametrize("body, status, param", [
-    (b"{not json", 400, None),
-    ({"model": MODEL}, 400, "messages"),
-    ({"model": MODEL, "messages": []}, 400, "messages"),
-    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
-    ({"model": MODEL, "messages": MESSAGES, "temperature": 5}, 400, "temperature"),
-    ({"model": MODEL, "messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": MODEL, "messages": MESSAGES, "max_tokens": 1000}, 400, None),  # over the context length
-    ({"model": MODEL, "messages": MESSAGES, "stream": True}, 400, None),
-    ({"model": "gpt-4o", "messages": MESSAGES}, 404, None),
+def test_n_choices_become_one_span_each(server):
+    client(server, "/rollouts/ro-n/attempts/at-1/v1").chat.completions.create(model=MODEL, messages=MESSAGES, n=3)
+    assert sorted(s.attributes["lightning_ray.choice_index"] for s in spans_of(server, "ro-n")) == [0, 1, 2]
+
+
+def test_streaming_matches_the_unstreamed_answer(server):
+    kwargs = dict(model=MODEL, messages=MESSAGES, seed=3, max_tokens=10, logprobs=True)
+    whole = client(server).chat.completions.create(**kwargs)
+
+    async def stream():
+        chunks = [c async for c in await client(server, cls=AsyncOpenAI).chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True})]
+        return chunks
+
+    chunks = asyncio.run(stream())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert text == whole.choices[0].message.content
+    assert ids == whole.choices[0].token_ids
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
+
+
+def test_top_logprobs_and_token_bytes(server):
+    out = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, logprobs=True,
+                                                 top_logprobs=3, temperature=0)
+    for t in out.choices[0].logprobs.content:
+        assert len(t.top_logprobs) == 3
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob)  # greedy: the sampled token is the top one
+        assert bytes(t.bytes).decode() == t.token
+
+
+def test_stop_strings_cut_the_text_and_max_tokens_the_length(server):
+    free = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12)
+    text = free.choices[0].message.content
+    assert len(text) > 3
+    stop = text[2:4]
+    cut = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12, stop=[stop])
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    short = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=2)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 2
+
+
+def test_max_completion_tokens_is_honoured(server):
+    out = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=3, temperature=0)
+    assert out.usage.completion_tokens <= 3
+
+
+# ---- completions -------------------------------------------------------------------------------------------------
+def test_completions_token_in_token_out(server):
+    prompt_ids = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1).prompt_token_ids
+    chat = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, seed=5)
+    out = client(server, "/rollouts/ro-c/attempts/at-1/v1").completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=8, seed=5, logprobs=2)
+    choice = out.choices[0]
+    assert choice.model_extra["prompt_token_ids"] == prompt_ids
+    assert choice.model_extra["token_ids"] == chat.choices[0].token_ids  # same prompt ids, same seed, same tokens
+    assert choice.text == chat.choices[0].message.content
+    assert len(choice.logprobs.token_logprobs) == len(choice.logprobs.tokens) == len(choice.model_extra["token_ids"])
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
+    [span] = spans_of(server, "ro-c")
+    assert span.attributes["gen_ai.operation.name"] == "completions"
+
+
+def test_completions_text_prompts_echo_and_stream(server):
+    out = client(server).completions.create(model=MODEL, prompt=["<|im_start|>user\nWhat is 1 + 2?", "2 +"], n=2,
+                                            max_tokens=4, echo=True)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.choices[0].text.startswith("<|im_start|>user\nWhat is 1 + 2?") and out.choices[2].text.startswith("2 +")
+    chunks = list(client(server).completions.create(model=MODEL, prompt="2 +", max_tokens=4, seed=1, stream=True))
+    whole = client(server).completions.create(model=MODEL, prompt="2 +", max_tokens=4, seed=1)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
+def test_models_lists_the_policy(server):
+    assert [m.id for m in client(server).models.list().data] == [MODEL]
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    (CHAT, b"{not json", 400, None),
+    (CHAT, {"model": MODEL}, 400, "messages"),
+    (CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "tool", "content": "4"}]}, 400, "messages.0"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "temperature": 5}, 400, "temperature"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "top_logprobs": 2}, 400, None),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, None),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 1000}, 400, "messages"),  # over the context
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, None),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "presence_penalty": 1.0}, 422, "presence_penalty"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_object"}}, 422, "response_format"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 422, "messages"),
+    (CHAT, {"model": "gpt-4o", "messages": MESSAGES}, 404, "model"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x" * (9 << 20)}]}, 413, None),
+    (COMPLETIONS, {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": []}, 400, None),
+    (COMPLETIONS, {"model": MODEL, "prompt": "a", "suffix": "b"}, 422, "suffix"),
+    ("/v1/nowhere", {}, 404, None),
 ])
-def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, param):
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, path, body, status, param):
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(server["url"] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, **kwargs)
+    r = httpx.post(server["url"] + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=30, **kwargs)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["message"] and error["type"] == "invalid_request_error"
     if param:
         assert error["param"] == param
-    ok = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
-    assert ok.choices[0].message.role == "assistant"
+    assert client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).choices
 
 
 def test_api_key_is_required_when_configured(server):
-    r = httpx.post(server["url"] + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES})
+    r = httpx.post(server["url"] + CHAT, json={"model": MODEL, "messages": MESSAGES})
     assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
     assert httpx.get(server["url"] + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert [m.id for m in client(server).models.list().data] == [MODEL]
+    assert httpx.post(server["url"] + "/rollouts/r/attempts/a/v1/chat/completions", json={}).status_code == 401
 
 
-def test_published_weights_reach_the_replica(server, tiny_model_path):
+# ---- weights -----------------------------------------------------------------------------------------------------
+def test_a_weight_update_waits_for_in_flight_requests_and_holds_new_ones(server, tiny_model_path):
+    """An update published mid-generation lands between requests: the long request finishes on v(k) entirely,
+    the request sent during the update is held, then served by v(k+1); neither fails."""
     from transformers import AutoModelForCausalLM
 
-    def greedy():
-        out = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
-                                                     logprobs=True)
-        return out.system_fingerprint, [t.logprob for t in out.choices[0].logprobs.content]
-
-    version_before, before = greedy()
-    state = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).state_dict()
-    state["lm_head.weight"] = state["lm_head.weight"] * 0.5  # flatter distribution: every logprob moves
     registry = server["registry"]
-    ray.get(registry.publish.remote(1, [ray.put(state)]))
-    ray.get(registry.wait_synced.remote(1, 60.0))
-    version_after, after = greedy()
-    assert (version_before, version_after) == ("lightning_ray-policy-v0", "lightning_ray-policy-v1")
-    assert after != before
+    version = ray.get(registry.wait_newer.remote(-1, 0.1))[0] + 1
+    state = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).state_dict()
+    state["lm_head.weight"] = state["lm_head.weight"] * (0.5 + 0.1 * version)  # a different policy per version
+    probe = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True)
+    before = client(server).chat.completions.create(**probe)
+
+    async def scenario():
+        aclient = client(server, cls=AsyncOpenAI)
+        long = asyncio.create_task(aclient.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=280, seed=0, extra_body={"ignore_eos": True}))
+        await asyncio.sleep(0.3)  # the long generation is under way
+        publish = registry.publish.remote(version, [ray.put(state)])
+        await asyncio.sleep(0.2)
+        after = await aclient.chat.completions.create(**probe)
+        return await long, after, publish
+
+    long, after, publish = asyncio.run(scenario())
+    ray.get(publish)
+    ray.get(registry.wait_synced.remote(version, 60.0))
+    assert long.usage.completion_tokens == 280
+    assert long.system_fingerprint == f"lightning_ray-policy-v{version - 1}"
+    assert after.system_fingerprint == f"lightning_ray-policy-v{version}"
+    assert [t.logprob for t in after.choices[0].logprobs.content] != [t.logprob for t in before.choices[0].logprobs.content]

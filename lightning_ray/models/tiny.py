@@ -15,8 +15,29 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from lightning_ray.tasks import calc
 
+# ChatML; with `tools`, Hermes-style tool calling (as Qwen2.5 does). Without tools, tool calls or tool messages it
+# renders exactly as before tools existed, which the warmed-up weights were trained on. transformers renders with
+# trim_blocks, so a newline right after a block tag is written {{ '\n' }}.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call>"
+    " XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if tools and loop.first and m['role'] == 'system' %}"  # already merged into the tools block
+    "{% elif m['role'] == 'assistant' and m['tool_calls'] %}<|im_start|>assistant\n"
+    "{% if m['content'] %}{{ m['content'] }}\n{% endif %}"
+    "{% for tc in m['tool_calls'] %}{% set f = tc['function'] if tc['function'] is defined else tc %}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}<tool_call>\n{\"name\": {{ f['name'] | tojson }}, \"arguments\": "
+    "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}{% endif %}"
+    "}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}<|im_start|>tool\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -1,65 +1,127 @@
-"""OpenAI chat-completions request and response schemas (the subset served so far; issue 3 completes it)."""
+"""OpenAI request schemas for /v1/chat/completions and /v1/completions, field for field.
+
+Unknown fields are ignored (frameworks send metadata, user, store, ...). Fields we accept but cannot honour get a
+clear 422 from the endpoint rather than being silently dropped.
+"""
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, ... pass through to the chat template
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class FunctionDef(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ToolCallFunction(_Request):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(_Request):
+    model_config = ConfigDict(extra="allow")  # name and other per-message fields pass through to the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        if self.content is None and not self.tool_calls:
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
 
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # frameworks send fields we do not use yet (user, metadata, ...)
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, gt=0)
-    max_completion_tokens: int | None = Field(None, gt=0)
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class _Sampling(_Request):
+    model: str = Field(min_length=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=16)
     seed: int | None = None
-    logprobs: bool = False
+    stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks, tests)
+
+    @model_validator(mode="after")
+    def _check_stop(self):
+        if isinstance(self.stop, list) and len(self.stop) > 4:
+            raise ValueError("stop: at most 4 sequences")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class TokenLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list = []
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
 
 
-class Choice(BaseModel):
-    index: int
-    message: dict[str, Any]
-    finish_reason: str
-    logprobs: dict[str, list[TokenLogprob]] | None = None
-    # Extension field (the official client keeps unknown fields): the exact ids the engine produced.
-    token_ids: list[int]
+class CompletionRequest(_Sampling):
+    # A string, strings, token ids, or lists of token ids (token-in/token-out for RL clients).
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, gt=0)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
 
+    @model_validator(mode="after")
+    def _check_prompt(self):
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return self
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[Choice]
-    usage: Usage
-    system_fingerprint: str
-    prompt_token_ids: list[int]  # extension field
-
-
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None):
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)

@@ -1,10 +1,14 @@
-"""The engine interface the server talks to. vLLM (issue 3) and HF transformers both sit behind it."""
+"""The engine interface the server talks to. vLLM and HF transformers both sit behind it.
+
+An engine streams token deltas for one prompt; `generate` collects them. Token ids and logprobs are the engine's
+own, exactly as sampled: training uses them as they are, never re-tokenizing text.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import AsyncIterator, Protocol
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class SamplingParams(BaseModel):
@@ -12,20 +16,44 @@ class SamplingParams(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    top_logprobs: int = Field(0, ge=0, le=20)  # alternatives to report per token (logprobs come always)
+    stop_token_ids: list[int] = []  # besides the tokenizer's end-of-sequence token
+    ignore_eos: bool = False  # generate exactly max_tokens
 
 
-class Generation(BaseModel):
-    """What the engine produced, token for token: training uses these ids and logprobs as they are."""
+class TokenDelta(BaseModel):
+    """New tokens since the last delta. The last delta of a stream has finish_reason set."""
 
     token_ids: list[int]
     logprobs: list[float]  # log p(token) under the serving policy, untempered
-    finish_reason: str  # "stop" (end of sequence) or "length"
-    policy_version: int  # the weights that produced it, read under the same lock as the generation
+    top_logprobs: list[dict[int, float]] = []  # per token, when asked for
+    finish_reason: str | None = None  # "stop" (end of sequence or stop token) or "length"
+    policy_version: int  # the weights that produced these tokens
+
+
+class Generation(BaseModel):
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] = []
+    finish_reason: str
+    policy_version: int
 
 
 class Engine(Protocol):
     tokenizer: object
+    policy_version: int
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation: ...
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]: ...
 
-    def load_weights(self, state_dict: dict, version: int) -> None: ...
+    async def load_weights(self, state_dict: dict, version: int) -> None: ...
+
+
+async def generate(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    """Run a stream to its end and collect it."""
+    ids, lps, tops, finish, version = [], [], [], "length", engine.policy_version
+    async for d in engine.stream(prompt_ids, params):
+        ids += d.token_ids
+        lps += d.logprobs
+        tops += d.top_logprobs
+        finish, version = d.finish_reason or finish, d.policy_version
+    return Generation(token_ids=ids, logprobs=lps, top_logprobs=tops, finish_reason=finish, policy_version=version)

@@ -1,14 +1,21 @@
-"""HF transformers engine: the small embedded engine, CPU-friendly, one request at a time."""
+"""HF transformers engine: the small embedded engine, CPU-friendly.
+
+A plain sampling loop over the KV cache rather than `model.generate`: it streams token by token, reports the
+raw (untempered) logprob of every sampled token, and seeds a per-request generator. One request runs at a time:
+the model is shared, and a weight load must land between generations, never inside one.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from typing import AsyncIterator
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from lightning_ray.serving.engines.base import Generation, SamplingParams
+from lightning_ray.serving.engines.base import SamplingParams, TokenDelta
 
 
 class HFEngine:
@@ -16,36 +23,69 @@ class HFEngine:
         transformers.logging.disable_progress_bar()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
-        # One generation at a time: the model is shared, and a weight load must not land mid-generation.
         self.lock = threading.Lock()
         self.policy_version = 0
 
-    @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        sample = params.temperature > 0
-        with self.lock:
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
-            version = self.policy_version
-            out = self.model.generate(
-                torch.tensor([prompt_ids]),
-                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                max_new_tokens=params.max_tokens,
-                do_sample=sample,
-                temperature=params.temperature if sample else None,
-                top_p=params.top_p if sample else None,
-                top_k=None,
-                eos_token_id=self.tokenizer.eos_token_id,
-                pad_token_id=self.tokenizer.pad_token_id,
-                return_dict_in_generate=True,
-                output_logits=True,  # raw logits: the logprobs we report are the policy's, not the sampler's
-            )
-        token_ids = out.sequences[0, len(prompt_ids):].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, token_ids)]
-        finish = "stop" if token_ids and token_ids[-1] == self.tokenizer.eos_token_id else "length"
-        return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=finish, policy_version=version)
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        loop, deltas = asyncio.get_running_loop(), asyncio.Queue()
+        cancelled = threading.Event()
 
-    def load_weights(self, state_dict: dict, version: int) -> None:
+        def produce():
+            try:
+                for delta in self._sample(prompt_ids, params, cancelled):
+                    loop.call_soon_threadsafe(deltas.put_nowait, delta)
+            except BaseException as e:  # surfaced to the awaiting request
+                loop.call_soon_threadsafe(deltas.put_nowait, e)
+            loop.call_soon_threadsafe(deltas.put_nowait, None)
+
+        threading.Thread(target=produce, daemon=True).start()
+        try:
+            while (delta := await deltas.get()) is not None:
+                if isinstance(delta, BaseException):
+                    raise delta
+                yield delta
+        finally:
+            cancelled.set()  # a client that hung up stops the generation
+
+    @torch.inference_mode()
+    def _sample(self, prompt_ids: list[int], params: SamplingParams, cancelled: threading.Event):
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.tokenizer.eos_token_id})
+        rng = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         with self.lock:
-            self.model.load_state_dict(state_dict)
-            self.policy_version = version
+            version, cache, inputs = self.policy_version, DynamicCache(), torch.tensor([prompt_ids])
+            for step in range(params.max_tokens):
+                if cancelled.is_set():
+                    return
+                logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1].float()
+                logprobs = torch.log_softmax(logits, -1)
+                token = _sample_token(logits, params.temperature, params.top_p, rng)
+                top = {}
+                if params.top_logprobs:
+                    values, ids = logprobs.topk(params.top_logprobs)
+                    top = dict(zip(ids.tolist(), values.tolist()))
+                finish = "stop" if token in stop else "length" if step + 1 == params.max_tokens else None
+                yield TokenDelta(token_ids=[token], logprobs=[logprobs[token].item()],
+                                 top_logprobs=[top] if params.top_logprobs else [], finish_reason=finish,
+                                 policy_version=version)
+                if finish:
+                    return
+                inputs = torch.tensor([[token]])
+
+    async def load_weights(self, state_dict: dict, version: int) -> None:
+        def load():
+            with self.lock:
+                self.model.load_state_dict(state_dict)
+                self.policy_version = version
+
+        await asyncio.to_thread(load)
+
+
+def _sample_token(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator | None) -> int:
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / temperature, -1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # the smallest prefix whose mass reaches top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs, 1, generator=rng))

@@ -1,0 +1,118 @@
+"""POST /v1/chat/completions: messages (and tools) through the chat template, choices back as OpenAI objects,
+streamed as SSE chunks when asked. Prompt and completion token ids ride along as extension fields."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from lightning_ray.serving.decoding import ChoiceDelta
+from lightning_ray.serving.http import ApiError
+from lightning_ray.serving.schemas import ChatCompletionRequest, ChatMessage
+from lightning_ray.serving.sse import sse_response
+from lightning_ray.serving.tools import ToolCallStreamParser, parse_tool_calls, resolve_tool_choice
+
+
+def template_messages(messages: list[ChatMessage | dict]) -> list[dict]:
+    """OpenAI messages → the dicts chat templates expect: text parts joined, tool-call arguments as objects."""
+    out = []
+    for m in messages:
+        m = ChatMessage.model_validate(m) if isinstance(m, dict) else m
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            if any(part.get("type") not in ("text", "input_text", "output_text") for part in m.content):
+                raise ApiError(422, "only text content parts are supported", param="messages", code="unsupported_content")
+            d["content"] = "".join(part.get("text", "") for part in m.content)
+        for call in d.get("tool_calls", []):
+            try:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            except json.JSONDecodeError:
+                pass  # templates that want a string get the string
+        out.append(d)
+    return out
+
+
+async def create_chat_completion(server, body: ChatCompletionRequest, trace: tuple[str | None, str | None]):
+    server.check_model(body.model)
+    server.check_unsupported(body)
+    offered = resolve_tool_choice(body.tool_choice, [t.model_dump(exclude_none=True) for t in body.tools or []])
+    use_tools = bool(offered)  # tools rendered into the prompt, and tool calls parsed from the answer
+    prompt_ids = server.encode_chat(template_messages(body.messages), offered)
+    params = server.sampling(body, body.max_completion_tokens or body.max_tokens,
+                             top_logprobs=body.top_logprobs or 0)
+    server.check_length(prompt_ids, params.max_tokens)
+    attrs = {"lightning_ray.request": body.model_dump(exclude_none=True, exclude={"model"})}
+    deltas = server.run("chat", [prompt_ids], params, body.n, body.stop_list, trace, attrs)
+    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
+    if body.stream:
+        return sse_response(_chunks(server, body, deltas, meta, prompt_ids, use_tools))
+    choices: dict[int, dict] = {}
+    async for d in deltas:
+        c = choices.setdefault(d.index, {"text": "", "ids": [], "lps": [], "tops": [], "finish": None, "v": 0})
+        c["text"] += d.text
+        c["ids"] += d.token_ids
+        c["lps"] += d.logprobs
+        c["tops"] += d.top_logprobs
+        c["finish"], c["v"] = d.finish_reason or c["finish"], d.policy_version
+    out = []
+    for i, c in sorted(choices.items()):
+        content, calls = parse_tool_calls(c["text"]) if use_tools else (c["text"], [])
+        message = {"role": "assistant", "content": content, "refusal": None}
+        if calls:
+            message["tool_calls"] = calls
+        out.append({
+            "index": i, "message": message, "finish_reason": "tool_calls" if calls else c["finish"],
+            "logprobs": {"content": server.token_logprobs(c["ids"], c["lps"], c["tops"]), "refusal": None}
+            if body.logprobs else None,
+            "token_ids": c["ids"],  # extension: the exact ids the engine produced
+        })
+    completion_tokens = sum(len(c["ids"]) for c in choices.values())
+    return {**meta, "object": "chat.completion", "choices": out, "usage": _usage(prompt_ids, completion_tokens),
+            "system_fingerprint": server.fingerprint(choices[0]["v"]), "prompt_token_ids": prompt_ids}
+
+
+async def _chunks(server, body: ChatCompletionRequest, deltas, meta: dict, prompt_ids: list[int], use_tools: bool):
+    chunk = {**meta, "object": "chat.completion.chunk", "system_fingerprint": server.fingerprint(server.engine.policy_version)}
+    parsers: dict[int, ToolCallStreamParser] = {}
+    called: set[int] = set()  # choices that produced tool calls: they finish with "tool_calls"
+    completion_tokens = 0
+
+    def emit(index: int, delta: dict[str, Any], finish=None, logprobs=None, token_ids=None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        return {**chunk, "choices": [choice]}
+
+    for i in range(body.n):
+        yield emit(i, {"role": "assistant", "content": ""})
+    d: ChoiceDelta
+    async for d in deltas:
+        completion_tokens += len(d.token_ids)
+        content, calls = d.text, []
+        if use_tools:
+            parser = parsers.setdefault(d.index, ToolCallStreamParser())
+            parsed = parser.feed(d.text)
+            content, calls = parsed.content, parsed.tool_calls
+            if d.finish_reason:
+                rest = parser.finish()
+                content, calls = content + rest.content, calls + rest.tool_calls
+            if calls:
+                called.add(d.index)
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        logprobs = ({"content": server.token_logprobs(d.token_ids, d.logprobs, d.top_logprobs), "refusal": None}
+                    if body.logprobs else None)
+        finish = ("tool_calls" if d.index in called else d.finish_reason) if d.finish_reason else None
+        yield emit(d.index, delta, finish, logprobs, d.token_ids)
+    if body.stream_options and body.stream_options.include_usage:
+        yield {**chunk, "choices": [], "usage": _usage(prompt_ids, completion_tokens), "prompt_token_ids": prompt_ids}
+
+
+def _usage(prompt_ids: list[int], completion_tokens: int) -> dict:
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+            "total_tokens": len(prompt_ids) + completion_tokens}

@@ -1,0 +1,102 @@
+"""HTTP plumbing shared by every endpoint: per-rollout routing, the API key, body size, OpenAI error bodies.
+
+/rollouts/{rollout_id}/attempts/{attempt_id}/v1/... is rewritten to /v1/... with the ids moved into the
+X-Rollout-Id / X-Attempt-Id headers, so each endpoint is written once and agents may use either form.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+ROLLOUT_HEADER, ATTEMPT_HEADER = "x-rollout-id", "x-attempt-id"
+_ROLLOUT_PATH = re.compile(r"^/rollouts/(?P<rollout>[^/]+)/attempts/(?P<attempt>[^/]+)(?P<rest>/v1/.*)$")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status,
+                        headers={"retry-after": "1"} if e.status == 429 else None)
+
+
+def trace_ids(request: Request) -> tuple[str | None, str | None]:
+    return request.headers.get(ROLLOUT_HEADER), request.headers.get(ATTEMPT_HEADER)
+
+
+class PolicyMiddleware:
+    """Pure ASGI middleware (streaming-safe). Settings come from app.state: api_key, max_request_bytes."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = scope["app"].state
+        headers = dict(scope["headers"])
+        if m := _ROLLOUT_PATH.match(scope["path"]):
+            scope = dict(scope, path=m["rest"], raw_path=m["rest"].encode(), headers=[
+                *[(k, v) for k, v in scope["headers"] if k not in (ROLLOUT_HEADER.encode(), ATTEMPT_HEADER.encode())],
+                (ROLLOUT_HEADER.encode(), m["rollout"].encode()), (ATTEMPT_HEADER.encode(), m["attempt"].encode())])
+        api_key = getattr(state, "api_key", None)
+        if api_key and headers.get(b"authorization", b"").decode() != f"Bearer {api_key}":
+            return await _send(send, ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                              code="invalid_api_key"))
+        limit = getattr(state, "max_request_bytes", None)
+        length = headers.get(b"content-length", b"0")
+        if limit and length.isdigit() and int(length) > limit:
+            return await _send(send, ApiError(413, f"request body of {int(length)} bytes exceeds the limit of {limit}",
+                                              code="request_too_large"))
+        await self.app(scope, receive, send)
+
+
+async def _send(send, e: ApiError) -> None:
+    body = json.dumps(error_body(e.message, e.type, e.param, e.code)).encode()
+    await send({"type": "http.response.start", "status": e.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def install(app: FastAPI) -> None:
+    app.add_middleware(PolicyMiddleware)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError):
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"] if p != "body") or None
+        return error_response(ApiError(400, f"{param or 'body'}: {err['msg']}", param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException):
+        return error_response(ApiError(e.status_code, str(e.detail), code=str(e.status_code)))
+
+    @app.exception_handler(ValueError)
+    async def _value(_: Request, e: ValueError):
+        return error_response(ApiError(400, str(e)))
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, e: Exception):
+        logger.exception("request failed")
+        return error_response(ApiError(500, f"internal error: {type(e).__name__}", type="server_error"))

@@ -1,0 +1,304 @@
+"""The OpenAI Responses API (POST /v1/responses, the OpenAI Agents SDK's default) served on top of chat.
+
+A request becomes chat messages + chat tools (to_chat); the completion, split by tools.parse_tool_calls, becomes a
+Response object (to_response) or, streamed, the SSE event sequence (ResponseEventStream). The server is stateless:
+the client sends the whole conversation every time, so previous_response_id and conversation are rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from lightning_ray.serving.chat import template_messages
+from lightning_ray.serving.sse import sse_response
+from lightning_ray.serving.tools import ToolCallStreamParser, ToolStreamDelta, parse_tool_calls, resolve_tool_choice
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # the SDK sends fields we have no use for (prompt_cache_key, ...)
+    model: str = Field(min_length=1)
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None  # flat function tools: {"type": "function", "name", "parameters", ...}
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_output_tokens: int | None = Field(None, gt=0)
+    stream: bool = False
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    store: bool | None = None  # accepted, but nothing is stored
+    metadata: dict[str, str] | None = None
+    text: dict[str, Any] | None = None  # output format; no constrained decoding, so only echoed
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    user: str | None = None
+    include: list[str] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools_only(cls, tools):
+        for i, tool in enumerate(tools or []):
+            if tool.get("type") != "function":
+                raise ValueError(f"tools[{i}]: only function tools are supported, not {tool.get('type')!r}")
+            if not isinstance(tool.get("name"), str) or not tool["name"]:
+                raise ValueError(f"tools[{i}]: a function tool needs a name")
+        return tools
+
+    @model_validator(mode="after")
+    def _stateless(self):
+        for name in ("previous_response_id", "conversation"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported: this server keeps no state; send the whole "
+                                 "conversation as `input`")
+        return self
+
+
+def to_chat(req: ResponsesRequest) -> tuple[list[dict], list[dict] | None, str | dict | None]:
+    """(chat messages, chat tools, chat tool_choice) for a Responses request. Raises ValueError on unsupported input.
+
+    A function_call item joins the assistant message just before it, so that text + calls the model produced in
+    one turn render as that one turn again.
+    """
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    for i, item in enumerate(items):
+        kind, where = item.get("type", "message"), f"input[{i}]"
+        if kind == "message":
+            if item.get("role") not in ("user", "system", "developer", "assistant"):
+                raise ValueError(f"{where}: role must be user, system, developer or assistant")
+            messages.append({"role": item["role"], "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            if not item.get("call_id") or not item.get("name"):
+                raise ValueError(f"{where}: a function_call needs call_id and name")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not item.get("call_id"):
+                raise ValueError(f"{where}: a function_call_output needs call_id")
+            output = _text(item.get("output"), where)
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+        elif kind == "reasoning":
+            continue  # this server produces no reasoning items; others' are opaque to our models
+        elif kind == "item_reference":
+            raise ValueError(f"{where}: item_reference is not supported: this server keeps no state")
+        else:
+            raise ValueError(f"{where}: input item type {kind!r} is not supported")
+    tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in req.tools or []]
+    return messages, tools or None, _chat_tool_choice(req.tool_choice)
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: content must be a string or a list of text parts")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text"):
+            texts.append(part.get("text", ""))
+        elif kind == "refusal":
+            texts.append(part.get("refusal", ""))
+        else:
+            raise ValueError(f"{where}: content part type {kind!r} is not supported (text only)")
+    return "\n".join(texts)
+
+
+def _chat_tool_choice(choice: str | dict | None) -> str | dict | None:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise ValueError("tool_choice: expected 'none', 'auto', 'required' or {'type': 'function', 'name': ...}")
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(text: str, *, item_id: str | None = None, status: str = "completed") -> dict:
+    """An assistant message item with one output_text part (no parts while in progress, as the API streams it)."""
+    return {"type": "message", "id": item_id or _new_id("msg"), "role": "assistant", "status": status,
+            "content": [] if status == "in_progress" else [_text_part(text)]}
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def function_call_item(call: dict, *, item_id: str | None = None, status: str = "completed") -> dict:
+    """A function_call item from a chat tool call {"id", "function": {"name", "arguments"}}."""
+    return {"type": "function_call", "id": item_id or _new_id("fc"), "call_id": call["id"],
+            "name": call["function"]["name"], "status": status,
+            "arguments": "" if status == "in_progress" else call["function"]["arguments"]}
+
+
+def to_response(req: ResponsesRequest, *, content: str | None, tool_calls: list[dict], input_tokens: int,
+                output_tokens: int, finish_reason: str = "stop", response_id: str | None = None,
+                created_at: float | None = None) -> dict:
+    """The Response object for a finished completion, already split into content and chat tool calls."""
+    status = "incomplete" if finish_reason == "length" else "completed"
+    output = []
+    if content or not tool_calls:  # the API always answers with something: an empty message if nothing else
+        output.append(message_item(content or "", status=status))
+    output += [function_call_item(c) for c in tool_calls]
+    return response_object(req, output=output, status=status, usage=response_usage(input_tokens, output_tokens),
+                           response_id=response_id, created_at=created_at)
+
+
+def response_usage(input_tokens: int, output_tokens: int) -> dict:
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+def response_object(req: ResponsesRequest, *, output: list[dict], status: str, usage: dict | None = None,
+                    response_id: str | None = None, created_at: float | None = None) -> dict:
+    """A Response object that echoes the request's settings, as the API does."""
+    return {
+        "id": response_id or _new_id("resp"), "object": "response", "created_at": created_at or int(time.time()),
+        "status": status, "error": None, "model": req.model, "output": output, "usage": usage,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+        "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
+        "reasoning": req.reasoning, "store": False, "temperature": req.temperature, "top_p": req.top_p,
+        "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
+        "tools": req.tools or [], "truncation": req.truncation or "disabled", "user": req.user,
+        "metadata": req.metadata or {},
+    }
+
+
+class ResponseEventStream:
+    """The server-sent events of a streamed response, in the order the Agents SDK and the openai client expect.
+
+    Call start() once, then text(delta) / tool_call(call) (or delta(ToolStreamDelta) for both) as the completion
+    arrives, then finish(...). Each returns event dicts (numbered by sequence_number) to send with to_sse. Text
+    after a tool call opens a new message item. The last event, response.completed (or response.incomplete when
+    cut by max_output_tokens), carries the whole Response, with the same item ids as the events.
+    """
+
+    def __init__(self, req: ResponsesRequest, response_id: str | None = None, created_at: float | None = None):
+        self.req, self.response_id = req, response_id or _new_id("resp")
+        self.created_at = created_at or int(time.time())
+        self.output: list[dict] = []  # finished items
+        self._msg_id: str | None = None  # the message item being streamed, if any
+        self._msg_text = ""
+        self._seq = 0
+
+    def start(self) -> list[dict]:
+        snapshot = response_object(self.req, output=[], status="in_progress", response_id=self.response_id,
+                                   created_at=self.created_at)
+        return [self._event("response.created", response=snapshot),
+                self._event("response.in_progress", response=snapshot)]
+
+    def delta(self, d: ToolStreamDelta) -> list[dict]:
+        events = self.text(d.content) if d.content else []
+        for call in d.tool_calls:
+            events += self.tool_call(call)
+        return events
+
+    def text(self, delta: str) -> list[dict]:
+        events = [] if self._msg_id else self._open_message()
+        self._msg_text += delta
+        return events + [self._event("response.output_text.delta", **self._where(), content_index=0, delta=delta,
+                                     logprobs=[])]
+
+    def tool_call(self, call: dict) -> list[dict]:
+        events, index = self._close_message(), len(self.output)
+        added = function_call_item(call, status="in_progress")
+        done = function_call_item(call, item_id=added["id"])
+        self.output.append(done)
+        where = {"item_id": done["id"], "output_index": index}
+        return events + [
+            self._event("response.output_item.added", output_index=index, item=added),
+            self._event("response.function_call_arguments.delta", **where, delta=done["arguments"]),
+            self._event("response.function_call_arguments.done", **where, arguments=done["arguments"]),
+            self._event("response.output_item.done", output_index=index, item=done),
+        ]
+
+    def finish(self, *, input_tokens: int, output_tokens: int, finish_reason: str = "stop") -> list[dict]:
+        status = "incomplete" if finish_reason == "length" else "completed"
+        events = self._open_message() if not self.output and not self._msg_id else []  # never an empty output
+        events += self._close_message(status)
+        final = response_object(self.req, output=self.output, status=status,
+                                usage=response_usage(input_tokens, output_tokens),
+                                response_id=self.response_id, created_at=self.created_at)
+        return events + [self._event(f"response.{status}", response=final)]
+
+    def _open_message(self) -> list[dict]:
+        self._msg_id, self._msg_text = _new_id("msg"), ""
+        return [
+            self._event("response.output_item.added", output_index=len(self.output),
+                        item=message_item("", item_id=self._msg_id, status="in_progress")),
+            self._event("response.content_part.added", **self._where(), content_index=0, part=_text_part("")),
+        ]
+
+    def _close_message(self, status: str = "completed") -> list[dict]:
+        if not self._msg_id:
+            return []
+        where, text = self._where(), self._msg_text
+        item = message_item(text, item_id=self._msg_id, status=status)
+        self.output.append(item)
+        self._msg_id = None
+        return [
+            self._event("response.output_text.done", **where, content_index=0, text=text, logprobs=[]),
+            self._event("response.content_part.done", **where, content_index=0, part=_text_part(text)),
+            self._event("response.output_item.done", output_index=where["output_index"], item=item),
+        ]
+
+    def _where(self) -> dict:
+        return {"item_id": self._msg_id, "output_index": len(self.output)}
+
+    def _event(self, type_: str, **fields) -> dict:
+        self._seq += 1
+        return {"type": type_, "sequence_number": self._seq - 1, **fields}
+
+
+def to_sse(event: dict) -> str:
+    """One event as the API sends it (the Responses API ends without a [DONE] line)."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+# ---- the route: POST /v1/responses -----------------------------------------------------------------------------
+async def create_response(server, req: ResponsesRequest, trace: tuple[str | None, str | None]):
+    server.check_model(req.model)
+    messages, tools, tool_choice = to_chat(req)
+    offered = resolve_tool_choice(tool_choice, tools)
+    prompt_ids = server.encode_chat(template_messages(messages), offered)
+    params = server.sampling(req, req.max_output_tokens)
+    server.check_length(prompt_ids, params.max_tokens)
+    attrs = {"lightning_ray.request": req.model_dump(exclude_none=True, exclude={"model"})}
+    deltas = server.run("responses", [prompt_ids], params, 1, [], trace, attrs)
+    if req.stream:
+        return sse_response(_events(req, deltas, prompt_ids, bool(offered)), done_marker=False, named=True)
+    text, ids, finish = "", [], "stop"
+    async for d in deltas:
+        text, ids, finish = text + d.text, ids + d.token_ids, d.finish_reason or finish
+    content, calls = parse_tool_calls(text) if offered else (text or None, [])
+    out = to_response(req, content=content, tool_calls=calls, input_tokens=len(prompt_ids), output_tokens=len(ids),
+                      finish_reason=finish)
+    return {**out, "prompt_token_ids": prompt_ids, "token_ids": ids}  # extension fields
+
+
+async def _events(req: ResponsesRequest, deltas, prompt_ids: list[int], parse_tools: bool):
+    events, parser, output_tokens, finish = ResponseEventStream(req), ToolCallStreamParser(), 0, "stop"
+    for e in events.start():
+        yield e
+    async for d in deltas:
+        output_tokens, finish = output_tokens + len(d.token_ids), d.finish_reason or finish
+        for e in events.delta(parser.feed(d.text)) if parse_tools else events.text(d.text) if d.text else []:
+            yield e
+    for e in (events.delta(parser.finish()) if parse_tools else []) + events.finish(
+            input_tokens=len(prompt_ids), output_tokens=output_tokens, finish_reason=finish):
+        yield e

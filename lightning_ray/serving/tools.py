@@ -1,0 +1,191 @@
+"""Tool calls in model text: parse them out of a completion (whole or streamed) and check `tool_choice`.
+
+Models write tool calls as text in a format their chat template taught them. Each format is one entry of
+TOOL_CALL_FORMATS (an opening marker, an optional closing marker, and a parser for the text between them), so a
+new model family needs a new entry, not a new parser.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    start: str  # the marker that opens a block of tool calls
+    end: str | None  # the marker that closes it; None: the block runs to the end of the completion
+    parse: Callable[[str], list[tuple[str, str]] | None]  # block body -> [(name, arguments JSON)], None if malformed
+
+
+def _parse_json_calls(body: str) -> list[tuple[str, str]] | None:
+    """One call object, or a list of them: {"name": ..., "arguments": {...} | "<json>"} ("parameters" also accepted)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    calls = []
+    for obj in data if isinstance(data, list) else [data]:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            calls.append((obj["name"], args))  # already a JSON string: keep the model's exact text
+        elif isinstance(args, dict):
+            calls.append((obj["name"], json.dumps(args, ensure_ascii=False)))
+        else:
+            return None
+    return calls or None
+
+
+TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
+    # Hermes, Qwen2.5, Qwen3 and the tiny test model: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
+    "hermes": ToolCallFormat("<tool_call>", "</tool_call>", _parse_json_calls),
+    # Mistral: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] up to the end (needs special tokens decoded)
+    "mistral": ToolCallFormat("[TOOL_CALLS]", None, _parse_json_calls),
+}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolStreamDelta:
+    content: str = ""  # text to send as a content delta now ("" for none)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI streaming tool_call deltas, complete
+
+
+class ToolCallStreamParser:
+    """Splits a completion, fed as text deltas, into content and tool calls as early as is safe.
+
+    - Content is passed on at once, except text that may be the beginning of an opening marker (a trailing
+      "<tool" is held until the next delta shows whether "<tool_call>" follows) and trailing whitespace (held
+      until it is known whether a tool call follows it).
+    - From an opening marker on, text is held until the closing marker (for formats without one, until finish()).
+      A well-formed block then yields its calls as complete OpenAI streaming deltas: {"index", "id", "type":
+      "function", "function": {"name", "arguments"}}, index counting the calls of the completion. A malformed or
+      unclosed block is passed on as content, unchanged.
+    - Whitespace around blocks is tidied: a whitespace run right before a block is dropped; after a block it is
+      kept only between two pieces of content ("Hi <block> there" gives "Hi there"); after the last block it is
+      dropped. A completion without tool calls comes out byte for byte.
+    - finish() flushes what is held. Concatenating the content of all deltas gives what parse_tool_calls returns.
+    """
+
+    def __init__(self, fmt: str = "hermes"):
+        if fmt not in TOOL_CALL_FORMATS:
+            raise ValueError(f"unknown tool call format {fmt!r}: expected one of {sorted(TOOL_CALL_FORMATS)}")
+        self.fmt = TOOL_CALL_FORMATS[fmt]
+        self._buf = ""  # text received but not yet classified
+        self._in_block = False
+        self._ws_held = ""  # trailing whitespace of the content so far, not yet sent
+        self._ws_before_block = ""  # what _ws_held was when the current block opened (sent if the block is bad)
+        self._sent_content = False
+        self._n_calls = 0
+        self._out = ToolStreamDelta()
+
+    def feed(self, delta: str) -> ToolStreamDelta:
+        self._buf += delta
+        return self._drain(final=False)
+
+    def finish(self) -> ToolStreamDelta:
+        out = self._drain(final=True)
+        if not self._n_calls:  # whitespace is only tidied around tool calls
+            out.content += self._ws_held
+        self._ws_held = ""
+        return out
+
+    def _drain(self, final: bool) -> ToolStreamDelta:
+        start, end = self.fmt.start, self.fmt.end
+        while self._buf or (final and self._in_block):  # a block may be open with nothing after its marker
+            if not self._in_block:
+                i = self._buf.find(start)
+                if i < 0:
+                    keep = 0 if final else _partial_suffix(self._buf, start)
+                    self._emit_text(self._buf[: len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    break
+                self._emit_text(self._buf[:i])
+                self._buf = self._buf[i + len(start):]
+                self._in_block, self._ws_before_block, self._ws_held = True, self._ws_held, ""
+            else:
+                j = self._buf.find(end) if end else (len(self._buf) if final else -1)
+                if j < 0:
+                    if final:  # unclosed block (e.g. cut by max_tokens): it was text after all
+                        self._emit_text(self._ws_before_block + start + self._buf)
+                        self._buf, self._in_block = "", False
+                    break
+                body, self._buf = self._buf[:j], self._buf[j + len(end or ""):]
+                self._in_block = False
+                calls = self.fmt.parse(body.strip())
+                if calls is None:
+                    self._emit_text(self._ws_before_block + start + body + (end or ""))
+                for name, arguments in calls or []:
+                    self._out.tool_calls.append({"index": self._n_calls, "id": new_call_id(), "type": "function",
+                                                 "function": {"name": name, "arguments": arguments}})
+                    self._n_calls += 1
+        out, self._out = self._out, ToolStreamDelta()
+        return out
+
+    def _emit_text(self, text: str) -> None:
+        text = self._ws_held + text
+        if self._n_calls and not self._sent_content:
+            text = text.lstrip()  # no whitespace between a leading block and the first content
+        body = text.rstrip()
+        self._ws_held = text[len(body):]
+        if body:
+            self._out.content += body
+            self._sent_content = True
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def parse_tool_calls(text: str, fmt: str = "hermes") -> tuple[str | None, list[dict[str, Any]]]:
+    """Split a completion into its content (None if empty) and OpenAI tool calls {"id", "type", "function"}."""
+    parser = ToolCallStreamParser(fmt)
+    first, last = parser.feed(text), parser.finish()
+    calls = [{k: v for k, v in c.items() if k != "index"} for c in first.tool_calls + last.tool_calls]
+    return (first.content + last.content) or None, calls
+
+
+def resolve_tool_choice(tool_choice: str | dict | None, tools: list[dict] | None) -> list[dict] | None:
+    """Check a chat-completions `tool_choice` against `tools`; return the tools to offer the model (None: none).
+
+    The result is what to render into the prompt and whether to parse calls out of the completion (parse iff not
+    None). "none" offers no tools; a named function offers only that one. Without constrained decoding, "required"
+    and a named function are requests the prompt makes, not guarantees. Raises ValueError (HTTP 400) on bad input.
+    """
+    names = []
+    for i, tool in enumerate(tools or []):
+        if not _is_function_ref(tool):
+            raise ValueError(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ...}}}}")
+        names.append(tool["function"]["name"])
+    if tool_choice is None:
+        tool_choice = "auto"
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise ValueError(f"tool_choice: expected 'none', 'auto', 'required' or a function, got {tool_choice!r}")
+        if tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs at least one tool in tools")
+        return list(tools) if tools and tool_choice != "none" else None
+    if not _is_function_ref(tool_choice):
+        raise ValueError("tool_choice: expected {'type': 'function', 'function': {'name': ...}}")
+    name = tool_choice["function"]["name"]
+    if name not in names:
+        known = ", ".join(names) or "none given"
+        raise ValueError(f"tool_choice names function {name!r}, which is not in tools ({known})")
+    return [t for t in tools if t["function"]["name"] == name]
+
+
+def _is_function_ref(obj: Any) -> bool:
+    """Is obj shaped {"type": "function", "function": {"name": <str>, ...}}?"""
+    fn = obj.get("function") if isinstance(obj, dict) else None
+    return isinstance(fn, dict) and obj.get("type") == "function" and isinstance(fn.get("name"), str)
