@@ -7,7 +7,8 @@ import socket
 import pytest
 import ray
 
-from lightning_ray.models.tiny import build_tiny_model
+from lightning_ray.config import ModelConfig
+from lightning_ray.models import resolve_model_path
 
 
 @pytest.fixture(scope="session")
@@ -18,8 +19,9 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="session")
-def tiny_model_path(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-calc")
+def tiny_model_path():
+    """The tiny model the main job uses by default: built (~25 s) once into the user cache, then reused."""
+    return resolve_model_path(ModelConfig())
 
 
 @pytest.fixture(scope="session")

@@ -183,6 +183,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x" * (9 << 20)}]}, 413, None),
     (COMPLETIONS, {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
     (COMPLETIONS, {"model": MODEL, "prompt": []}, 400, None),
+    (COMPLETIONS, {"model": MODEL, "prompt": ""}, 400, "prompt"),  # found by the fuzz test: was a 500
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "suffix": "b"}, 422, "suffix"),
     ("/v1/nowhere", {}, 404, None),
 ])

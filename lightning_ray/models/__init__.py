@@ -14,7 +14,7 @@ def resolve_model_path(cfg: ModelConfig) -> Path:
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model.path={cfg.path}: no config.json there (expected an HF model directory)")
         return path
-    path = Path(cfg.cache_dir).expanduser() / "tiny-calc-v1"
+    path = Path(cfg.cache_dir).expanduser() / "tiny-calc-v2"
     if not (path / "model.safetensors").exists():
         from lightning_ray.models.tiny import build_tiny_model
 

@@ -1,7 +1,8 @@
 """A tiny causal LM built locally (no hub): byte-level BPE, a ChatML chat template, 2 layers, hidden 64.
 
-It is warmed up for a few seconds on correct calc transcripts so that, sampled at temperature 1, it solves some
-tasks and fails others. That spread of rewards inside a GRPO group is what gives RL a signal to learn from.
+It is warmed up for a few seconds on correct calc transcripts, in two protocols: CALC lines in plain text, and
+function calls through the chat template's tools (Hermes <tool_call> blocks). Sampled at temperature 1 it then
+solves some tasks and fails others; that spread of rewards inside a GRPO group is what gives RL a signal.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from lightning_ray.tasks import calc
 
@@ -43,12 +45,13 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def build_tiny_model(out_dir: str | Path, warmup_steps: int = 300, seed: int = 0) -> Path:
+def build_tiny_model(out_dir: str | Path, warmup_steps: int = 400, seed: int = 0) -> Path:
     """Write a tokenizer + model to out_dir (HF format) and return it."""
     out = Path(out_dir)
     torch.manual_seed(seed)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=_train_bpe(), eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+        tokenizer_object=_train_bpe(_corpus(400, seed=12345)), eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        bos_token=None,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     config = LlamaConfig(
@@ -58,7 +61,7 @@ def build_tiny_model(out_dir: str | Path, warmup_steps: int = 300, seed: int = 0
         bos_token_id=None,
     )
     model = LlamaForCausalLM(config)
-    _warm_up(model, tokenizer, warmup_steps, seed)
+    _warm_up(model, tokenizer, _corpus(2000, seed=seed + 1), warmup_steps, seed)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
@@ -66,32 +69,36 @@ def build_tiny_model(out_dir: str | Path, warmup_steps: int = 300, seed: int = 0
     return out
 
 
-def _corpus() -> list[str]:
-    texts = []
-    for conv in calc.demonstrations(calc.make_tasks(400, seed=12345)):
-        texts.append("".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in conv))
-    return texts
+def _render(conv: list[dict], tools: list[dict] | None) -> str:
+    rendered, _ = render_jinja_template([conv], tools=tools, chat_template=CHAT_TEMPLATE)
+    return rendered[0]
 
 
-def _train_bpe() -> Tokenizer:
+def _corpus(n: int, seed: int) -> list[str]:
+    """n calc transcripts in each protocol, rendered through the chat template."""
+    tasks = calc.make_tasks(n, seed=seed)
+    return ([_render(c, None) for c in calc.demonstrations(tasks)]
+            + [_render(c, [calc.CALCULATOR_TOOL]) for c in calc.tool_demonstrations(tasks)])
+
+
+def _train_bpe(corpus: list[str]) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=384, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=1024, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
     return tok
 
 
-def _warm_up(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: int, seed: int) -> None:
+def _warm_up(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, texts: list[str], steps: int,
+             seed: int) -> None:
     rng = random.Random(seed)
-    convs = calc.demonstrations(calc.make_tasks(2000, seed=seed + 1))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
-        texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in rng.sample(convs, 16)]
-        batch = tokenizer(texts, return_tensors="pt", padding=True)
+        batch = tokenizer(rng.sample(texts, 16), return_tensors="pt", padding=True)
         labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)
         loss = model(**batch, labels=labels).loss
         loss.backward()

@@ -108,6 +108,8 @@ class PolicyServer:
         return ids
 
     def check_length(self, prompt_ids: list[int], max_tokens: int) -> None:
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty: there is nothing to continue", param="prompt")
         if len(prompt_ids) + max_tokens > self.max_model_len:
             raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
                                 f"has {len(prompt_ids)} and {max_tokens} more were requested",

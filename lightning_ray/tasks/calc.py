@@ -16,6 +16,11 @@ from openai import OpenAI
 from lightning_ray.types import Task
 
 SYSTEM_PROMPT = "Solve the arithmetic. Use the calculator: CALC <expression>. Then reply: ANSWER <number>."
+# The same task for agents that call functions (OpenAI tools) instead of writing CALC lines.
+TOOL_SYSTEM_PROMPT = "Solve the arithmetic with the calculator tool. Then reply: ANSWER <number>."
+CALCULATOR_TOOL = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression of integers with + - * and parentheses.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 MAX_TURNS = 3
 
 _CALC = re.compile(r"CALC\s+([-+*/() \d]+)")
@@ -71,16 +76,36 @@ def reward(task: dict, answer: str | None) -> float:
     return float(answer is not None and int(answer) == task["answer"])
 
 
+def _expression(task: Task) -> str:
+    return task.input["question"].removeprefix("What is ").removesuffix("?").replace(" ", "")
+
+
 def demonstrations(tasks: list[Task]) -> list[list[dict]]:
     """Correct transcripts of the agent's protocol, used only to warm up the tiny test model."""
     out = []
     for t in tasks:
-        expr = t.input["question"].removeprefix("What is ").removesuffix("?").replace(" ", "")
+        expr = _expression(t)
         out.append([
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": t.input["question"]},
             {"role": "assistant", "content": f"CALC {expr}"},
             {"role": "user", "content": f"RESULT {t.input['answer']}"},
+            {"role": "assistant", "content": f"ANSWER {t.input['answer']}"},
+        ])
+    return out
+
+
+def tool_demonstrations(tasks: list[Task]) -> list[list[dict]]:
+    """Correct transcripts of the function-calling protocol (render them with tools=[CALCULATOR_TOOL])."""
+    out = []
+    for i, t in enumerate(tasks):
+        call = {"id": f"call_{i}", "type": "function",
+                "function": {"name": "calculator", "arguments": {"expression": _expression(t)}}}
+        out.append([
+            {"role": "system", "content": TOOL_SYSTEM_PROMPT},
+            {"role": "user", "content": t.input["question"]},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": str(t.input["answer"])},
             {"role": "assistant", "content": f"ANSWER {t.input['answer']}"},
         ])
     return out

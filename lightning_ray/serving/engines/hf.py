@@ -80,8 +80,11 @@ class HFEngine:
         await asyncio.to_thread(load)
 
 
+GREEDY_BELOW = 1e-5  # as vLLM: a smaller temperature would overflow logits / T (found by the fuzz test)
+
+
 def _sample_token(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator | None) -> int:
-    if temperature == 0:
+    if temperature < GREEDY_BELOW:
         return int(logits.argmax())
     probs = torch.softmax(logits / temperature, -1)
     if top_p < 1.0:
