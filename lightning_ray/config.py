@@ -4,7 +4,7 @@ value fails before anything starts, with the key's dotted name in the message.""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -25,12 +25,19 @@ class TaskConfig(_Strict):
     seed: int = 0
 
 
+class EngineConfig(_Strict):
+    kind: Literal["hf", "vllm"] = "hf"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # bf16 is unusably slow on CPUs without AMX
+    max_model_len: int = Field(512, gt=0)
+    options: dict[str, Any] = {}  # passed to the engine as they are (vLLM: gpu_memory_utilization, ...)
+
+
 class ServeConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, lt=65536)
     num_replicas: int = Field(1, gt=0)
+    autoscaling: dict[str, Any] | None = None  # Serve's autoscaling_config; replaces num_replicas when set
     api_key: str | None = None
-    max_model_len: int = Field(512, gt=0)
     sync_timeout_s: float = Field(120.0, gt=0)
 
 
@@ -70,6 +77,7 @@ class TrainConfig(_Strict):
     seed: int = 0
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
+    engine: EngineConfig = EngineConfig()
     serve: ServeConfig = ServeConfig()
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()

@@ -42,8 +42,9 @@ def train(cfg: TrainConfig) -> list[dict]:
     registry = WeightRegistry.remote()
     server_url = deploy_policy(
         str(model_path), cfg.model.name, store, registry, host=cfg.serve.host, port=cfg.serve.port,
-        num_replicas=cfg.serve.num_replicas, max_model_len=cfg.serve.max_model_len, api_key=cfg.serve.api_key,
-        defaults={"max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p})
+        num_replicas=cfg.serve.num_replicas, autoscaling=cfg.serve.autoscaling, engine=cfg.engine.kind,
+        engine_options={"dtype": cfg.engine.dtype, **cfg.engine.options}, max_model_len=cfg.engine.max_model_len,
+        api_key=cfg.serve.api_key, defaults={"max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p})
     workers = [RolloutWorker.remote(cfg.task.name, store, server_url, cfg.model.name, cfg.serve.api_key)
                for _ in range(cfg.rollout.num_workers)]
     print(f"policy served at {server_url}/v1 as {cfg.model.name!r}; starting the learner ...", flush=True)

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 
+import ray
 from fastapi import FastAPI, Request
 from ray import serve
 
@@ -49,7 +50,12 @@ class PolicyServer:
         api.state.api_key, api.state.max_request_bytes = api_key, max_request_bytes
         self.gate = Gate()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        await registry.register_replica.remote(self.replica_id)
+        # A replica started mid-run (autoscaling, or replacing a dead one) loads the latest policy before Serve
+        # routes it a single request, so no call is ever served by stale weights.
+        version, refs = await registry.wait_newer.remote(0, timeout_s=0.0)
+        if version > 0:
+            await self.engine.load_weights(await refs[0], version)
+        await registry.register_replica.remote(self.replica_id, ray.get_runtime_context().current_actor, version)
         self._follower = asyncio.get_running_loop().create_task(self._follow_weights())
 
     # ---- routes ----------------------------------------------------------------------------------------------
@@ -186,11 +192,14 @@ class PolicyServer:
 
 
 def deploy_policy(model_path: str, model_name: str, store, registry, host: str = "127.0.0.1", port: int = 8000,
-                  num_replicas: int = 1, engine: str = "hf", engine_options: dict | None = None,
-                  max_model_len: int = 512, defaults: dict | None = None, api_key: str | None = None) -> str:
-    """Start the policy app on Ray Serve and return its base URL (without /v1)."""
+                  num_replicas: int = 1, autoscaling: dict | None = None, engine: str = "hf",
+                  engine_options: dict | None = None, max_model_len: int = 512, defaults: dict | None = None,
+                  api_key: str | None = None) -> str:
+    """Start the policy app on Ray Serve and return its base URL (without /v1). `autoscaling` is Serve's
+    autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...) and replaces num_replicas."""
     serve.start(http_options={"host": host, "port": port})
-    app = PolicyServer.options(num_replicas=num_replicas).bind(
+    scale = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}
+    app = PolicyServer.options(**scale).bind(
         model_path, model_name, store, registry, engine=engine, engine_options=engine_options,
         max_model_len=max_model_len, defaults=defaults, api_key=api_key)
     serve.run(app, name=APP_NAME, route_prefix="/")

@@ -1,0 +1,75 @@
+"""Several replicas: every one follows the weights, a killed replica is replaced by Serve and the replacement
+starts on the latest policy, and the weight barrier never waits for a replica that is gone."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import ray
+import torch
+from ray import serve
+
+from lightning_ray.serving.app import APP_NAME, deploy_policy
+from lightning_ray.store.trace_store import TraceStore
+from lightning_ray.training.weights import WeightRegistry
+
+MODEL = "tiny-calc"
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def app(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
+    store = TraceStore.remote(str(tmp_path_factory.mktemp("store") / "traces.sqlite"))
+    registry = WeightRegistry.remote()
+    url = deploy_policy(str(tiny_model_path), MODEL, store, registry, port=serve_port, num_replicas=2)
+    yield {"url": url, "registry": registry, "model_path": tiny_model_path}
+    serve.delete(APP_NAME)
+
+
+def publish(app, version: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(app["model_path"], dtype=torch.float32).state_dict()
+    state["lm_head.weight"] = state["lm_head.weight"] * (1 - 0.1 * version)
+    ray.get(app["registry"].publish.remote(version, [ray.put(state)]))
+    ray.get(app["registry"].wait_synced.remote(version, 120.0))
+
+
+def served_versions(url: str, requests: int = 12) -> list[str]:
+    out = []
+    for _ in range(requests):
+        r = httpx.post(url + "/v1/chat/completions", json=BODY, timeout=30)
+        out.append(r.json()["system_fingerprint"] if r.status_code == 200 else f"HTTP {r.status_code}")
+    return out
+
+
+def replica_names() -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#")]
+
+
+def test_every_replica_serves_each_published_version(app):
+    assert len(ray.get(app["registry"].served_versions.remote())) == 2
+    publish(app, 1)
+    assert set(ray.get(app["registry"].served_versions.remote()).values()) == {1}
+    assert set(served_versions(app["url"])) == {"lightning_ray-policy-v1"}
+
+
+def test_a_killed_replica_is_replaced_on_the_latest_policy(app):
+    publish(app, 2)
+    victim = replica_names()[0]
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    # Calls keep being answered by the live replica; one caught in flight may fail, but cleanly (no hang).
+    during = served_versions(app["url"], 6)
+    assert during.count("lightning_ray-policy-v2") >= 5, during
+    deadline = time.time() + 120
+    while len(ray.get(app["registry"].served_versions.remote())) < 3:  # the dead one, the live one, the new one
+        assert time.time() < deadline, "Serve did not replace the replica"
+        time.sleep(0.5)
+    assert set(ray.get(app["registry"].served_versions.remote()).values()) == {2}  # the new one started on v2
+    publish(app, 3)  # the barrier completes: the dead replica is forgotten, the new one acknowledged
+    versions = ray.get(app["registry"].served_versions.remote())
+    assert len(versions) == 2 and set(versions.values()) == {3}
+    assert set(served_versions(app["url"])) == {"lightning_ray-policy-v3"}
