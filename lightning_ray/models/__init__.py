@@ -16,9 +16,15 @@ def resolve_model_path(cfg: ModelConfig) -> Path:
         return path
     path = Path(cfg.cache_dir).expanduser() / "tiny-calc-v2"
     if not (path / "model.safetensors").exists():
+        import os
+        import shutil
+
         from lightning_ray.models.tiny import build_tiny_model
 
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")  # one per process: builds may run side by side
         build_tiny_model(tmp)
-        tmp.rename(path)  # atomic: a crash mid-build never leaves a half-written model behind
+        try:
+            tmp.rename(path)  # atomic: a crash mid-build never leaves a half-written model behind
+        except OSError:  # another process finished first; the build is deterministic, keep theirs
+            shutil.rmtree(tmp)
     return path

@@ -43,7 +43,7 @@ class PolicyServer:
         import torch
 
         torch.set_num_threads(1)  # a replica shares the cores with rollouts and training
-        self.engine = make_engine(engine, model_path, **(engine_options or {}))
+        self.engine = make_engine(engine, model_path, max_model_len, **(engine_options or {}))
         self.tokenizer = self.engine.tokenizer
         self.model_name, self.store, self.registry = model_name, store, registry
         self.max_model_len, self.defaults = max_model_len, defaults or {}

