@@ -19,7 +19,7 @@ from ray import serve
 from lightning_ray.serving import http
 from lightning_ray.serving.chat import create_chat_completion
 from lightning_ray.serving.completions import create_completion
-from lightning_ray.serving.decoding import choice_jobs, generate_choices
+from lightning_ray.serving.decoding import choice_jobs, collect, generate_choices
 from lightning_ray.serving.engines import SamplingParams, make_engine
 from lightning_ray.serving.http import ApiError, trace_ids
 from lightning_ray.serving.gate import Gate
@@ -127,7 +127,8 @@ class PolicyServer:
             max_tokens=max_tokens or d.get("max_tokens", 256),
             temperature=d.get("temperature", 1.0) if body.temperature is None else body.temperature,
             top_p=d.get("top_p", 1.0) if body.top_p is None else body.top_p,
-            seed=getattr(body, "seed", None), top_logprobs=top_logprobs, ignore_eos=getattr(body, "ignore_eos", False))
+            seed=getattr(body, "seed", None), top_logprobs=top_logprobs, ignore_eos=getattr(body, "ignore_eos", False),
+            incremental=bool(body.stream or getattr(body, "stop", None)))
 
     def fingerprint(self, version: int) -> str:
         return f"lightning_ray-policy-v{version}"
@@ -147,11 +148,7 @@ class PolicyServer:
         try:
             async with self.gate.admit():
                 async for d in generate_choices(self.engine, choice_jobs(prompts, params, n), stop):
-                    c = choices.setdefault(d.index, {"text": "", "ids": [], "lps": [], "finish": None, "v": d.policy_version})
-                    c["text"] += d.text
-                    c["ids"] += d.token_ids
-                    c["lps"] += d.logprobs
-                    c["finish"] = d.finish_reason or c["finish"]
+                    collect(choices, d)
                     yield d
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
@@ -162,12 +159,12 @@ class PolicyServer:
                               **attrs,
                               "gen_ai.operation.name": operation,
                               semconv.MODEL: self.model_name,
-                              semconv.POLICY_VERSION: c["v"],
+                              semconv.POLICY_VERSION: c.policy_version,
                               semconv.PROMPT_TOKEN_IDS: prompts[i // n],
-                              semconv.COMPLETION_TOKEN_IDS: c["ids"],
-                              semconv.LOGPROBS: c["lps"],
-                              "gen_ai.response.finish_reasons": [c["finish"]],
-                              "lightning_ray.response": c["text"],
+                              semconv.COMPLETION_TOKEN_IDS: c.token_ids,
+                              semconv.LOGPROBS: c.logprobs,
+                              "gen_ai.response.finish_reasons": [c.finish_reason],
+                              "lightning_ray.response": c.text,
                               "lightning_ray.choice_index": i,
                               "lightning_ray.error": error,
                           }) for i, c in sorted(choices.items())]

@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any
 
-from lightning_ray.serving.decoding import ChoiceDelta
+from lightning_ray.serving.decoding import ChoiceDelta, collect_all
 from lightning_ray.serving.http import ApiError
 from lightning_ray.serving.schemas import ChatCompletionRequest, ChatMessage
 from lightning_ray.serving.sse import sse_response
@@ -48,29 +48,22 @@ async def create_chat_completion(server, body: ChatCompletionRequest, trace: tup
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
     if body.stream:
         return sse_response(_chunks(server, body, deltas, meta, prompt_ids, use_tools))
-    choices: dict[int, dict] = {}
-    async for d in deltas:
-        c = choices.setdefault(d.index, {"text": "", "ids": [], "lps": [], "tops": [], "finish": None, "v": 0})
-        c["text"] += d.text
-        c["ids"] += d.token_ids
-        c["lps"] += d.logprobs
-        c["tops"] += d.top_logprobs
-        c["finish"], c["v"] = d.finish_reason or c["finish"], d.policy_version
+    choices = await collect_all(deltas)
     out = []
-    for i, c in sorted(choices.items()):
-        content, calls = parse_tool_calls(c["text"]) if use_tools else (c["text"], [])
+    for c in choices:
+        content, calls = parse_tool_calls(c.text) if use_tools else (c.text, [])
         message = {"role": "assistant", "content": content, "refusal": None}
         if calls:
             message["tool_calls"] = calls
         out.append({
-            "index": i, "message": message, "finish_reason": "tool_calls" if calls else c["finish"],
-            "logprobs": {"content": server.token_logprobs(c["ids"], c["lps"], c["tops"]), "refusal": None}
+            "index": c.index, "message": message, "finish_reason": "tool_calls" if calls else c.finish_reason,
+            "logprobs": {"content": server.token_logprobs(c.token_ids, c.logprobs, c.top_logprobs), "refusal": None}
             if body.logprobs else None,
-            "token_ids": c["ids"],  # extension: the exact ids the engine produced
+            "token_ids": c.token_ids,  # extension: the exact ids the engine produced
         })
-    completion_tokens = sum(len(c["ids"]) for c in choices.values())
+    completion_tokens = sum(len(c.token_ids) for c in choices)
     return {**meta, "object": "chat.completion", "choices": out, "usage": _usage(prompt_ids, completion_tokens),
-            "system_fingerprint": server.fingerprint(choices[0]["v"]), "prompt_token_ids": prompt_ids}
+            "system_fingerprint": server.fingerprint(choices[0].policy_version), "prompt_token_ids": prompt_ids}
 
 
 async def _chunks(server, body: ChatCompletionRequest, deltas, meta: dict, prompt_ids: list[int], use_tools: bool):

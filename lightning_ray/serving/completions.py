@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
+from lightning_ray.serving.decoding import collect_all
 from lightning_ray.serving.http import ApiError
 from lightning_ray.serving.schemas import CompletionRequest
 from lightning_ray.serving.sse import sse_response
@@ -32,20 +33,13 @@ async def create_completion(server, body: CompletionRequest, trace: tuple[str | 
     prompt_tokens = sum(len(ids) for ids in prompts)
     if body.stream:
         return sse_response(_chunks(server, body, deltas, meta, prefix, prompt_tokens))
-    choices: dict[int, dict] = {}
-    async for d in deltas:
-        c = choices.setdefault(d.index, {"text": prefix[d.index], "ids": [], "lps": [], "tops": [], "finish": None, "v": 0})
-        c["text"] += d.text
-        c["ids"] += d.token_ids
-        c["lps"] += d.logprobs
-        c["tops"] += d.top_logprobs
-        c["finish"], c["v"] = d.finish_reason or c["finish"], d.policy_version
-    out = [{"index": i, "text": c["text"], "finish_reason": c["finish"], "token_ids": c["ids"],
-            "prompt_token_ids": prompts[i // body.n],
-            "logprobs": _logprobs(server, c["ids"], c["lps"], c["tops"]) if body.logprobs is not None else None}
-           for i, c in sorted(choices.items())]
-    completion_tokens = sum(len(c["ids"]) for c in choices.values())
-    return {**meta, "choices": out, "system_fingerprint": server.fingerprint(choices[0]["v"]),
+    choices = await collect_all(deltas)
+    out = [{"index": c.index, "text": prefix[c.index] + c.text, "finish_reason": c.finish_reason,
+            "token_ids": c.token_ids, "prompt_token_ids": prompts[c.index // body.n],
+            "logprobs": _logprobs(server, c.token_ids, c.logprobs, c.top_logprobs) if body.logprobs is not None
+            else None} for c in choices]
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    return {**meta, "choices": out, "system_fingerprint": server.fingerprint(choices[0].policy_version),
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
 

@@ -25,6 +25,34 @@ class ChoiceDelta(BaseModel):
     policy_version: int
 
 
+class Choice(BaseModel):
+    """One choice gathered from its deltas."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    top_logprobs: list[dict[int, float]] = []
+    finish_reason: str | None = None
+    policy_version: int = 0
+
+
+def collect(choices: dict[int, Choice], d: ChoiceDelta) -> None:
+    c = choices.setdefault(d.index, Choice(index=d.index, policy_version=d.policy_version))
+    c.text += d.text
+    c.token_ids += d.token_ids
+    c.logprobs += d.logprobs
+    c.top_logprobs += d.top_logprobs
+    c.finish_reason = d.finish_reason or c.finish_reason
+
+
+async def collect_all(deltas: AsyncIterator[ChoiceDelta]) -> list[Choice]:
+    choices: dict[int, Choice] = {}
+    async for d in deltas:
+        collect(choices, d)
+    return [choices[i] for i in sorted(choices)]
+
+
 class _Detokenizer:
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
@@ -32,8 +60,10 @@ class _Detokenizer:
         self.sent = 0  # characters of the decoded text already emitted
         self.stopped = False
 
-    def feed(self, token_ids: list[int], final: bool) -> str:
+    def feed(self, token_ids: list[int], final: bool, incremental: bool = True) -> str:
         self.ids += token_ids
+        if not (incremental or final or self.stop):
+            return ""  # nobody reads partial text: decode once, at the end
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         hits = [i for s in self.stop if (i := text.find(s)) >= 0]
         if hits:
@@ -53,7 +83,7 @@ async def generate_choice(engine: Engine, index: int, prompt_ids: list[int], par
                           stop: list[str]) -> AsyncIterator[ChoiceDelta]:
     detok = _Detokenizer(engine.tokenizer, stop)
     async for d in engine.stream(prompt_ids, params):
-        text = detok.feed(d.token_ids, final=d.finish_reason is not None)
+        text = detok.feed(d.token_ids, final=d.finish_reason is not None, incremental=params.incremental)
         finish = "stop" if detok.stopped else d.finish_reason
         yield ChoiceDelta(index=index, text=text, token_ids=d.token_ids, logprobs=d.logprobs,
                           top_logprobs=d.top_logprobs, finish_reason=finish, policy_version=d.policy_version)

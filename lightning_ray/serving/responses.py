@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lightning_ray.serving.chat import template_messages
+from lightning_ray.serving.decoding import collect_all
 from lightning_ray.serving.sse import sse_response
 from lightning_ray.serving.tools import ToolCallStreamParser, ToolStreamDelta, parse_tool_calls, resolve_tool_choice
 
@@ -282,13 +283,11 @@ async def create_response(server, req: ResponsesRequest, trace: tuple[str | None
     deltas = server.run("responses", [prompt_ids], params, 1, [], trace, attrs)
     if req.stream:
         return sse_response(_events(req, deltas, prompt_ids, bool(offered)), done_marker=False, named=True)
-    text, ids, finish = "", [], "stop"
-    async for d in deltas:
-        text, ids, finish = text + d.text, ids + d.token_ids, d.finish_reason or finish
-    content, calls = parse_tool_calls(text) if offered else (text or None, [])
-    out = to_response(req, content=content, tool_calls=calls, input_tokens=len(prompt_ids), output_tokens=len(ids),
-                      finish_reason=finish)
-    return {**out, "prompt_token_ids": prompt_ids, "token_ids": ids}  # extension fields
+    [c] = await collect_all(deltas)
+    content, calls = parse_tool_calls(c.text) if offered else (c.text or None, [])
+    out = to_response(req, content=content, tool_calls=calls, input_tokens=len(prompt_ids),
+                      output_tokens=len(c.token_ids), finish_reason=c.finish_reason or "stop")
+    return {**out, "prompt_token_ids": prompt_ids, "token_ids": c.token_ids}  # extension fields
 
 
 async def _events(req: ResponsesRequest, deltas, prompt_ids: list[int], parse_tools: bool):

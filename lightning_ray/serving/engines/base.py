@@ -19,6 +19,9 @@ class SamplingParams(BaseModel):
     top_logprobs: int = Field(0, ge=0, le=20)  # alternatives to report per token (logprobs come always)
     stop_token_ids: list[int] = []  # besides the tokenizer's end-of-sequence token
     ignore_eos: bool = False  # generate exactly max_tokens
+    # False: the caller needs only the finished generation (no stream, no stop strings to watch for), so an
+    # engine may deliver it in one delta, skipping per-token work (vLLM: FINAL_ONLY outputs).
+    incremental: bool = True
 
 
 class TokenDelta(BaseModel):

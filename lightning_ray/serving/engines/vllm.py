@@ -88,7 +88,8 @@ class VLLMEngine:
             stop_token_ids=[t for t in (None if params.ignore_eos else self.tokenizer.eos_token_id,
                                         *params.stop_token_ids) if t is not None],
             ignore_eos=params.ignore_eos,
-            output_kind=RequestOutputKind.DELTA, detokenize=False)  # the server decodes; we want ids
+            output_kind=RequestOutputKind.DELTA if params.incremental else RequestOutputKind.FINAL_ONLY,
+            detokenize=False)  # the server decodes; we want ids
 
     async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load a full HF-named state dict, between generations: every request runs on one set of weights.
