@@ -11,7 +11,8 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
-from lightning_ray.serving.responses import ResponseEventStream, ResponsesRequest, to_chat, to_response, to_sse
+from lightning_ray.serving.responses import ResponseEventStream, ResponsesRequest, to_chat, to_response
+from lightning_ray.serving.sse import frame
 from lightning_ray.serving.tools import ToolCallStreamParser, parse_tool_calls
 
 ADD = {"type": "function", "name": "add", "description": "Add", "strict": True,
@@ -238,11 +239,11 @@ def test_empty_and_truncated_streams():
     assert final.response.output_text == 'abc <tool_call>{"na' and final.response.output[0].status == "incomplete"
 
 
-def test_to_sse_frames_one_event():
+def test_an_event_is_one_named_sse_frame():
     event = ResponseEventStream(request()).start()[0]
-    frame = to_sse(event)
-    assert frame.startswith("event: response.created\ndata: ") and frame.endswith("\n\n")
-    assert json.loads(frame.split("data: ", 1)[1]) == event
+    text = frame(event, event["type"])
+    assert text.startswith("event: response.created\ndata: ") and text.endswith("\n\n")
+    assert json.loads(text.split("data: ", 1)[1]) == event
 
 
 # --- through the official client ----------------------------------------------------------------------------------
@@ -259,7 +260,7 @@ def _fake_server(http_request: httpx.Request) -> httpx.Response:
         content, calls = parse_tool_calls(COMPLETION)
         body = to_response(req, content=content, tool_calls=calls, input_tokens=4, output_tokens=11)
         return httpx.Response(200, json=body)
-    sse = "".join(to_sse(e) for e in stream_events(req, COMPLETION, chunk=5))
+    sse = "".join(frame(e, e["type"]) for e in stream_events(req, COMPLETION, chunk=5))
     return httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
 
 

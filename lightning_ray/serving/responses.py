@@ -7,7 +7,6 @@ the client sends the whole conversation every time, so previous_response_id and 
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, Literal
@@ -184,7 +183,7 @@ class ResponseEventStream:
     """The server-sent events of a streamed response, in the order the Agents SDK and the openai client expect.
 
     Call start() once, then text(delta) / tool_call(call) (or delta(ToolStreamDelta) for both) as the completion
-    arrives, then finish(...). Each returns event dicts (numbered by sequence_number) to send with to_sse. Text
+    arrives, then finish(...). Each returns event dicts (numbered by sequence_number) to send as SSE frames (sse.frame). Text
     after a tool call opens a new message item. The last event, response.completed (or response.incomplete when
     cut by max_output_tokens), carries the whole Response, with the same item ids as the events.
     """
@@ -264,11 +263,6 @@ class ResponseEventStream:
     def _event(self, type_: str, **fields) -> dict:
         self._seq += 1
         return {"type": type_, "sequence_number": self._seq - 1, **fields}
-
-
-def to_sse(event: dict) -> str:
-    """One event as the API sends it (the Responses API ends without a [DONE] line)."""
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
 # ---- the route: POST /v1/responses -----------------------------------------------------------------------------

@@ -13,19 +13,23 @@ from lightning_ray.serving.http import ApiError, error_body
 logger = logging.getLogger(__name__)
 
 
+def frame(payload: dict, event: str | None = None) -> str:
+    """One SSE frame; `event:` names it (the Responses API's style; chat and completions send data only)."""
+    return (f"event: {event}\n" if event else "") + f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
 def sse_response(events: AsyncIterator[dict], done_marker: bool = True, named: bool = False) -> StreamingResponse:
-    """named=True writes `event: <type>` lines too (the Responses API's style)."""
+    """named=True names each frame after its event's `type`."""
 
     async def frames():
         try:
             async for event in events:
-                prefix = f"event: {event['type']}\n" if named else ""
-                yield f"{prefix}data: {json.dumps(event)}\n\n"
+                yield frame(event, event["type"] if named else None)
         except ApiError as e:  # headers are sent already: report in-band, as OpenAI does
-            yield f"data: {json.dumps(error_body(e.message, e.type, e.param, e.code))}\n\n"
+            yield frame(error_body(e.message, e.type, e.param, e.code))
         except Exception as e:
             logger.exception("stream failed")
-            yield f"data: {json.dumps(error_body(f'internal error: {type(e).__name__}', 'server_error'))}\n\n"
+            yield frame(error_body(f"internal error: {type(e).__name__}", "server_error"))
         if done_marker:
             yield "data: [DONE]\n\n"
 
