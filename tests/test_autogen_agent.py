@@ -1,0 +1,54 @@
+"""An AutoGen agent, unchanged, against our endpoint — from AutoGen's own venv (its protobuf pin cannot share ours),
+in a subprocess, as a Ray runtime_env per worker group would run it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+from ray import serve
+
+from lightning_ray.serving.app import APP_NAME, deploy_policy
+from lightning_ray.store.trace_store import TraceStore
+from lightning_ray.training.weights import WeightRegistry
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = ROOT / ".venvs" / "autogen"
+
+
+@pytest.fixture(scope="module")
+def autogen_python() -> Path:
+    """AutoGen's pinned venv (envs/autogen), built on first use (~15 s)."""
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(ROOT / "envs/autogen/constraints.txt"),
+                        "autogen-agentchat", "autogen-ext[openai]"], check=True, timeout=600)
+    return python
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
+    store = TraceStore.remote(str(tmp_path_factory.mktemp("store") / "traces.sqlite"))
+    url = deploy_policy(str(tiny_model_path), "tiny-calc", store, WeightRegistry.remote(), port=serve_port,
+                        defaults={"temperature": 0.0, "max_tokens": 48})
+    yield {"url": url, "store": store}
+    serve.delete(APP_NAME)
+
+
+def test_autogen_assistant_agent_runs_through_our_endpoint(autogen_python, server):
+    base_url = server["url"] + "/rollouts/ro-ag/attempts/at-1/v1"
+    run = subprocess.run([str(autogen_python), str(ROOT / "tests/agents/autogen_calc.py"), base_url, "tiny-calc",
+                          "What is 3 + 20?"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    messages = json.loads(run.stdout.strip().splitlines()[-1])
+    assert messages[0] == {"type": "TextMessage", "content": "What is 3 + 20?"} and len(messages) >= 2
+    calls = ray.get(server["store"].get_spans.remote(["ro-ag"]))
+    assert calls and all(c.attributes["lightning_ray.completion_token_ids"] for c in calls)
+    # AutoGen sent its tools (its own schema) and the model's last reply is the agent's last message, unaltered
+    assert calls[0].attributes["lightning_ray.request"]["tools"][0]["function"]["name"] == "calculator"
+    assert messages[-1]["content"] == calls[-1].attributes["lightning_ray.response"]
