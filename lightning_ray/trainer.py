@@ -21,6 +21,7 @@ from lightning_ray.rollout.worker import RolloutWorker
 from lightning_ray.serving.app import APP_NAME, deploy_policy
 from lightning_ray.store.trace_store import TraceStore
 from lightning_ray.tasks import load_task
+from lightning_ray.tracing import semconv
 from lightning_ray.training.learner import Learner
 from lightning_ray.training.weights import WeightRegistry
 
@@ -85,7 +86,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                 "transitions": len(transitions),
                 # a group whose rollouts all scored the same gives zero advantages: no learning signal
                 "groups_with_signal": len({t.group_id for t in transitions if t.advantage != 0}),
-                "llm_spans": sum(s.name == "llm.call" for s in spans),
+                "llm_spans": sum(s.name == semconv.LLM_CALL for s in spans),
                 "rollout_policy_versions": sorted({t.policy_version for t in transitions}),
                 "policy_version": version,
                 "served_policy_version": probe["version"],
