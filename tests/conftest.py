@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from contextlib import contextmanager
 
 import pytest
 import ray
@@ -30,3 +31,26 @@ def serve_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def policy_app(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
+    """Deploys the policy app on the tiny model with its own trace store and weight registry, for a `with` block:
+    `with policy_app(defaults={...}) as app:` gives {"url", "store", "registry"} and deletes the app afterwards."""
+    from ray import serve
+
+    from lightning_ray.serving.app import APP_NAME, deploy_policy
+    from lightning_ray.store.trace_store import TraceStore
+    from lightning_ray.training.weights import WeightRegistry
+
+    @contextmanager
+    def deploy(model_name: str = "tiny-calc", **options):
+        store = TraceStore.remote(str(tmp_path_factory.mktemp("store") / "traces.sqlite"))
+        registry = WeightRegistry.remote()
+        url = deploy_policy(str(tiny_model_path), model_name, store, registry, port=serve_port, **options)
+        try:
+            yield {"url": url, "store": store, "registry": registry}
+        finally:
+            serve.delete(APP_NAME)
+
+    return deploy

@@ -10,24 +10,17 @@ import ray
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from openai import OpenAI
-from ray import serve
 
-from lightning_ray.serving.app import APP_NAME, deploy_policy
-from lightning_ray.store.trace_store import TraceStore
 from lightning_ray.tasks import calc
-from lightning_ray.training.weights import WeightRegistry
 
 MODEL = "tiny-calc"
 QUESTION = [{"role": "system", "content": calc.TOOL_SYSTEM_PROMPT}, {"role": "user", "content": "What is 3 + 20?"}]
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
-    store = TraceStore.remote(str(tmp_path_factory.mktemp("store") / "traces.sqlite"))
-    url = deploy_policy(str(tiny_model_path), MODEL, store, WeightRegistry.remote(), port=serve_port,
-                        defaults={"temperature": 0.0, "max_tokens": 48})
-    yield {"url": url, "store": store}
-    serve.delete(APP_NAME)
+def server(policy_app):
+    with policy_app(MODEL, defaults={"temperature": 0.0, "max_tokens": 48}) as app:
+        yield app
 
 
 @tool

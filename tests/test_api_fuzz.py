@@ -9,11 +9,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ray import serve
 
-from lightning_ray.serving.app import APP_NAME, deploy_policy
-from lightning_ray.store.trace_store import TraceStore
-from lightning_ray.training.weights import WeightRegistry
 
 MODEL = "tiny-calc"
 junk = st.recursive(st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=True)
@@ -64,11 +60,9 @@ requests = st.one_of(request_strategy(st.nothing()), request_strategy(junk),
 
 
 @pytest.fixture(scope="module")
-def url(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
-    store = TraceStore.remote(str(tmp_path_factory.mktemp("store") / "traces.sqlite"))
-    yield deploy_policy(str(tiny_model_path), MODEL, store, WeightRegistry.remote(), port=serve_port,
-                        max_model_len=256, defaults={"max_tokens": 4})
-    serve.delete(APP_NAME)
+def url(policy_app):
+    with policy_app(MODEL, max_model_len=256, defaults={"max_tokens": 4}) as app:
+        yield app["url"]
 
 
 def test_no_request_breaks_the_server(url):

@@ -10,11 +10,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from ray import serve
 
-from lightning_ray.serving.app import APP_NAME, deploy_policy
-from lightning_ray.store.trace_store import TraceStore
-from lightning_ray.training.weights import WeightRegistry
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venvs" / "autogen"
@@ -32,12 +28,9 @@ def autogen_python() -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
-    store = TraceStore.remote(str(tmp_path_factory.mktemp("store") / "traces.sqlite"))
-    url = deploy_policy(str(tiny_model_path), "tiny-calc", store, WeightRegistry.remote(), port=serve_port,
-                        defaults={"temperature": 0.0, "max_tokens": 48})
-    yield {"url": url, "store": store}
-    serve.delete(APP_NAME)
+def server(policy_app):
+    with policy_app(defaults={"temperature": 0.0, "max_tokens": 48}) as app:
+        yield app
 
 
 def test_autogen_assistant_agent_runs_through_our_endpoint(autogen_python, server):

@@ -9,22 +9,15 @@ import pytest
 import ray
 from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 from openai import AsyncOpenAI
-from ray import serve
 
-from lightning_ray.serving.app import APP_NAME, deploy_policy
-from lightning_ray.store.trace_store import TraceStore
 from lightning_ray.tasks import calc
-from lightning_ray.training.weights import WeightRegistry
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
+def server(policy_app):
     set_tracing_disabled(True)
-    store = TraceStore.remote(str(tmp_path_factory.mktemp("store") / "traces.sqlite"))
-    url = deploy_policy(str(tiny_model_path), "tiny-calc", store, WeightRegistry.remote(), port=serve_port,
-                        defaults={"temperature": 0.0, "max_tokens": 48})
-    yield {"url": url, "store": store}
-    serve.delete(APP_NAME)
+    with policy_app(defaults={"temperature": 0.0, "max_tokens": 48}) as app:
+        yield app
 
 
 @function_tool

@@ -9,11 +9,7 @@ import pytest
 import ray
 import torch
 from openai import AsyncOpenAI, OpenAI
-from ray import serve
 
-from lightning_ray.serving.app import APP_NAME, deploy_policy
-from lightning_ray.store.trace_store import TraceStore
-from lightning_ray.training.weights import WeightRegistry
 
 KEY = "test-key"
 MODEL = "tiny-calc"
@@ -31,14 +27,10 @@ ENGINES = ["hf", pytest.param("vllm", marks=pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module", params=ENGINES)
-def server(request, ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
+def server(request, policy_app):
     """The same tests run against each engine behind the same server."""
-    store = TraceStore.remote(str(tmp_path_factory.mktemp("store") / "traces.sqlite"))
-    registry = WeightRegistry.remote()
-    url = deploy_policy(str(tiny_model_path), MODEL, store, registry, port=serve_port, max_model_len=320, api_key=KEY,
-                        defaults={"max_tokens": 12}, engine=request.param)
-    yield {"url": url, "store": store, "registry": registry, "engine": request.param}
-    serve.delete(APP_NAME)
+    with policy_app(MODEL, max_model_len=320, api_key=KEY, defaults={"max_tokens": 12}, engine=request.param) as app:
+        yield {**app, "engine": request.param}
 
 
 def client(server, path="/v1", cls=OpenAI):

@@ -9,23 +9,17 @@ import httpx
 import pytest
 import ray
 import torch
-from ray import serve
 
-from lightning_ray.serving.app import APP_NAME, deploy_policy
-from lightning_ray.store.trace_store import TraceStore
-from lightning_ray.training.weights import WeightRegistry
+from lightning_ray.serving.app import APP_NAME
 
 MODEL = "tiny-calc"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 3}
 
 
 @pytest.fixture(scope="module")
-def app(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
-    store = TraceStore.remote(str(tmp_path_factory.mktemp("store") / "traces.sqlite"))
-    registry = WeightRegistry.remote()
-    url = deploy_policy(str(tiny_model_path), MODEL, store, registry, port=serve_port, num_replicas=2)
-    yield {"url": url, "registry": registry, "model_path": tiny_model_path}
-    serve.delete(APP_NAME)
+def app(policy_app, tiny_model_path):
+    with policy_app(MODEL, num_replicas=2) as deployed:
+        yield {**deployed, "model_path": tiny_model_path}
 
 
 def publish(app, version: int) -> None:
