@@ -48,6 +48,15 @@ class RolloutConfig(_Strict):
     max_tokens: int = Field(24, gt=0)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
+    max_attempts: int = Field(1, gt=0)  # tries per rollout; a failed/timed-out/silent attempt is retried
+    timeout_seconds: float | None = Field(None, gt=0)  # wall-clock limit of one attempt
+    unresponsive_seconds: float | None = Field(60.0, gt=0)  # lease: longest silence between worker heartbeats
+    tracing: Literal["embedded", "otel"] = "embedded"  # how the agent's own spans are traced
+
+
+class StoreConfig(_Strict):
+    num_shards: int = Field(1, gt=0)  # TraceStore actors, each with its own SQLite file; rollouts hash to one
+    http: bool = True  # serve the store API and the OTLP receiver at {serve}/store for agents outside Ray
 
 
 class AlgorithmConfig(_Strict):
@@ -79,6 +88,7 @@ class TrainConfig(_Strict):
     task: TaskConfig = TaskConfig()
     engine: EngineConfig = EngineConfig()
     serve: ServeConfig = ServeConfig()
+    store: StoreConfig = StoreConfig()
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()

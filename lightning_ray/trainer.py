@@ -19,11 +19,14 @@ from lightning_ray.config import TrainConfig
 from lightning_ray.models import resolve_model_path
 from lightning_ray.rollout.worker import RolloutWorker
 from lightning_ray.serving.app import APP_NAME, deploy_policy
-from lightning_ray.store.trace_store import TraceStore
+from lightning_ray.store.client import StoreClient
+from lightning_ray.store.http import APP_NAME as STORE_APP
+from lightning_ray.store.http import deploy_store_api
 from lightning_ray.tasks import load_task
 from lightning_ray.tracing import semconv
 from lightning_ray.training.learner import Learner
 from lightning_ray.training.weights import WeightRegistry
+from lightning_ray.types import RolloutConfig
 
 PROBE = [{"role": "user", "content": "What is 3 + 4?"}]  # a fixed prompt whose served logprobs track each update
 
@@ -39,16 +42,22 @@ def train(cfg: TrainConfig) -> list[dict]:
     task = load_task(cfg.task.name)
     dataset = task.make_tasks(cfg.task.train_size, cfg.task.seed)
 
-    store = TraceStore.remote(str(run / "traces.sqlite"))
+    store = StoreClient.start(run, cfg.store.num_shards)
+    attempts = RolloutConfig(max_attempts=cfg.rollout.max_attempts, timeout_seconds=cfg.rollout.timeout_seconds,
+                             unresponsive_seconds=cfg.rollout.unresponsive_seconds)
     registry = WeightRegistry.remote()
     server_url = deploy_policy(
         str(model_path), cfg.model.name, store, registry, host=cfg.serve.host, port=cfg.serve.port,
         num_replicas=cfg.serve.num_replicas, autoscaling=cfg.serve.autoscaling, engine=cfg.engine.kind,
         engine_options={"dtype": cfg.engine.dtype, **cfg.engine.options}, max_model_len=cfg.engine.max_model_len,
         api_key=cfg.serve.api_key, defaults={"max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p})
-    workers = [RolloutWorker.remote(cfg.task.name, store, server_url, cfg.model.name, cfg.serve.api_key)
-               for _ in range(cfg.rollout.num_workers)]
-    print(f"policy served at {server_url}/v1 as {cfg.model.name!r}; starting the learner ...", flush=True)
+    workers = [RolloutWorker.remote(cfg.task.name, store, server_url, cfg.model.name, cfg.serve.api_key,
+                                    cfg.rollout.tracing) for _ in range(cfg.rollout.num_workers)]
+    print(f"policy served at {server_url}/v1 as {cfg.model.name!r}", flush=True)
+    if cfg.store.http:
+        store_url = deploy_store_api(store, cfg.serve.host, cfg.serve.port, cfg.serve.api_key)
+        print(f"trace store at {store_url} (OTLP/HTTP: {store_url}/v1/traces)", flush=True)
+    print("starting the learner ...", flush=True)
     learner = Learner(cfg, model_path, registry)
     probe = _probe(server_url, cfg)
     rng = random.Random(cfg.seed)
@@ -60,11 +69,11 @@ def train(cfg: TrainConfig) -> list[dict]:
                 tasks = [t.model_copy(update={"group_id": f"{t.task_id}@{iteration}"})
                          for t in rng.sample(dataset, cfg.rollout.tasks_per_iteration)
                          for _ in range(cfg.rollout.group_size)]
-                rollout_ids = ray.get(store.enqueue.remote(tasks))
+                rollout_ids = [r.rollout_id for r in store.enqueue(tasks, attempts)]
                 _wait_for_rollouts([w.work.remote() for w in workers], store, rollout_ids, iteration)
             with phase("adapt"):
-                rollouts = ray.get(store.get_rollouts.remote(rollout_ids))
-                spans = ray.get(store.get_spans.remote(rollout_ids))
+                rollouts = store.get_rollouts(rollout_ids)
+                spans = store.query_spans(rollout_ids)
                 transitions = group_advantages(
                     [t for r in rollouts
                      for t in transitions_from_spans(r, [s for s in spans if s.rollout_id == r.rollout_id], cfg.model.name)],
@@ -107,6 +116,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     finally:
         learner.close()
         serve.delete(APP_NAME)
+        if cfg.store.http:
+            serve.delete(STORE_APP)
         if owns_ray:
             ray.shutdown()
     return history
@@ -116,7 +127,7 @@ def _wait_for_rollouts(work, store, rollout_ids: list[str], iteration: int) -> N
     with tqdm(total=len(rollout_ids), desc=f"iter {iteration} rollouts", leave=False) as bar:
         while True:
             ready, _ = ray.wait(work, num_returns=len(work), timeout=0.5)
-            bar.update(ray.get(store.count_finished.remote(rollout_ids)) - bar.n)
+            bar.update(len(store.wait_for_rollouts(rollout_ids, timeout=0)) - bar.n)
             if len(ready) == len(work):
                 ray.get(work)  # re-raise a worker's crash here
                 return

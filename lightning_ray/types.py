@@ -8,7 +8,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-RolloutStatus = Literal["queued", "running", "succeeded", "failed"]
+# A rollout waits in the queue, runs as one or more attempts, and ends once. A failed attempt with attempts left
+# sends it back as "requeued" (never straight from running to queued: the history stays readable).
+RolloutStatus = Literal["queued", "running", "requeued", "succeeded", "failed", "cancelled"]
+AttemptStatus = Literal["running", "succeeded", "failed", "timeout", "unresponsive"]
+FINISHED: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 
 
 def new_id(prefix: str) -> str:
@@ -23,27 +27,67 @@ class Task(BaseModel):
     group_id: str | None = None
 
 
+class RolloutConfig(BaseModel):
+    """How long an attempt may take and when the store retries it."""
+
+    max_attempts: int = Field(1, ge=1)
+    timeout_seconds: float | None = Field(None, gt=0)  # wall-clock limit of one attempt
+    unresponsive_seconds: float | None = Field(None, gt=0)  # longest silence between heartbeats (the lease)
+    retry_on: list[AttemptStatus] = ["failed", "timeout", "unresponsive"]
+
+
 class Rollout(BaseModel):
-    """One run of the agent on one task; an attempt is one try of it (retries come with the store, issue 4)."""
+    """One run of the agent on one task. `attempt_id` is its latest attempt (one try of it)."""
 
     rollout_id: str
     task: Task
     status: RolloutStatus = "queued"
+    config: RolloutConfig = Field(default_factory=RolloutConfig)
     attempt_id: str | None = None
+    attempts: int = 0
     reward: float | None = None
+    error: str | None = None
+    enqueued_at: float = Field(default_factory=time.time)
+    ended_at: float | None = None
+
+
+class Attempt(BaseModel):
+    """One try of a rollout by one worker, kept alive by heartbeats."""
+
+    attempt_id: str
+    rollout_id: str
+    sequence: int  # 1 for the first try
+    status: AttemptStatus = "running"
+    worker_id: str | None = None
+    started_at: float = Field(default_factory=time.time)
+    last_heartbeat: float = Field(default_factory=time.time)
+    ended_at: float | None = None
     error: str | None = None
 
 
+class SpanEvent(BaseModel):
+    name: str
+    time: float
+    attributes: dict[str, Any] = Field(default_factory=dict)
+
+
 class Span(BaseModel):
-    """One traced operation: an LLM call (recorded server-side), a tool call, a reward, the rollout itself."""
+    """One traced operation: an LLM call (recorded server-side), a tool call, a reward, the rollout itself.
+
+    The same shape whether it came from the embedded tracer, our OpenTelemetry exporter or the OTLP receiver."""
 
     span_id: str = Field(default_factory=lambda: new_id("span"))
+    trace_id: str | None = None
+    parent_id: str | None = None
     rollout_id: str | None = None
     attempt_id: str | None = None
     name: str
     start_time: float = Field(default_factory=time.time)
     end_time: float | None = None
+    status: Literal["unset", "ok", "error"] = "unset"
+    status_message: str | None = None
     attributes: dict[str, Any] = Field(default_factory=dict)
+    events: list[SpanEvent] = Field(default_factory=list)
 
 
 class Transition(BaseModel):

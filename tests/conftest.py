@@ -36,20 +36,23 @@ def serve_port() -> int:
 @pytest.fixture(scope="session")
 def policy_app(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     """Deploys the policy app on the tiny model with its own trace store and weight registry, for a `with` block:
-    `with policy_app(defaults={...}) as app:` gives {"url", "store", "registry"} and deletes the app afterwards."""
+    `with policy_app(defaults={...}) as app:` gives {"url", "store", "registry", "new_rollout"} and deletes the app
+    afterwards. `app["new_rollout"]()` queues a rollout and returns its id (calls for unknown rollouts get a 404)."""
     from ray import serve
 
     from lightning_ray.serving.app import APP_NAME, deploy_policy
-    from lightning_ray.store.trace_store import TraceStore
+    from lightning_ray.store.client import StoreClient
+    from lightning_ray.types import Task
     from lightning_ray.training.weights import WeightRegistry
 
     @contextmanager
     def deploy(model_name: str = "tiny-calc", **options):
-        store = TraceStore.remote(str(tmp_path_factory.mktemp("store") / "traces.sqlite"))
+        store = StoreClient.start(tmp_path_factory.mktemp("store"))
         registry = WeightRegistry.remote()
         url = deploy_policy(str(tiny_model_path), model_name, store, registry, port=serve_port, **options)
         try:
-            yield {"url": url, "store": store, "registry": registry}
+            yield {"url": url, "store": store, "registry": registry,
+                   "new_rollout": lambda: store.enqueue([Task(task_id="test", input={})])[0].rollout_id}
         finally:
             serve.delete(APP_NAME)
 

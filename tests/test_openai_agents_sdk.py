@@ -27,11 +27,12 @@ def calculator(expression: str) -> str:
 
 
 def test_agents_sdk_runner_completes_through_the_responses_api(server):
-    client = AsyncOpenAI(base_url=server["url"] + "/rollouts/ro-sdk/attempts/at-1/v1", api_key="EMPTY", max_retries=0)
+    rid = server["new_rollout"]()
+    client = AsyncOpenAI(base_url=server["url"] + f"/rollouts/{rid}/attempts/at-1/v1", api_key="EMPTY", max_retries=0)
     agent = Agent(name="calc", instructions=calc.TOOL_SYSTEM_PROMPT, tools=[calculator],
                   model=OpenAIResponsesModel(model="tiny-calc", openai_client=client))
     result = asyncio.run(Runner.run(agent, "What is 3 + 20?", max_turns=4))
-    calls = ray.get(server["store"].get_spans.remote(["ro-sdk"]))
+    calls = server["store"].query_spans([rid])
     assert calls and all(c.attributes["gen_ai.operation.name"] == "responses" for c in calls)
     assert calls[0].attributes["lightning_ray.request"]["tools"][0]["name"] == "calculator"  # the SDK's tool arrived
     # every model response the SDK received is one recorded policy call, and the run ends on the model's last text

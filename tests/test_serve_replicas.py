@@ -1,8 +1,10 @@
 """Several replicas: every one follows the weights, a killed replica is replaced by Serve and the replacement
-starts on the latest policy, and the weight barrier never waits for a replica that is gone."""
+starts on the latest policy, the weight barrier never waits for a replica that is gone, and each rollout's calls
+stick to one replica until it dies."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -11,6 +13,7 @@ import ray
 import torch
 
 from lightning_ray.serving.app import APP_NAME
+from lightning_ray.serving.http import REPLICA_HEADER
 
 MODEL = "tiny-calc"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 3}
@@ -67,3 +70,33 @@ def test_a_killed_replica_is_replaced_on_the_latest_policy(app):
     versions = ray.get(app["registry"].served_versions.remote())
     assert len(versions) == 2 and set(versions.values()) == {3}
     assert set(served_versions(app["url"])) == {"lightning_ray-policy-v3"}
+
+
+async def rollout_calls(url: str, rollout_ids: list[str], calls: int) -> dict[str, list[str]]:
+    """`calls` concurrent calls per rollout (odd rollouts by path, even ones by X-Rollout-Id header) -> for each
+    rollout, the replica that served each call (the response's x-lightning-ray-replica header), or the failure."""
+    async def call(client, i, rollout_id):
+        if i % 2:
+            r = await client.post(f"{url}/rollouts/{rollout_id}/attempts/a/v1/chat/completions", json=BODY)
+        else:
+            r = await client.post(f"{url}/v1/chat/completions", json=BODY, headers={"X-Rollout-Id": rollout_id})
+        return rollout_id, r.headers[REPLICA_HEADER] if r.status_code == 200 else f"HTTP {r.status_code}"
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        done = await asyncio.gather(*[call(client, i, r) for i, r in enumerate(rollout_ids) for _ in range(calls)])
+    return {r: [replica for rid, replica in done if rid == r] for r in rollout_ids}
+
+
+def test_each_rollout_sticks_to_one_replica_until_it_dies(app):
+    rollouts = [app["new_rollout"]() for _ in range(16)]
+    served = asyncio.run(rollout_calls(app["url"], rollouts, 4))
+    assert all(len(set(v)) == 1 and not v[0].startswith("HTTP") for v in served.values()), served
+    assert len({v[0] for v in served.values()}) == 2, served  # rollouts spread (all on one replica: p = 2**-15)
+
+    victim = served[rollouts[0]][0]
+    ray.kill(ray.get_actor(next(n for n in replica_names() if n.endswith(victim)), namespace="serve"),
+             no_restart=True)
+    moved = [r for r in rollouts if served[r] == [victim] * 4]
+    after = asyncio.run(rollout_calls(app["url"], moved, 3))
+    # Every call is answered (a call routed to the dead replica is retried on a live one), none by the victim.
+    assert all(not v.startswith("HTTP") and v != victim for calls in after.values() for v in calls), after

@@ -1,51 +1,209 @@
-"""The SQLite trace store: the rollout queue and spans, durable in one file."""
+"""The trace store: the rollout lifecycle (leases, heartbeats, timeouts, retries), spans, durability, shards."""
 
 from __future__ import annotations
 
+import threading
 import time
 
+import pytest
 import ray
 
-from lightning_ray.store.sqlite import SQLiteBackend
-from lightning_ray.store.trace_store import TraceStore
-from lightning_ray.types import Rollout, Span, Task
+from lightning_ray.store.client import StoreClient
+from lightning_ray.store.errors import BatchTooLarge, InvalidSpans, InvalidTransition, StaleAttempt, UnknownAttempt, UnknownRollout
+from lightning_ray.store.sqlite import SQLiteBackend, span_row
+from lightning_ray.types import Rollout, RolloutConfig, Span, Task
 
 
-def test_queue_is_first_in_first_out_and_each_rollout_is_claimed_once(tmp_path):
-    store = SQLiteBackend(tmp_path / "t.sqlite")
-
-    store.add_rollouts([Rollout(rollout_id=f"r{i}", task=Task(task_id=f"t{i}", input={"i": i})) for i in range(3)])
-    claimed = [store.claim_next(lambda r: f"{r}-a") for _ in range(4)]
-    assert [c.rollout_id for c in claimed[:3]] == ["r0", "r1", "r2"] and claimed[3] is None
-    assert all(c.status == "running" and c.attempt_id == f"{c.rollout_id}-a" for c in claimed[:3])
+def rollouts(n: int, **config) -> list[Rollout]:
+    return [Rollout(rollout_id=f"r{i}", task=Task(task_id=f"t{i}", input={"i": i}), config=RolloutConfig(**config))
+            for i in range(n)]
 
 
-def test_spans_are_idempotent_and_survive_reopening(tmp_path):
+def test_queue_is_first_in_first_out_and_each_rollout_is_leased_once():
+    store = SQLiteBackend()
+    assert store.enqueue(rollouts(3)) == 3
+    assert store.enqueue(rollouts(3)) == 0  # a re-sent enqueue is not duplicated
+    leased = [store.dequeue("w", now=0.0) for _ in range(4)]
+    assert [r.rollout_id for r, _ in leased[:3]] == ["r0", "r1", "r2"] and leased[3] is None
+    for rollout, attempt in leased[:3]:
+        assert rollout.status == "running" and rollout.attempt_id == attempt.attempt_id and attempt.sequence == 1
+        assert attempt.worker_id == "w" and store.get_rollouts([rollout.rollout_id])[0] == rollout
+
+
+def test_failed_attempts_are_retried_up_to_max_attempts():
+    store = SQLiteBackend()
+    store.enqueue(rollouts(1, max_attempts=3))
+    statuses = []
+    for _ in range(3):
+        rollout, attempt = store.dequeue(None, now=0.0)
+        statuses.append(store.finish_attempt(attempt.attempt_id, "failed", now=1.0, error="boom").status)
+    assert statuses == ["requeued", "requeued", "failed"]
+    assert store.dequeue(None, now=2.0) is None
+    attempts = store.get_attempts("r0")
+    assert [(a.sequence, a.status) for a in attempts] == [(1, "failed"), (2, "failed"), (3, "failed")]
+    assert store.get_rollouts(["r0"])[0].error == "boom"
+
+
+def test_retry_condition_decides_which_failures_are_retried():
+    store = SQLiteBackend()
+    store.enqueue(rollouts(1, max_attempts=5, retry_on=["timeout"]))
+    _, attempt = store.dequeue(None, now=0.0)
+    assert store.finish_attempt(attempt.attempt_id, "failed", now=1.0).status == "failed"  # not a timeout: final
+
+
+def test_success_ends_the_rollout_with_its_reward():
+    store = SQLiteBackend()
+    store.enqueue(rollouts(1, max_attempts=2))
+    _, attempt = store.dequeue(None, now=0.0)
+    done = store.finish_attempt(attempt.attempt_id, "succeeded", now=1.0, reward=0.5)
+    assert (done.status, done.reward, done.ended_at) == ("succeeded", 0.5, 1.0)
+
+
+def test_every_state_change_is_validated():
+    store = SQLiteBackend()
+    store.enqueue(rollouts(2))
+    _, attempt = store.dequeue(None, now=0.0)
+    store.finish_attempt(attempt.attempt_id, "succeeded", now=1.0, reward=1.0)
+    with pytest.raises(StaleAttempt):
+        store.finish_attempt(attempt.attempt_id, "failed", now=2.0)  # an ended attempt cannot change its verdict
+    with pytest.raises(InvalidTransition, match="'succeeded' to 'cancelled'"):
+        store.cancel(["r0"], now=2.0)
+    with pytest.raises(InvalidTransition):
+        store.enqueue([rollouts(1)[0].model_copy(update={"rollout_id": "x", "status": "running"})])
+    _, second = store.dequeue(None, now=0.0)
+    with pytest.raises(InvalidTransition, match="'running' to 'queued'"):
+        store.finish_attempt(second.attempt_id, "queued", now=1.0)
+    with pytest.raises(UnknownAttempt):
+        store.heartbeat("at-nope", now=1.0)
+    with pytest.raises(UnknownRollout):
+        store.get_rollouts(["nope"], strict=True)
+    assert store.get_rollouts(["r1"])[0].status == "running"  # a rejected change leaves the state as it was
+
+
+def test_timeouts_and_lost_leases_end_attempts_and_retry_them():
+    store = SQLiteBackend()
+    store.enqueue([*rollouts(1, timeout_seconds=10, max_attempts=2),
+                   Rollout(rollout_id="quiet", task=Task(task_id="q", input={}),
+                           config=RolloutConfig(unresponsive_seconds=2))])
+    _, slow = store.dequeue(None, now=0.0)
+    _, quiet = store.dequeue(None, now=0.0)
+    store.heartbeat(quiet.attempt_id, now=1.5)  # the lease now runs to 3.5
+    assert store.expire(now=3.0) == []
+    assert sorted(store.expire(now=11.0)) == ["quiet", "r0"]
+    assert [a.status for a in store.get_attempts("r0")] == ["timeout"]
+    assert store.get_rollouts(["r0"])[0].status == "requeued"  # one attempt left
+    assert [a.status for a in store.get_attempts("quiet")] == ["unresponsive"]
+    assert store.get_rollouts(["quiet"])[0].status == "failed"
+    with pytest.raises(StaleAttempt):
+        store.heartbeat(quiet.attempt_id, now=12.0)  # a worker that comes back learns it lost the lease
+
+
+def test_spans_are_idempotent_validated_and_survive_reopening(tmp_path):
     path = tmp_path / "t.sqlite"
-    spans = [Span(rollout_id="r", name="llm.call", start_time=i, attributes={"ids": list(range(i))}) for i in range(5)]
     store = SQLiteBackend(path)
-    assert store.add_spans(spans) == 5
-    assert store.add_spans(spans[:2]) == 0  # a re-sent batch is not duplicated
+    store.enqueue(rollouts(1))
+    spans = [Span(rollout_id="r0", attempt_id="a", name="llm.call", start_time=i,
+                  attributes={"ids": list(range(i)), "model": "m"}) for i in range(5)]
+    assert store.add_span_rows([span_row(s) for s in spans])["accepted"] == 5
+    again = store.add_span_rows([span_row(s) for s in spans[:2]])
+    assert (again["accepted"], again["duplicates"]) == (0, 2)
+    bad = store.add_span_rows([span_row(Span(rollout_id="ghost", name="x")), ("too", "short"),
+                               span_row(Span(rollout_id="r0", name="ok", start_time=9)),
+                               (*span_row(Span(name="y", start_time=5))[:7], 1.0, *span_row(Span(name="y"))[8:])])
+    assert (bad["accepted"], bad["rejected"]) == (1, 3)
+    assert any("unknown rollout_id 'ghost'" in e for e in bad["errors"])
+    assert any("end_time" in e for e in bad["errors"]) and any("not a span row" in e for e in bad["errors"])
     del store
-    reopened = SQLiteBackend(path).get_spans(["r"])
-    assert [s.span_id for s in reopened] == [s.span_id for s in spans]
-    assert reopened[3].attributes == {"ids": [0, 1, 2]}
+    reopened = SQLiteBackend(path)
+    assert [s.span_id for s in reopened.query_spans(["r0"], name="llm.call")] == [s.span_id for s in spans]
+    assert reopened.query_spans(["r0"])[3] == spans[3]
+    assert [s.start_time for s in reopened.query_spans(since=1, until=3)] == [1, 2]
+    assert len(reopened.query_spans(attempt_id="a", limit=2)) == 2
 
 
-def test_store_actor_restarts_from_its_file(ray_cluster, tmp_path):
-    store = TraceStore.remote(str(tmp_path / "t.sqlite"))
-    ids = ray.get(store.enqueue.remote([Task(task_id="t", input={})]))
-    ray.get(store.add_spans.remote([Span(rollout_id=ids[0], name="reward")]))
-    ray.kill(store, no_restart=False)  # the actor process dies; Ray restarts it from the same file
-    assert len(call_when_back(lambda: store.get_spans.remote(ids))) == 1
-    assert call_when_back(lambda: store.get_rollouts.remote(ids))[0].status == "queued"
+def test_rollouts_are_queried_by_status_and_time():
+    store = SQLiteBackend()
+    store.enqueue([r.model_copy(update={"enqueued_at": float(i)}) for i, r in enumerate(rollouts(4))])
+    store.dequeue(None, now=5.0)
+    assert [r.rollout_id for r in store.query_rollouts(status=["queued"])] == ["r1", "r2", "r3"]
+    assert [r.rollout_id for r in store.query_rollouts(since=1, until=3)] == ["r1", "r2"]
+    assert store.count_rollouts() == {"queued": 3, "running": 1}
 
 
-def call_when_back(call, tries: int = 100):
-    """Calls made while the actor restarts fail with RayActorError; retry (these reads are idempotent)."""
-    for _ in range(tries):
-        try:
-            return ray.get(call())
-        except ray.exceptions.RayActorError:
-            time.sleep(0.1)
-    raise AssertionError("the store never came back")
+# --- the actor and the client, on a real Ray cluster -------------------------------------------------------
+
+
+def test_nothing_acknowledged_is_lost_when_the_store_is_killed_mid_run(ray_cluster, tmp_path):
+    client = StoreClient.start(tmp_path)
+    [rollout] = client.enqueue([Task(task_id="t", input={})])
+    acknowledged, stop = [], threading.Event()
+
+    def writer():  # keeps sending batches; Ray retries the ones in flight when the actor dies
+        while not stop.is_set():
+            batch = [Span(rollout_id=rollout.rollout_id, name="tool", attributes={"i": i}) for i in range(50)]
+            client.add_spans(batch)
+            acknowledged.extend(s.span_id for s in batch)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    time.sleep(1.0)
+    ray.kill(client.shards[0], no_restart=False)  # the actor process dies mid-stream; Ray restarts it
+    time.sleep(1.5)
+    stop.set()
+    thread.join(timeout=60)
+    resent = client.add_spans([Span(rollout_id=rollout.rollout_id, name="tool", span_id=i) for i in acknowledged[:100]])
+    assert resent["duplicates"] == 100 and resent["accepted"] == 0
+    stored = [s.span_id for s in client.query_spans([rollout.rollout_id])]
+    assert len(acknowledged) > 100 and len(stored) == len(set(stored))
+    assert set(acknowledged) <= set(stored)
+    assert client.get_rollouts([rollout.rollout_id])[0].status == "queued"
+
+
+def test_store_rejects_bad_input_counts_it_and_keeps_serving(ray_cluster):
+    client = StoreClient.start(max_batch_spans=10)
+    with pytest.raises(UnknownRollout, match="ghost"):
+        client.add_spans([Span(rollout_id="ghost", name="x")])
+    with pytest.raises(InvalidSpans, match="end_time"):
+        client.add_spans([Span(name="x", start_time=2, end_time=1)])
+    assert ray.get(client.shards[0].add_spans.remote([("junk",)]))["rejected"] == 1  # raw rows, straight in
+    with pytest.raises(BatchTooLarge):
+        client.add_spans([Span(name="x") for _ in range(11)])
+    with pytest.raises(UnknownAttempt):
+        client.heartbeat("r", "at-nope")
+    assert client.add_spans([Span(name="fine")])["accepted"] == 1
+    assert client.stats()["errors"] == {"invalid_spans": 3, "batch_too_large": 1, "attempt_not_found": 1}
+
+
+def test_waiting_for_rollouts_and_expiring_silent_attempts(ray_cluster):
+    client = StoreClient.start(expire_every_s=0.05)
+    ids = [r.rollout_id for r in client.enqueue([Task(task_id=f"t{i}", input={}) for i in range(2)],
+                                                RolloutConfig(unresponsive_seconds=0.5, max_attempts=2))]
+    first, second = client.dequeue("w"), client.dequeue("w")
+    assert client.wait_for_rollouts(ids, timeout=0.2) == []  # nothing ended yet: the timeout returns
+    client.finish_attempt(first.rollout_id, first.attempt_id, "succeeded", reward=1.0)
+    time.sleep(1.0)  # the second worker went silent: its lease expires and the rollout is offered again
+    assert [a.status for a in client.get_attempts(second.rollout_id)] == ["unresponsive"]
+    retry = client.dequeue("w2")
+    assert retry.rollout_id == second.rollout_id and retry.attempts == 2
+    with pytest.raises(StaleAttempt):
+        client.finish_attempt(second.rollout_id, second.attempt_id, "succeeded")
+    waiter = threading.Thread(target=lambda: time.sleep(0.3) or client.finish_attempt(
+        retry.rollout_id, retry.attempt_id, "succeeded", reward=0.0))
+    waiter.start()
+    ended = client.wait_for_rollouts(ids, timeout=30)
+    waiter.join()
+    assert sorted(r.rollout_id for r in ended) == sorted(ids) and all(r.status == "succeeded" for r in ended)
+
+
+def test_shards_split_rollouts_by_id_and_queries_merge(ray_cluster):
+    client = StoreClient.start(num_shards=3)
+    made = client.enqueue([Task(task_id=f"t{i}", input={}) for i in range(30)])
+    per_shard = [ray.get(s.stats.remote())["rollouts"].get("queued", 0) for s in client.shards]
+    assert sum(per_shard) == 30 and all(n > 0 for n in per_shard)
+    leased = [client.dequeue() for _ in range(30)]
+    assert client.dequeue() is None and sorted(r.rollout_id for r in leased) == sorted(r.rollout_id for r in made)
+    client.add_spans([Span(rollout_id=r.rollout_id, attempt_id=r.attempt_id, name="llm.call") for r in leased])
+    for r in leased[:5]:  # a rollout's spans live on the rollout's shard
+        assert len(ray.get(client.shard(r.rollout_id).query_spans.remote([r.rollout_id]))) == 1
+    assert len(client.query_spans()) == 30 and len(client.query_spans(name="llm.call", limit=7)) == 7
+    assert len(client.query_rollouts(status=["running"])) == 30

@@ -11,10 +11,10 @@ from lightning_ray.types import Rollout, Span, Transition
 
 
 def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: str) -> list[Transition]:
+    spans = [s for s in spans if s.attempt_id == rollout.attempt_id]  # the attempt that ended the rollout
     rewards = [s.attributes[semconv.REWARD_VALUE] for s in spans if s.name == semconv.REWARD]
     reward = rewards[-1] if rewards else (rollout.reward or 0.0)
-    calls = [s for s in spans if s.name == semconv.LLM_CALL and s.attributes.get(semconv.MODEL) == policy_model
-             and s.attempt_id == rollout.attempt_id]
+    calls = [s for s in spans if s.name == semconv.LLM_CALL and s.attributes.get(semconv.MODEL) == policy_model]
     return [
         Transition(
             rollout_id=rollout.rollout_id,

@@ -24,6 +24,7 @@ from lightning_ray.serving.engines import SamplingParams, make_engine
 from lightning_ray.serving.http import ApiError, trace_ids
 from lightning_ray.serving.gate import Gate
 from lightning_ray.serving.responses import ResponsesRequest, create_response
+from lightning_ray.serving.routing import RolloutAffinityRouter
 from lightning_ray.serving.schemas import ChatCompletionRequest, CompletionRequest
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Span
@@ -34,7 +35,9 @@ http.install(api)
 APP_NAME = "policy"
 
 
-@serve.deployment(max_ongoing_requests=256, logging_config={"enable_access_log": False})
+# Each proxy routes a rollout's calls to one replica (its prefix cache), another only if that one is dead or full.
+@serve.deployment(max_ongoing_requests=256, logging_config={"enable_access_log": False},
+                  request_router_config={"request_router_class": RolloutAffinityRouter})
 @serve.ingress(api)
 class PolicyServer:
     async def __init__(self, model_path: str, model_name: str, store, registry, engine: str = "hf",
@@ -49,7 +52,9 @@ class PolicyServer:
         self.max_model_len, self.defaults = max_model_len, defaults or {}
         api.state.api_key, api.state.max_request_bytes = api_key, max_request_bytes
         self.gate = Gate()
+        self.known_rollouts: set[str] = set()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        api.state.replica_id = self.replica_id  # named in a response header (http.REPLICA_HEADER)
         # A replica started mid-run (autoscaling, or replacing a dead one) loads the latest policy before Serve
         # routes it a single request, so no call is ever served by stale weights.
         version, refs = await registry.wait_newer.remote(0, timeout_s=0.0)
@@ -71,15 +76,15 @@ class PolicyServer:
 
     @api.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        return await create_chat_completion(self, body, trace_ids(request))
+        return await create_chat_completion(self, body, await self.trace(request))
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
-        return await create_completion(self, body, trace_ids(request))
+        return await create_completion(self, body, await self.trace(request))
 
     @api.post("/v1/responses")
     async def responses(self, body: ResponsesRequest, request: Request):
-        return await create_response(self, body, trace_ids(request))
+        return await create_response(self, body, await self.trace(request))
 
     # ---- what the endpoints share ----------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -96,6 +101,19 @@ class PolicyServer:
         if fmt and fmt.type != "text":
             raise ApiError(422, f"response_format {fmt.type} needs constrained decoding, which this engine lacks",
                            param="response_format", code="unsupported")
+
+    async def trace(self, request: Request) -> tuple[str | None, str | None]:
+        """The rollout and attempt a call belongs to. An unknown rollout is the agent's misconfiguration: 404 before
+        any generation (each rollout is looked up once per replica)."""
+        rollout_id, attempt_id = trace_ids(request)
+        if rollout_id and rollout_id not in self.known_rollouts:
+            if not await self.store.rollout_exists(rollout_id):
+                raise ApiError(404, f"no rollout {rollout_id!r} in the trace store", param="rollout_id",
+                               code="rollout_not_found")
+            if len(self.known_rollouts) > 100_000:
+                self.known_rollouts.clear()
+            self.known_rollouts.add(rollout_id)
+        return rollout_id, attempt_id
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         try:
@@ -167,9 +185,10 @@ class PolicyServer:
                               "lightning_ray.response": c.text,
                               "lightning_ray.choice_index": i,
                               "lightning_ray.error": error,
+                              "lightning_ray.replica": self.replica_id,
                           }) for i, c in sorted(choices.items())]
             if spans:
-                await self.store.add_spans.remote(spans)  # recorded before the answer completes
+                await self.store.add_spans_async(spans)  # recorded before the answer completes
 
     async def _follow_weights(self) -> None:
         """Pull every newly published policy version; load it with admission paused; acknowledge it."""

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 logger = logging.getLogger(__name__)
 
 ROLLOUT_HEADER, ATTEMPT_HEADER = "x-rollout-id", "x-attempt-id"
+REPLICA_HEADER = "x-lightning-ray-replica"  # on every response: which replica served it
 _ROLLOUT_PATH = re.compile(r"^/rollouts/(?P<rollout>[^/]+)/attempts/(?P<attempt>[^/]+)(?P<rest>/v1/.*)$")
 
 
@@ -41,8 +42,16 @@ def trace_ids(request: Request) -> tuple[str | None, str | None]:
     return request.headers.get(ROLLOUT_HEADER), request.headers.get(ATTEMPT_HEADER)
 
 
+def rollout_of(scope: dict) -> str | None:
+    """The rollout a raw ASGI request belongs to (the path form wins, as in the middleware); the sticky router's key."""
+    if m := _ROLLOUT_PATH.match(scope.get("path", "")):
+        return m["rollout"]
+    value = dict(scope.get("headers", ())).get(ROLLOUT_HEADER.encode())
+    return value.decode() if value else None
+
+
 class PolicyMiddleware:
-    """Pure ASGI middleware (streaming-safe). Settings come from app.state: api_key, max_request_bytes."""
+    """Pure ASGI middleware (streaming-safe). Settings come from app.state: api_key, max_request_bytes, replica_id."""
 
     def __init__(self, app):
         self.app = app
@@ -52,6 +61,8 @@ class PolicyMiddleware:
             return await self.app(scope, receive, send)
         state = scope["app"].state
         headers = dict(scope["headers"])
+        if replica := getattr(state, "replica_id", None):
+            send = _with_header(send, REPLICA_HEADER.encode(), replica.encode())
         if m := _ROLLOUT_PATH.match(scope["path"]):
             scope = dict(scope, path=m["rest"], raw_path=m["rest"].encode(), headers=[
                 *[(k, v) for k, v in scope["headers"] if k not in (ROLLOUT_HEADER.encode(), ATTEMPT_HEADER.encode())],
@@ -66,6 +77,15 @@ class PolicyMiddleware:
             return await _send(send, ApiError(413, f"request body of {int(length)} bytes exceeds the limit of {limit}",
                                               code="request_too_large"))
         await self.app(scope, receive, send)
+
+
+def _with_header(send, name: bytes, value: bytes):
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (name, value)]}
+        await send(message)
+
+    return sending
 
 
 async def _send(send, e: ApiError) -> None:

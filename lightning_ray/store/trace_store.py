@@ -1,42 +1,126 @@
-"""The TraceStore actor: the rollout queue and every span, in one durable place shared by all workers."""
+"""The TraceStore actor: the rollout queue (leases, heartbeats, retries) and every span, durable in SQLite.
+
+Ray restarts it after a crash and retries the calls that were in flight; enqueues (ids chosen by the caller) and
+span batches (ids chosen by the sender) are idempotent, so a retried call never duplicates anything. A call whose
+reply was lost with the process (a dequeue) is healed by its lease: the attempt goes unresponsive and is retried.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections import Counter
 from pathlib import Path
 
 import ray
+from ray.util import metrics
 
+from lightning_ray.store.errors import BatchTooLarge, StoreError
 from lightning_ray.store.sqlite import SQLiteBackend
-from lightning_ray.types import Rollout, Span, Task, new_id
+from lightning_ray.types import FINISHED, Attempt, Rollout, Span
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)  # state lives in SQLite: a restart loses nothing
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class TraceStore:
-    def __init__(self, path: str | Path):
+    async def __init__(self, path: str | Path = ":memory:", max_batch_spans: int = 10_000,
+                       expire_every_s: float = 0.2):
         self.backend = SQLiteBackend(path)
+        self.max_batch_spans = max_batch_spans
+        self.errors: Counter[str] = Counter()
+        self.error_metric = metrics.Counter("lightning_ray_store_errors", "Rejected store input, by kind.",
+                                            tag_keys=("kind",))
+        self.span_metric = metrics.Counter("lightning_ray_store_spans", "Spans stored.")
+        self.finished = asyncio.Condition()  # notified whenever some rollout may have ended
+        self._expiry = asyncio.get_running_loop().create_task(self._expire_forever(expire_every_s))
 
-    def enqueue(self, tasks: list[Task]) -> list[str]:
-        rollouts = [Rollout(rollout_id=new_id("ro"), task=t) for t in tasks]
-        self.backend.add_rollouts(rollouts)
-        return [r.rollout_id for r in rollouts]
+    async def _expire_forever(self, every: float) -> None:
+        while True:
+            if self.backend.expire(time.time()):
+                await self._notify()
+            await asyncio.sleep(every)
 
-    def dequeue(self) -> Rollout | None:
-        return self.backend.claim_next(lambda rollout_id: new_id("at"))
+    async def _notify(self) -> None:
+        async with self.finished:
+            self.finished.notify_all()
 
-    def complete(self, rollout_id: str, status: str, reward: float | None = None, error: str | None = None) -> None:
-        self.backend.update_rollout(rollout_id, status=status, reward=reward, error=error)
+    def count_error(self, kind: str, n: int = 1) -> None:
+        """Rejected input, counted here and on the Ray dashboard (also called by the HTTP front for bad OTLP)."""
+        if n > 0:
+            self.errors[kind] += n
+            self.error_metric.inc(n, tags={"kind": kind})
 
-    def add_spans(self, spans: list[Span]) -> int:
-        return self.backend.add_spans(spans)
+    def _checked(self, call, *args):
+        try:
+            return call(*args)
+        except StoreError as e:
+            self.count_error(e.code)
+            raise
 
-    def get_rollouts(self, rollout_ids: list[str]) -> list[Rollout]:
-        return self.backend.get_rollouts(rollout_ids)
+    # --- the rollout queue ---------------------------------------------------------------------------------
 
-    def get_spans(self, rollout_ids: list[str]) -> list[Span]:
-        return self.backend.get_spans(rollout_ids)
+    async def enqueue(self, rollouts: list[Rollout]) -> int:
+        return self._checked(self.backend.enqueue, rollouts)
 
-    def count_spans(self) -> int:
-        return self.backend.count_spans()
+    async def dequeue(self, worker_id: str | None = None) -> tuple[Rollout, Attempt] | None:
+        return self.backend.dequeue(worker_id, time.time())
 
-    def count_finished(self, rollout_ids: list[str]) -> int:
-        return sum(r.status in ("succeeded", "failed") for r in self.backend.get_rollouts(rollout_ids))
+    async def heartbeat(self, attempt_id: str) -> Attempt:
+        return self._checked(self.backend.heartbeat, attempt_id, time.time())
+
+    async def finish_attempt(self, attempt_id: str, status: str, reward: float | None = None,
+                             error: str | None = None) -> Rollout:
+        rollout = self._checked(self.backend.finish_attempt, attempt_id, status, time.time(), reward, error)
+        await self._notify()
+        return rollout
+
+    async def cancel(self, rollout_ids: list[str]) -> list[Rollout]:
+        rollouts = self._checked(self.backend.cancel, rollout_ids, time.time())
+        await self._notify()
+        return rollouts
+
+    async def wait_for_rollouts(self, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
+        """Block until every rollout has ended (or the timeout passes); return the ended ones."""
+        def ended():
+            return [r for r in self.backend.get_rollouts(rollout_ids) if r.status in FINISHED]
+
+        async with self.finished:
+            try:
+                await asyncio.wait_for(self.finished.wait_for(lambda: len(ended()) == len(rollout_ids)), timeout)
+            except asyncio.TimeoutError:
+                pass
+        return ended()
+
+    # --- spans ---------------------------------------------------------------------------------------------
+
+    async def add_spans(self, rows: list[tuple]) -> dict:
+        """Store a batch of span rows (see sqlite.span_row); invalid ones are rejected with reasons and counted."""
+        if len(rows) > self.max_batch_spans:
+            self.count_error(BatchTooLarge.code)
+            raise BatchTooLarge(f"{len(rows)} spans in one batch; the limit is {self.max_batch_spans}")
+        result = self.backend.add_span_rows(rows)
+        if result["rejected"]:
+            self.count_error("invalid_spans", result["rejected"])
+        if result["accepted"]:
+            self.span_metric.inc(result["accepted"])
+        return result
+
+    # --- queries -------------------------------------------------------------------------------------------
+
+    async def get_rollouts(self, rollout_ids: list[str], strict: bool = False) -> list[Rollout]:
+        return self._checked(self.backend.get_rollouts, rollout_ids, strict)
+
+    async def query_rollouts(self, status: list[str] | None = None, since: float | None = None,
+                             until: float | None = None, limit: int | None = None) -> list[Rollout]:
+        return self.backend.query_rollouts(status, since, until, limit)
+
+    async def get_attempts(self, rollout_id: str) -> list[Attempt]:
+        return self.backend.get_attempts(rollout_id)
+
+    async def query_spans(self, rollout_ids: list[str] | None = None, attempt_id: str | None = None,
+                          name: str | None = None, since: float | None = None, until: float | None = None,
+                          limit: int | None = None) -> list[Span]:
+        return self.backend.query_spans(rollout_ids, attempt_id, name, since, until, limit)
+
+    async def stats(self) -> dict:
+        return {"rollouts": self.backend.count_rollouts(), "spans": self.backend.count_spans(),
+                "errors": dict(self.errors)}

@@ -1,0 +1,77 @@
+"""The Lightning client: an agent that lives elsewhere (another process or machine, no Ray installed) takes rollouts
+from a lightning_ray store over HTTP, runs where it is, and streams its spans and rewards back.
+
+    client = LightningClient("http://head:8000/store", api_key=...)
+    client.work(agent, reward, policy_url="http://head:8000", model="tiny-calc")
+
+It offers the same worker-side calls as the Ray StoreClient, so both drive the same rollout runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+
+from lightning_ray.rollout.runner import work
+from lightning_ray.store import errors
+from lightning_ray.types import Attempt, Rollout, RolloutConfig, Span, Task
+
+_ERRORS = {cls.code: cls for cls in errors.StoreError.__subclasses__()}
+
+
+class LightningClient:
+    def __init__(self, store_url: str, api_key: str | None = None, timeout: float = 60.0):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=store_url.rstrip("/"), headers=headers, timeout=timeout)
+        self.api_key = api_key
+
+    def _call(self, method: str, path: str, **kwargs):
+        r = self.http.request(method, path, **kwargs)
+        if r.status_code >= 400:
+            try:
+                error = r.json()["error"]
+            except (ValueError, KeyError):
+                error = {"message": r.text, "code": None}
+            raise _ERRORS.get(error.get("code"), errors.StoreError)(f"{r.status_code}: {error['message']}")
+        return r.json()
+
+    def enqueue(self, tasks: list[Task], config: RolloutConfig | None = None) -> list[Rollout]:
+        body = {"tasks": [t.model_dump() for t in tasks], "config": config and config.model_dump()}
+        return [Rollout(**r) for r in self._call("POST", "/v1/rollouts", json=body)]
+
+    def dequeue(self, worker_id: str | None = None) -> Rollout | None:
+        r = self._call("POST", "/v1/rollouts/dequeue", json={"worker_id": worker_id})
+        return None if r is None else Rollout(**r)
+
+    def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
+        return Attempt(**self._call("POST", f"/v1/rollouts/{rollout_id}/attempts/{attempt_id}/heartbeat"))
+
+    def finish_attempt(self, rollout_id: str, attempt_id: str, status: str, reward: float | None = None,
+                       error: str | None = None) -> Rollout:
+        return Rollout(**self._call("POST", f"/v1/rollouts/{rollout_id}/attempts/{attempt_id}/finish",
+                                    json={"status": status, "reward": reward, "error": error}))
+
+    def add_spans(self, spans: list[Span]) -> dict:
+        return self._call("POST", "/v1/spans", content=_spans_json(spans),
+                          headers={"content-type": "application/json"})
+
+    def wait_for_rollouts(self, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
+        return [Rollout(**r) for r in self._call("POST", "/v1/rollouts/wait",
+                                                 json={"rollout_ids": rollout_ids, "timeout": timeout})]
+
+    def query_spans(self, rollout_ids: list[str] | None = None, **filters) -> list[Span]:
+        params = {"rollout_id": rollout_ids or [], **{k: v for k, v in filters.items() if v is not None}}
+        return [Span(**s) for s in self._call("GET", "/v1/spans", params=params)]
+
+    def stats(self) -> dict:
+        return self._call("GET", "/v1/stats")
+
+    def work(self, agent: Callable, reward: Callable, policy_url: str, model: str, worker_id: str | None = None,
+             tracing_backend: str = "embedded") -> int:
+        """Run rollouts until the queue is empty (see rollout.runner); return how many ran."""
+        return work(self, agent, reward, policy_url, model, self.api_key or "EMPTY", worker_id, tracing_backend)
+
+
+def _spans_json(spans: list[Span]) -> bytes:
+    return b'{"spans":[' + b",".join(s.model_dump_json().encode() for s in spans) + b"]}"

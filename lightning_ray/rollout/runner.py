@@ -1,0 +1,81 @@
+"""One attempt of one rollout, wherever the agent lives: inside a Ray worker or behind the HTTP client.
+
+`store` is anything with the store's worker-side calls (dequeue, heartbeat, finish_attempt, add_spans): the Ray
+StoreClient or the HTTP LightningClient. Nothing here imports Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from contextlib import contextmanager
+
+from lightning_ray import tracing
+from lightning_ray.store.errors import StaleAttempt
+from lightning_ray.tracing import semconv
+from lightning_ray.types import Rollout
+
+logger = logging.getLogger(__name__)
+
+
+def work(store, agent: Callable, reward: Callable, policy_url: str, model: str, api_key: str = "EMPTY",
+         worker_id: str | None = None, tracing_backend: str = "embedded") -> int:
+    """Run rollouts from the queue until it is empty; return how many this worker ran."""
+    done = 0
+    while (rollout := store.dequeue(worker_id)) is not None:
+        run_attempt(store, rollout, agent, reward, policy_url, model, api_key, tracing_backend)
+        done += 1
+    return done
+
+
+def run_attempt(store, rollout: Rollout, agent: Callable, reward: Callable, policy_url: str, model: str,
+                api_key: str = "EMPTY", tracing_backend: str = "embedded") -> None:
+    """Run the unmodified agent on the rollout's task. It sees an ordinary OpenAI base URL whose path carries the
+    rollout and attempt to the policy server; its spans and emitted rewards stream to the store; heartbeats keep
+    the lease; the task's reward function gives the reward, so the agent needs no emitter at all."""
+    rid, aid = rollout.rollout_id, rollout.attempt_id
+    base_url = f"{policy_url}/rollouts/{rid}/attempts/{aid}/v1"
+    with (_heartbeats(store, rollout) as lease_lost,
+          tracing.trace_attempt(rid, aid, store.add_spans, tracing_backend),
+          tracing.span(semconv.ROLLOUT, {"task_id": rollout.task.task_id}) as root):
+        try:
+            answer = agent(rollout.task.input, base_url=base_url, model=model, api_key=api_key)
+            value, status, error = reward(rollout.task.input, answer), "succeeded", None
+        except Exception as e:  # the agent's failure is the rollout's outcome, not the worker's
+            answer, value, status, error = None, 0.0, "failed", f"{type(e).__name__}: {e}"
+            tracing.emit_exception(e)
+        root.set_attributes({"answer": answer, "status": status, "error": error})
+        tracing.emit_reward(value)
+    if lease_lost.is_set():
+        logger.warning("rollout %s attempt %s lost its lease; its result is dropped", rid, aid)
+        return
+    try:
+        store.finish_attempt(rid, aid, status, value, error)
+    except StaleAttempt as e:  # timed out or went unresponsive in the store's eyes while we finished
+        logger.warning("%s", e)
+
+
+@contextmanager
+def _heartbeats(store, rollout: Rollout):
+    """Beat at a third of the lease while the agent runs; set the event if the store says the lease is lost."""
+    lost, stop = threading.Event(), threading.Event()
+    every = (rollout.config.unresponsive_seconds or 30.0) / 3
+
+    def beat():
+        while not stop.wait(every):
+            try:
+                store.heartbeat(rollout.rollout_id, rollout.attempt_id)
+            except StaleAttempt:
+                lost.set()
+                return
+            except Exception:  # a store restarting: keep beating, the lease has slack
+                logger.warning("heartbeat for %s failed; retrying", rollout.attempt_id, exc_info=True)
+
+    thread = threading.Thread(target=beat, daemon=True, name=f"heartbeat-{rollout.attempt_id}")
+    thread.start()
+    try:
+        yield lost
+    finally:
+        stop.set()
+        thread.join()

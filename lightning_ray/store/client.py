@@ -1,0 +1,144 @@
+"""StoreClient: the one handle every component uses to reach the store, over one or several TraceStore shards.
+
+Rollouts are sharded by a stable hash of their id, so a rollout, its attempts and its spans live on one shard;
+calls that name no rollout fan out and merge. Span rows are encoded here, on the sender's CPU, not the store's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import zlib
+from collections import defaultdict
+from pathlib import Path
+
+import ray
+
+from lightning_ray.store.errors import InvalidSpans, UnknownRollout
+from lightning_ray.store.sqlite import span_row
+from lightning_ray.store.trace_store import TraceStore
+from lightning_ray.types import Attempt, Rollout, RolloutConfig, Span, Task, new_id
+
+
+class StoreClient:
+    def __init__(self, shards: list):
+        self.shards = shards
+        self._next = random.randrange(len(shards))  # spread dequeues of different workers over the shards
+
+    @classmethod
+    def start(cls, run_dir: str | Path | None = None, num_shards: int = 1, **options) -> StoreClient:
+        """Start the shard actors: SQLite files traces[-i].sqlite in `run_dir`, or in memory when it is None."""
+        def path(i):
+            return ":memory:" if run_dir is None else str(Path(run_dir) / (f"traces-{i}.sqlite" if num_shards > 1
+                                                                           else "traces.sqlite"))
+        return cls([TraceStore.remote(path(i), **options) for i in range(num_shards)])
+
+    def shard(self, key: str):
+        return self.shards[zlib.crc32(key.encode()) % len(self.shards)]
+
+    def _by_shard(self, keys: list[str]) -> dict[int, list[int]]:
+        """Positions of `keys` grouped by shard index."""
+        groups = defaultdict(list)
+        for i, k in enumerate(keys):
+            groups[zlib.crc32(k.encode()) % len(self.shards)].append(i)
+        return groups
+
+    # --- the rollout queue ---------------------------------------------------------------------------------
+
+    def enqueue(self, tasks: list[Task], config: RolloutConfig | None = None) -> list[Rollout]:
+        rollouts = [Rollout(rollout_id=new_id("ro"), task=t, config=config or RolloutConfig()) for t in tasks]
+        groups = self._by_shard([r.rollout_id for r in rollouts])
+        ray.get([self.shards[s].enqueue.remote([rollouts[i] for i in idx]) for s, idx in groups.items()])
+        return rollouts
+
+    def dequeue(self, worker_id: str | None = None) -> Rollout | None:
+        """Lease the next rollout to a new attempt; None when every shard's queue is empty."""
+        for k in range(len(self.shards)):
+            leased = ray.get(self.shards[(self._next + k) % len(self.shards)].dequeue.remote(worker_id))
+            if leased is not None:
+                self._next = (self._next + k + 1) % len(self.shards)
+                return leased[0]
+        return None
+
+    def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
+        return ray.get(self.shard(rollout_id).heartbeat.remote(attempt_id))
+
+    def finish_attempt(self, rollout_id: str, attempt_id: str, status: str, reward: float | None = None,
+                       error: str | None = None) -> Rollout:
+        return ray.get(self.shard(rollout_id).finish_attempt.remote(attempt_id, status, reward, error))
+
+    def cancel(self, rollout_ids: list[str]) -> list[Rollout]:
+        return self._scatter(rollout_ids, lambda shard, ids: shard.cancel.remote(ids))
+
+    def wait_for_rollouts(self, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
+        return self._scatter(rollout_ids, lambda shard, ids: shard.wait_for_rollouts.remote(ids, timeout))
+
+    def get_rollouts(self, rollout_ids: list[str], strict: bool = False) -> list[Rollout]:
+        return self._scatter(rollout_ids, lambda shard, ids: shard.get_rollouts.remote(ids, strict))
+
+    def _scatter(self, rollout_ids: list[str], call) -> list[Rollout]:
+        """Send each shard its rollouts; answer in the order asked (rollouts a shard did not return are left out)."""
+        groups = self._by_shard(rollout_ids)
+        found = {r.rollout_id: r for part in ray.get([call(self.shards[s], [rollout_ids[i] for i in idx])
+                                                     for s, idx in groups.items()]) for r in part}
+        return [found[i] for i in rollout_ids if i in found]
+
+    def query_rollouts(self, status: list[str] | None = None, since: float | None = None,
+                       until: float | None = None, limit: int | None = None) -> list[Rollout]:
+        parts = ray.get([s.query_rollouts.remote(status, since, until, limit) for s in self.shards])
+        return sorted((r for part in parts for r in part), key=lambda r: r.enqueued_at)[:limit]
+
+    async def rollout_exists(self, rollout_id: str) -> bool:
+        return bool(await self.shard(rollout_id).get_rollouts.remote([rollout_id]))
+
+    def get_attempts(self, rollout_id: str) -> list[Attempt]:
+        return ray.get(self.shard(rollout_id).get_attempts.remote(rollout_id))
+
+    # --- spans ---------------------------------------------------------------------------------------------
+
+    def add_spans(self, spans: list[Span], strict: bool = True) -> dict:
+        """Store spans; with `strict`, raise on any rejected span (the valid ones are stored all the same)."""
+        return _merged(ray.get(self._add_span_refs(spans)), strict)
+
+    async def add_spans_async(self, spans: list[Span], strict: bool = True) -> dict:
+        return _merged(await asyncio.gather(*self._add_span_refs(spans)), strict)
+
+    def _add_span_refs(self, spans: list[Span]) -> list:
+        groups = self._by_shard([s.rollout_id or s.span_id for s in spans])
+        return [self.shards[s].add_spans.remote([span_row(spans[i]) for i in idx]) for s, idx in groups.items()]
+
+    def query_spans(self, rollout_ids: list[str] | None = None, attempt_id: str | None = None,
+                    name: str | None = None, since: float | None = None, until: float | None = None,
+                    limit: int | None = None) -> list[Span]:
+        if rollout_ids is None:
+            targets = {i: None for i in range(len(self.shards))}
+        else:
+            targets = {s: [rollout_ids[i] for i in idx] for s, idx in self._by_shard(rollout_ids).items()}
+        parts = ray.get([self.shards[s].query_spans.remote(ids, attempt_id, name, since, until, limit)
+                         for s, ids in targets.items()])
+        return sorted((s for part in parts for s in part), key=lambda s: s.start_time)[:limit]
+
+    def stats(self) -> dict:
+        parts = ray.get([s.stats.remote() for s in self.shards])
+        total = {"rollouts": defaultdict(int), "spans": 0, "errors": defaultdict(int)}
+        for p in parts:
+            total["spans"] += p["spans"]
+            for key in ("rollouts", "errors"):
+                for k, v in p[key].items():
+                    total[key][k] += v
+        return {k: dict(v) if isinstance(v, defaultdict) else v for k, v in total.items()}
+
+    def count_error(self, kind: str, n: int = 1) -> None:
+        self.shards[0].count_error.remote(kind, n)
+
+
+def _merged(results: list[dict], strict: bool) -> dict:
+    merged = {"accepted": 0, "duplicates": 0, "rejected": 0, "errors": []}
+    for r in results:
+        for k in merged:
+            merged[k] += r[k]
+    if strict and merged["rejected"]:
+        unknown = all("unknown rollout_id" in e for e in merged["errors"])
+        raise (UnknownRollout if unknown else InvalidSpans)(
+            f"{merged['rejected']} span(s) rejected: " + "; ".join(merged["errors"]))
+    return merged

@@ -1,0 +1,150 @@
+"""The store over HTTP, for agents that live outside Ray: the rollout queue, spans, queries, and an OTLP/HTTP
+trace receiver (POST /v1/traces, protobuf or JSON) so any OpenTelemetry exporter or collector can send us spans.
+
+It runs as a Ray Serve app next to the policy (same proxy and port, under /store) and forwards to the StoreClient.
+"""
+
+from __future__ import annotations
+
+import gzip
+
+from fastapi import FastAPI, Query, Request, Response
+from google.protobuf.json_format import MessageToJson
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+from pydantic import BaseModel, Field
+from ray import serve
+
+from lightning_ray.serving.http import ApiError, error_response, install
+from lightning_ray.store.client import StoreClient
+from lightning_ray.store.errors import StoreError
+from lightning_ray.tracing.otlp import OtlpDecodeError, spans_from_otlp
+from lightning_ray.types import Attempt, AttemptStatus, Rollout, RolloutConfig, RolloutStatus, Span, Task
+
+APP_NAME, ROUTE_PREFIX = "store", "/store"
+api = FastAPI(title="lightning_ray trace store")
+install(api)
+
+
+@api.exception_handler(StoreError)
+async def _store_error(_: Request, e: StoreError):
+    cause = getattr(e, "cause", None) or e  # raised through Ray: the original error, without the remote traceback
+    return error_response(ApiError(e.status, str(cause), code=e.code))
+
+
+class EnqueueRequest(BaseModel):
+    tasks: list[Task] = Field(min_length=1)
+    config: RolloutConfig | None = None
+
+
+class DequeueRequest(BaseModel):
+    worker_id: str | None = None
+
+
+class FinishRequest(BaseModel):
+    status: AttemptStatus
+    reward: float | None = None
+    error: str | None = None
+
+
+class RolloutIdsRequest(BaseModel):
+    rollout_ids: list[str] = Field(min_length=1)
+    timeout: float | None = Field(None, ge=0)
+
+
+class SpansRequest(BaseModel):
+    spans: list[Span]
+
+
+def otlp_response(content_type: str, rejected: int, message: str) -> Response:
+    """OTLP's reply: an ExportTraceServiceResponse in the request's encoding, with a partial success if needed."""
+    reply = ExportTraceServiceResponse()
+    if rejected:
+        reply.partial_success.rejected_spans, reply.partial_success.error_message = rejected, message
+    if content_type == "application/json":
+        return Response(MessageToJson(reply), media_type="application/json")
+    return Response(reply.SerializeToString(), media_type="application/x-protobuf")
+
+
+# (Serve captures a deployment's module globals when it is decorated: helpers go above it.)
+@serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})
+@serve.ingress(api)
+class StoreApi:
+    def __init__(self, store: StoreClient, api_key: str | None = None, max_request_bytes: int = 64 << 20):
+        self.store = store
+        api.state.api_key, api.state.max_request_bytes = api_key, max_request_bytes
+
+    @api.post("/v1/rollouts")
+    def enqueue(self, body: EnqueueRequest) -> list[Rollout]:
+        return self.store.enqueue(body.tasks, body.config)
+
+    @api.post("/v1/rollouts/dequeue")
+    def dequeue(self, body: DequeueRequest) -> Rollout | None:
+        return self.store.dequeue(body.worker_id)
+
+    @api.post("/v1/rollouts/{rollout_id}/attempts/{attempt_id}/heartbeat")
+    def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
+        return self.store.heartbeat(rollout_id, attempt_id)
+
+    @api.post("/v1/rollouts/{rollout_id}/attempts/{attempt_id}/finish")
+    def finish_attempt(self, rollout_id: str, attempt_id: str, body: FinishRequest) -> Rollout:
+        return self.store.finish_attempt(rollout_id, attempt_id, body.status, body.reward, body.error)
+
+    @api.post("/v1/rollouts/cancel")
+    def cancel(self, body: RolloutIdsRequest) -> list[Rollout]:
+        return self.store.cancel(body.rollout_ids)
+
+    @api.post("/v1/rollouts/wait")
+    def wait_for_rollouts(self, body: RolloutIdsRequest) -> list[Rollout]:
+        return self.store.wait_for_rollouts(body.rollout_ids, body.timeout)
+
+    @api.get("/v1/rollouts")
+    def query_rollouts(self, status: list[RolloutStatus] | None = Query(None), since: float | None = None,
+                       until: float | None = None, limit: int | None = Query(None, ge=1)) -> list[Rollout]:
+        return self.store.query_rollouts(status, since, until, limit)
+
+    @api.get("/v1/rollouts/{rollout_id}")
+    def get_rollout(self, rollout_id: str) -> Rollout:
+        return self.store.get_rollouts([rollout_id], strict=True)[0]
+
+    @api.get("/v1/rollouts/{rollout_id}/attempts")
+    def get_attempts(self, rollout_id: str) -> list[Attempt]:
+        self.store.get_rollouts([rollout_id], strict=True)
+        return self.store.get_attempts(rollout_id)
+
+    @api.post("/v1/spans")
+    def add_spans(self, body: SpansRequest) -> dict:
+        return self.store.add_spans(body.spans)
+
+    @api.get("/v1/spans")
+    def query_spans(self, rollout_id: list[str] | None = Query(None), attempt_id: str | None = None,
+                    name: str | None = None, since: float | None = None, until: float | None = None,
+                    limit: int | None = Query(None, ge=1)) -> list[Span]:
+        return self.store.query_spans(rollout_id, attempt_id, name, since, until, limit)
+
+    @api.get("/v1/stats")
+    def stats(self) -> dict:
+        return self.store.stats()
+
+    @api.post("/v1/traces")
+    async def otlp_traces(self, request: Request) -> Response:
+        """OTLP/HTTP. Undecodable payloads get 400; spans the store rejects are reported as a partial success."""
+        content_type = request.headers.get("content-type", "").split(";")[0].strip()
+        try:
+            body = await request.body()
+            if request.headers.get("content-encoding") == "gzip":
+                body = gzip.decompress(body)
+            spans = spans_from_otlp(body, content_type)
+        except (OtlpDecodeError, OSError, EOFError) as e:
+            self.store.count_error("otlp_malformed")
+            raise ApiError(400, f"malformed OTLP payload: {e}", code="otlp_malformed") from None
+        result = await self.store.add_spans_async(spans, strict=False) if spans else {"rejected": 0, "errors": []}
+        return otlp_response(content_type, result["rejected"], "; ".join(result["errors"]))
+
+
+def deploy_store_api(store: StoreClient, host: str = "127.0.0.1", port: int = 8000,
+                     api_key: str | None = None) -> str:
+    """Serve the store over HTTP on the Serve proxy; return its base URL (OTLP exporters post to {url}/v1/traces)."""
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(StoreApi.bind(store, api_key=api_key), name=APP_NAME, route_prefix=ROUTE_PREFIX)
+    return f"http://{host}:{port}{ROUTE_PREFIX}"

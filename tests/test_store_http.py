@@ -1,0 +1,158 @@
+"""The store over HTTP: the Lightning client in a process without Ray, the OTLP/HTTP receiver, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import httpx
+import pytest
+from google.protobuf.json_format import MessageToJson
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from lightning_ray.algorithm.lightningrl import transitions_from_spans
+from lightning_ray.tasks import calc
+from lightning_ray.tracing import semconv
+from lightning_ray.types import RolloutConfig, Task
+
+MODEL = "tiny-calc"
+
+
+@pytest.fixture(scope="module")
+def app(policy_app, serve_port):
+    from ray import serve
+
+    from lightning_ray.store.http import APP_NAME, deploy_store_api
+
+    with policy_app(defaults={"max_tokens": 16}) as app:
+        url = deploy_store_api(app["store"], port=serve_port)
+        yield {**app, "store_url": url}
+        serve.delete(APP_NAME)
+
+
+OUTSIDE_AGENT = textwrap.dedent("""
+    import json, sys
+    from lightning_ray.client import LightningClient
+    from lightning_ray.tasks import calc
+    from lightning_ray import tracing
+
+    def agent(task, **openai_settings):  # the unmodified calc agent, plus one tool span of its own
+        answer = calc.agent(task, **openai_settings)
+        tracing.emit_tool("checker", {"answer": answer}, result="checked")
+        return answer
+
+    store_url, policy_url = sys.argv[1:]
+    ran = LightningClient(store_url).work(agent, calc.reward, policy_url, "tiny-calc", worker_id="outside")
+    print(json.dumps({"ran": ran, "ray_imported": "ray" in sys.modules}))
+""")
+
+
+def test_an_agent_outside_ray_pulls_rollouts_and_streams_its_spans_back(app, tmp_path):
+    store = app["store"]
+    rollouts = store.enqueue(calc.make_tasks(3, seed=1), RolloutConfig(unresponsive_seconds=30))
+    fake_ray = tmp_path / "ray"
+    fake_ray.mkdir()
+    (fake_ray / "__init__.py").write_text("raise ImportError('the Lightning client must not need Ray')\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run([sys.executable, "-c", OUTSIDE_AGENT, app["store_url"], app["url"]], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"ran": 3, "ray_imported": False}
+    for r in store.get_rollouts([r.rollout_id for r in rollouts]):
+        assert r.status == "succeeded" and r.reward in (0.0, 1.0)
+        [attempt] = store.get_attempts(r.rollout_id)
+        assert attempt.worker_id == "outside" and attempt.status == "succeeded"
+        spans = store.query_spans([r.rollout_id])
+        names = [s.name for s in spans]
+        # the server recorded the policy calls, the client streamed the agent's own spans: one attempt, one trace
+        assert names.count(semconv.LLM_CALL) >= 1 and "execute_tool checker" in names
+        assert {semconv.ROLLOUT, semconv.REWARD} <= set(names) and {s.attempt_id for s in spans} == {r.attempt_id}
+        reward = [s for s in spans if s.name == semconv.REWARD][0].attributes[semconv.REWARD_VALUE]
+        assert reward == r.reward
+        assert [t.reward for t in transitions_from_spans(r, spans, MODEL)] == [r.reward] * names.count("llm.call")
+
+
+def test_store_api_lifecycle_and_errors_over_http(app):
+    http = httpx.Client(base_url=app["store_url"], timeout=30)
+    [rollout] = http.post("/v1/rollouts", json={"tasks": [{"task_id": "t", "input": {"x": 1}}],
+                                               "config": {"max_attempts": 2}}).json()
+    leased = http.post("/v1/rollouts/dequeue", json={"worker_id": "w"}).json()
+    while leased["rollout_id"] != rollout["rollout_id"]:  # other tests' rollouts may be queued too
+        leased = http.post("/v1/rollouts/dequeue", json={}).json()
+    path = f"/v1/rollouts/{leased['rollout_id']}/attempts/{leased['attempt_id']}"
+    assert http.post(path + "/heartbeat").json()["status"] == "running"
+    assert http.post(path + "/finish", json={"status": "failed", "error": "boom"}).json()["status"] == "requeued"
+    stale = http.post(path + "/finish", json={"status": "succeeded"})
+    assert stale.status_code == 409 and stale.json()["error"]["code"] == "stale_attempt"
+    bad = http.post(path + "/finish", json={"status": "queued"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "status"
+    missing = http.post(f"/v1/rollouts/{leased['rollout_id']}/attempts/at-nope/heartbeat")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "attempt_not_found"
+    assert http.get("/v1/rollouts/ro-nope").status_code == 404
+    assert [a["status"] for a in http.get(path.rsplit("/", 2)[0] + "/attempts").json()] == ["failed"]
+    assert rollout["rollout_id"] in [r["rollout_id"] for r in http.get("/v1/rollouts", params={"status": "requeued"}).json()]
+    ghost = http.post("/v1/spans", json={"spans": [{"name": "x", "rollout_id": "ro-ghost"}]})
+    assert ghost.status_code == 404 and "ro-ghost" in ghost.json()["error"]["message"]
+    assert http.post("/v1/spans", json={"spans": [{"rollout_id": rollout["rollout_id"]}]}).status_code == 400
+    huge = http.post("/v1/spans", content=b"x" * (65 << 20), headers={"content-type": "application/json"})
+    assert huge.status_code == 413
+    assert http.get("/v1/stats").json()["errors"]["rollout_not_found"] >= 1
+
+
+def otel_spans(rollout_id: str, attempt_id: str):
+    """Real SDK spans from a GenAI-instrumented agent: a chat call with its events, inside an agent span."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "outside-agent",
+                                                        semconv.ROLLOUT_ID: rollout_id,
+                                                        semconv.ATTEMPT_ID: attempt_id}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("agent")
+    with tracer.start_as_current_span("invoke_agent calc", attributes={"gen_ai.agent.name": "calc"}):
+        with tracer.start_as_current_span("chat tiny-calc", attributes={
+                "gen_ai.operation.name": "chat", "gen_ai.request.model": MODEL, "gen_ai.usage.input_tokens": 12}) as s:
+            s.add_event("gen_ai.user.message", {"content": "What is 3 + 4?"})
+    return provider, exporter.get_finished_spans()
+
+
+def test_otlp_receiver_takes_protobuf_from_the_real_exporter_and_json(app):
+    store, url = app["store"], app["store_url"] + "/v1/traces"
+    [proto_rollout, json_rollout] = store.enqueue([Task(task_id="p", input={}), Task(task_id="j", input={})])
+
+    provider, spans = otel_spans(proto_rollout.rollout_id, "at-1")
+    assert OTLPSpanExporter(endpoint=url).export(spans).name == "SUCCESS"  # the SDK's exporter, protobuf
+    _, spans = otel_spans(json_rollout.rollout_id, "at-2")
+    reply = httpx.post(url, content=MessageToJson(encode_spans(spans)), headers={"content-type": "application/json"})
+    assert reply.status_code == 200 and reply.json() == {}
+
+    for rollout, attempt in ((proto_rollout, "at-1"), (json_rollout, "at-2")):
+        stored = store.query_spans([rollout.rollout_id])
+        by_name = {s.name: s for s in stored}
+        chat, agent = by_name["chat tiny-calc"], by_name["invoke_agent calc"]
+        assert chat.parent_id == agent.span_id and chat.trace_id == agent.trace_id and chat.attempt_id == attempt
+        assert chat.attributes["gen_ai.usage.input_tokens"] == 12 and chat.attributes["gen_ai.request.model"] == MODEL
+        assert chat.events[0].name == "gen_ai.user.message"
+        assert chat.events[0].attributes == {"content": "What is 3 + 4?"}
+        assert agent.attributes["gen_ai.agent.name"] == "calc"
+
+
+def test_otlp_receiver_rejects_bad_payloads_clearly_and_keeps_serving(app):
+    url = app["store_url"] + "/v1/traces"
+    before = app["store"].stats()["errors"].get("otlp_malformed", 0)
+    for body, content_type in ((b"\x00garbage", "application/x-protobuf"), (b"{not json", "application/json"),
+                               (b"{}", "text/plain")):
+        r = httpx.post(url, content=body, headers={"content-type": content_type})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "otlp_malformed", (content_type, r.text)
+    _, spans = otel_spans("ro-unknown", "at-1")  # well-formed, but for no rollout of ours
+    r = httpx.post(url, content=MessageToJson(encode_spans(spans)), headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["partialSuccess"]["rejectedSpans"] == "2"
+    assert "ro-unknown" in r.json()["partialSuccess"]["errorMessage"]
+    stats = app["store"].stats()
+    assert stats["errors"]["otlp_malformed"] == before + 3 and stats["errors"]["invalid_spans"] >= 2
