@@ -207,3 +207,39 @@ def test_shards_split_rollouts_by_id_and_queries_merge(ray_cluster):
         assert len(ray.get(client.shard(r.rollout_id).query_spans.remote([r.rollout_id]))) == 1
     assert len(client.query_spans()) == 30 and len(client.query_spans(name="llm.call", limit=7)) == 7
     assert len(client.query_rollouts(status=["running"])) == 30
+
+
+def test_both_tracing_paths_store_identical_spans_for_the_same_agent_run(ray_cluster):
+    from lightning_ray import tracing
+    from lightning_ray.rollout.runner import run_attempt
+
+    def agent(task, **openai_settings):  # no LLM here: the agent's own spans are what is compared
+        with tracing.span("plan", {"steps": 2}) as plan:
+            plan.add_event("thought", {"text": "use the calculator"})
+            tracing.emit_tool("calculator", {"expression": "1+2"}, result="3")
+            tracing.emit_tool("calculator", {"expression": "1/0"}, error=ZeroDivisionError("division by zero"))
+        tracing.emit_reward({"correct": 1.0, "format": 0.5})
+        return "3"
+
+    client = StoreClient.start()
+    stored = {}
+    for backend in ("embedded", "otel"):
+        client.enqueue([Task(task_id="t", input={"question": "1+2"})])
+        rollout = client.dequeue("w")
+        run_attempt(client, rollout, agent, lambda task, answer: float(answer == "3"), "http://unused", "m",
+                    tracing_backend=backend)
+        stored[backend] = shape(client.query_spans([rollout.rollout_id]), rollout)
+    assert stored["embedded"] == stored["otel"]
+    names = [s[0] for s in stored["embedded"]]
+    assert names.count("execute_tool calculator") == 2 and names.count("reward") == 2 and "rollout" in names
+
+
+def shape(spans: list[Span], rollout: Rollout) -> list[tuple]:
+    """A span without what differs between runs: ids become positions, times are dropped, stack traces cut."""
+    spans = sorted(spans, key=lambda s: (s.name, str(sorted(s.attributes.items()))))
+    position = {s.span_id: i for i, s in enumerate(spans)}
+    assert {(s.rollout_id, s.attempt_id) for s in spans} == {(rollout.rollout_id, rollout.attempt_id)}
+    assert len({s.trace_id for s in spans}) == 1
+    return [(s.name, position.get(s.parent_id), s.status, s.status_message, s.attributes,
+             [(e.name, {k: v for k, v in e.attributes.items() if k != "exception.stacktrace"}) for e in s.events])
+            for s in spans]
