@@ -70,7 +70,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                          for t in rng.sample(dataset, cfg.rollout.tasks_per_iteration)
                          for _ in range(cfg.rollout.group_size)]
                 rollout_ids = [r.rollout_id for r in store.enqueue(tasks, attempts)]
-                _wait_for_rollouts([w.work.remote() for w in workers], store, rollout_ids, iteration)
+                _run_rollouts(workers, store, rollout_ids, iteration)
             with phase("adapt"):
                 rollouts = store.get_rollouts(rollout_ids)
                 spans = store.query_spans(rollout_ids)
@@ -123,14 +123,22 @@ def train(cfg: TrainConfig) -> list[dict]:
     return history
 
 
-def _wait_for_rollouts(work, store, rollout_ids: list[str], iteration: int) -> None:
+def _run_rollouts(workers, store: StoreClient, rollout_ids: list[str], iteration: int) -> None:
+    """Workers drain the queue; when they are done but rollouts are still open (attempts that failed, timed out or
+    went silent and were requeued), send them again. A worker's crash is raised here."""
     with tqdm(total=len(rollout_ids), desc=f"iter {iteration} rollouts", leave=False) as bar:
+        work = [w.work.remote() for w in workers]
         while True:
-            ready, _ = ray.wait(work, num_returns=len(work), timeout=0.5)
-            bar.update(len(store.wait_for_rollouts(rollout_ids, timeout=0)) - bar.n)
-            if len(ready) == len(work):
-                ray.get(work)  # re-raise a worker's crash here
+            ended = len(store.wait_for_rollouts(rollout_ids, timeout=0.5))
+            bar.update(ended - bar.n)
+            if work:
+                done, work = ray.wait(work, num_returns=len(work), timeout=0)
+                ray.get(done)
+            if ended == len(rollout_ids):
+                ray.get(work)
                 return
+            if not work:
+                work = [w.work.remote() for w in workers]
 
 
 def _probe(server_url: str, cfg: TrainConfig) -> dict:

@@ -104,7 +104,8 @@ def test_store_api_lifecycle_and_errors_over_http(app):
     assert http.post("/v1/spans", json={"spans": [{"rollout_id": rollout["rollout_id"]}]}).status_code == 400
     huge = http.post("/v1/spans", content=b"x" * (65 << 20), headers={"content-type": "application/json"})
     assert huge.status_code == 413
-    assert http.get("/v1/stats").json()["errors"]["rollout_not_found"] >= 1
+    errors = http.get("/v1/stats").json()["errors"]
+    assert errors["rollout_not_found"] >= 1 and errors["request_too_large"] == 1 and errors["invalid_request"] >= 2
 
 
 def otel_spans(rollout_id: str, attempt_id: str):

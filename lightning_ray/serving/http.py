@@ -74,6 +74,8 @@ class PolicyMiddleware:
         limit = getattr(state, "max_request_bytes", None)
         length = headers.get(b"content-length", b"0")
         if limit and length.isdigit() and int(length) > limit:
+            if count := getattr(state, "count_rejected", None):  # the store counts every rejected input
+                count("request_too_large")
             return await _send(send, ApiError(413, f"request body of {int(length)} bytes exceeds the limit of {limit}",
                                               code="request_too_large"))
         await self.app(scope, receive, send)
@@ -103,7 +105,9 @@ def install(app: FastAPI) -> None:
         return error_response(e)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError):
+    async def _invalid(request: Request, e: RequestValidationError):
+        if count := getattr(request.app.state, "count_rejected", None):
+            count("invalid_request")
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"] if p != "body") or None
         return error_response(ApiError(400, f"{param or 'body'}: {err['msg']}", param=param))

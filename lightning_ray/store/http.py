@@ -73,6 +73,7 @@ class StoreApi:
     def __init__(self, store: StoreClient, api_key: str | None = None, max_request_bytes: int = 64 << 20):
         self.store = store
         api.state.api_key, api.state.max_request_bytes = api_key, max_request_bytes
+        api.state.count_rejected = store.count_error
 
     @api.post("/v1/rollouts")
     def enqueue(self, body: EnqueueRequest) -> list[Rollout]:

@@ -1,0 +1,133 @@
+"""Trace-store throughput, ours vs Agent Lightning 0.3.0's stores, on the same workload (store_workload.py).
+
+    .venv/bin/python benchmarks/store_throughput.py [--spans N] [--rollouts N] [--no-peer]
+
+Ours, through the path agents use: Span objects handed to StoreClient.add_spans (the policy server and the worker's
+tracer do exactly this) → rows encoded on the sender → Ray actor call → SQLite WAL commit in a run directory;
+also the in-memory backend, and the HTTP path an agent outside Ray uses (LightningClient → Serve → store).
+Theirs (`agl_store.py` in .venvs/agentlightning, built by envs/agentlightning/build.sh): InMemoryLightningStore
+called in-process, and their HTTP client/server store. As on their side, building Span objects from the workload
+dicts and creating the rollouts happen before the clock starts. Prints a JSON line per measurement, then ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import ray
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from store_workload import make_spans  # noqa: E402
+
+from lightning_ray.store.client import StoreClient  # noqa: E402
+from lightning_ray.types import Span, Task  # noqa: E402
+
+PEER_PYTHON = HERE.parent / ".venvs/agentlightning/bin/python"
+
+
+def emit(store: str, metric: str, api: str, n: int, seconds: float) -> dict:
+    line = {"store": store, "metric": metric, "api": api, "value": round(n / seconds, 1), "n": n,
+            "seconds": round(seconds, 3)}
+    print(json.dumps(line), flush=True)
+    return line
+
+
+def our_spans(store, dicts: list[dict]) -> list[Span]:
+    """Untimed: the workload's rollouts queued in our store (it names them), then our Span objects."""
+    names = list(dict.fromkeys(d["rollout_id"] for d in dicts))
+    ids = dict(zip(names, (r.rollout_id for r in store.enqueue([Task(task_id=n, input={}) for n in names]))))
+    return [Span(**{**d, "rollout_id": ids[d["rollout_id"]]}) for d in dicts]
+
+
+def spans_per_s(name: str, store, dicts: list[dict], batch: int, senders: int) -> dict:
+    """`senders` threads share the batches, as rollout workers and server replicas send at the same time."""
+    spans = our_spans(store, dicts)
+    batches = [spans[i:i + batch] for i in range(0, len(spans), batch)]
+    t = time.perf_counter()
+    with ThreadPoolExecutor(senders) as pool:
+        list(pool.map(store.add_spans, batches))
+    seconds = time.perf_counter() - t
+    assert len(store.query_spans([spans[0].rollout_id])) == sum(s.rollout_id == spans[0].rollout_id for s in spans)
+    return emit(name, "spans_per_s", f"add_spans[{batch}] x {senders} senders", len(spans), seconds)
+
+
+def rollouts_per_s(name: str, store, n: int) -> dict:
+    t = time.perf_counter()
+    store.enqueue([Task(task_id=str(i), input={"task": i}) for i in range(n)])
+    while (rollout := store.dequeue("w0")) is not None:
+        store.finish_attempt(rollout.rollout_id, rollout.attempt_id, "succeeded", reward=1.0)
+    return emit(name, "rollouts_per_s", "enqueue+dequeue+finish_attempt", n, time.perf_counter() - t)
+
+
+def ours(args) -> list[dict]:
+    from ray import serve
+
+    from lightning_ray.client import LightningClient
+    from lightning_ray.store.http import APP_NAME, deploy_store_api
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    dicts = make_spans(args.spans, args.workload_rollouts)
+    out = []
+    with tempfile.TemporaryDirectory() as run_dir:
+        out.append(spans_per_s("lightning_ray-sqlite", StoreClient.start(run_dir), dicts, args.batch, args.senders))
+        out.append(rollouts_per_s("lightning_ray-sqlite", StoreClient.start(Path(run_dir) / "q"), args.rollouts))
+    out.append(spans_per_s("lightning_ray-memory", StoreClient.start(), dicts, args.batch, args.senders))
+    with tempfile.TemporaryDirectory() as run_dir:
+        http = LightningClient(deploy_store_api(StoreClient.start(run_dir), port=args.port))
+        out.append(spans_per_s("lightning_ray-http", http, dicts[:args.http_spans], args.batch, args.senders))
+        out.append(rollouts_per_s("lightning_ray-http", http, args.http_rollouts))
+        serve.delete(APP_NAME)
+    ray.shutdown()
+    return out
+
+
+def peer(args) -> list[dict]:
+    # idempotent: builds .venvs/agentlightning (~5 min) unless its .installed stamp is there
+    subprocess.run(["bash", str(HERE.parent / "envs/agentlightning/build.sh")], check=True)
+    run = subprocess.run([str(PEER_PYTHON), str(HERE / "agl_store.py"), "--spans", str(args.peer_spans),
+                          "--workload-rollouts", str(args.workload_rollouts)], capture_output=True, text=True,
+                         check=True)
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    for line in lines:
+        print(json.dumps(line), flush=True)
+    return lines
+
+
+def best(lines: list[dict], store: str, metric: str) -> float:
+    return max(line["value"] for line in lines if line["store"] == store and line["metric"] == metric)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--spans", type=int, default=20_000)
+    p.add_argument("--http-spans", type=int, default=5_000)
+    p.add_argument("--peer-spans", type=int, default=5_000)
+    p.add_argument("--batch", type=int, default=256, help="spans per add_spans call (OTel's batch processor: 512)")
+    p.add_argument("--senders", type=int, default=4, help="threads sending span batches at once")
+    p.add_argument("--rollouts", type=int, default=2_000)
+    p.add_argument("--http-rollouts", type=int, default=300)
+    p.add_argument("--workload-rollouts", type=int, default=100)
+    p.add_argument("--port", type=int, default=8321)
+    p.add_argument("--no-peer", action="store_true", help="skip Agent Lightning")
+    args = p.parse_args()
+
+    lines = ours(args) + ([] if args.no_peer else peer(args))
+    if args.no_peer:
+        return
+    for metric in ("spans_per_s", "rollouts_per_s"):
+        for mine, theirs in (("lightning_ray-sqlite", "agentlightning-inmemory"),
+                             ("lightning_ray-http", "agentlightning-http")):
+            print(json.dumps({"ratio": f"{mine} / {theirs}", "metric": metric,
+                              "value": round(best(lines, mine, metric) / best(lines, theirs, metric), 2)}))
+
+
+if __name__ == "__main__":
+    main()
