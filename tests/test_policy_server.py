@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 
 import httpx
+import jsonschema
+import openai
 import pytest
 import ray
 import torch
 from openai import AsyncOpenAI, OpenAI
+from pydantic import BaseModel, Field
 
 
 KEY = "test-key"
@@ -38,18 +43,19 @@ def client(server, path="/v1", cls=OpenAI):
 
 
 def spans_of(server, rollout_id):
-    return ray.get(server["store"].get_spans.remote([rollout_id]))
+    return server["store"].query_spans([rollout_id])
 
 
 # ---- chat completions -------------------------------------------------------------------------------------------
 def test_chat_records_the_engines_token_ids_under_the_rollout(server):
-    out = client(server, "/rollouts/ro-1/attempts/at-1/v1").chat.completions.create(
+    rid = server["new_rollout"]()
+    out = client(server, f"/rollouts/{rid}/attempts/at-1/v1").chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=8, logprobs=True, seed=1)
     choice = out.choices[0]
     assert out.system_fingerprint == "lightning_ray-policy-v0"
     assert out.usage.completion_tokens == len(choice.token_ids) == len(choice.logprobs.content) > 0
     assert out.usage.prompt_tokens == len(out.prompt_token_ids)
-    [span] = spans_of(server, "ro-1")
+    [span] = spans_of(server, rid)
     a = span.attributes
     assert span.attempt_id == "at-1" and a["gen_ai.operation.name"] == "chat"
     assert a["lightning_ray.completion_token_ids"] == choice.token_ids
@@ -60,16 +66,25 @@ def test_chat_records_the_engines_token_ids_under_the_rollout(server):
 
 
 def test_headers_attribute_a_call_like_the_rollout_path(server):
+    rid = server["new_rollout"]()
     client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
-                                           extra_headers={"X-Rollout-Id": "ro-h", "X-Attempt-Id": "at-h"})
-    [span] = spans_of(server, "ro-h")
+                                           extra_headers={"X-Rollout-Id": rid, "X-Attempt-Id": "at-h"})
+    [span] = spans_of(server, rid)
     assert span.attempt_id == "at-h"
 
 
+def test_calls_for_an_unknown_rollout_get_404_and_nothing_is_recorded(server):
+    spans = server["store"].stats()["spans"]
+    with pytest.raises(openai.NotFoundError, match="rollout_not_found"):
+        client(server, "/rollouts/ro-nobody/attempts/at-1/v1").chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=4)
+    assert server["store"].stats()["spans"] == spans
+
+
 def test_calls_outside_any_rollout_are_served_and_recorded(server):
-    before = ray.get(server["store"].count_spans.remote())
+    before = server["store"].stats()["spans"]
     client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
-    assert ray.get(server["store"].count_spans.remote()) == before + 1
+    assert server["store"].stats()["spans"] == before + 1
 
 
 def test_seeded_sampling_repeats_and_n_choices_differ(server):
@@ -82,8 +97,9 @@ def test_seeded_sampling_repeats_and_n_choices_differ(server):
 
 
 def test_n_choices_become_one_span_each(server):
-    client(server, "/rollouts/ro-n/attempts/at-1/v1").chat.completions.create(model=MODEL, messages=MESSAGES, n=3)
-    assert sorted(s.attributes["lightning_ray.choice_index"] for s in spans_of(server, "ro-n")) == [0, 1, 2]
+    rid = server["new_rollout"]()
+    client(server, f"/rollouts/{rid}/attempts/at-1/v1").chat.completions.create(model=MODEL, messages=MESSAGES, n=3)
+    assert sorted(s.attributes["lightning_ray.choice_index"] for s in spans_of(server, rid)) == [0, 1, 2]
 
 
 def test_streaming_matches_the_unstreamed_answer(server):
@@ -136,7 +152,8 @@ def test_max_completion_tokens_is_honoured(server):
 def test_completions_token_in_token_out(server):
     prompt_ids = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1).prompt_token_ids
     chat = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, seed=5)
-    out = client(server, "/rollouts/ro-c/attempts/at-1/v1").completions.create(
+    rid = server["new_rollout"]()
+    out = client(server, f"/rollouts/{rid}/attempts/at-1/v1").completions.create(
         model=MODEL, prompt=prompt_ids, max_tokens=8, seed=5, logprobs=2)
     choice = out.choices[0]
     assert choice.model_extra["prompt_token_ids"] == prompt_ids
@@ -144,7 +161,7 @@ def test_completions_token_in_token_out(server):
     assert choice.text == chat.choices[0].message.content
     assert len(choice.logprobs.token_logprobs) == len(choice.logprobs.tokens) == len(choice.model_extra["token_ids"])
     assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
-    [span] = spans_of(server, "ro-c")
+    [span] = spans_of(server, rid)
     assert span.attributes["gen_ai.operation.name"] == "completions"
 
 
@@ -160,6 +177,95 @@ def test_completions_text_prompts_echo_and_stream(server):
 
 def test_models_lists_the_policy(server):
     assert [m.id for m in client(server).models.list().data] == [MODEL]
+
+
+# ---- JSON output (constrained decoding) --------------------------------------------------------------------------
+# The tiny model never writes this JSON on its own: valid output proves the constraint.
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                   "unit": {"type": "string", "maxLength": 8}},
+    "required": ["answer", "unit"],
+    "additionalProperties": False,
+}  # bounded, so the JSON closes within a few dozen tokens
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
+
+
+def test_json_schema_output_validates_when_sampled(server):
+    out = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, response_format=ANSWER_FORMAT,
+                                                 n=4, temperature=1.0, seed=11, max_tokens=80)
+    for c in out.choices:
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(json.loads(c.message.content), ANSWER_SCHEMA)
+    assert len({c.message.content for c in out.choices}) > 1  # sampled under the mask, not one forced answer
+
+
+class Answer(BaseModel):
+    answer: int = Field(ge=-1000, le=1000)
+    unit: str = Field(max_length=8)
+
+
+def test_openai_parse_helper_gets_a_typed_answer(server):
+    out = client(server).chat.completions.parse(model=MODEL, messages=MESSAGES, response_format=Answer,
+                                                temperature=0.9, seed=2, max_tokens=80)
+    assert isinstance(out.choices[0].message.parsed, Answer)
+
+
+def test_json_object_output_parses_unless_cut_by_length(server):
+    out = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, n=4, temperature=1.0, seed=5,
+                                                 response_format={"type": "json_object"}, max_tokens=280)
+    finished = [c for c in out.choices if c.finish_reason == "stop"]
+    assert finished  # free-form objects can run long: some choices may reach max_tokens
+    for c in out.choices:
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.message.content), dict)
+        else:  # reported as cut, and it is
+            assert c.finish_reason == "length"
+            with pytest.raises(json.JSONDecodeError):
+                json.loads(c.message.content)
+
+
+def test_greedy_json_reports_the_masked_distribution(server):
+    out = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, response_format=ANSWER_FORMAT,
+                                                 temperature=0, max_tokens=80, logprobs=True, top_logprobs=5)
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), ANSWER_SCHEMA)
+    for t in choice.logprobs.content:
+        # Logprobs are over the tokens the grammar allows (as vLLM reports them): the greedy token is the top one,
+        # and ruled-out tokens are not listed at all.
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob)
+        assert all(math.isfinite(a.logprob) for a in t.top_logprobs)
+        assert sum(math.exp(a.logprob) for a in t.top_logprobs) <= 1 + 1e-4
+
+
+def test_streamed_json_joins_to_valid_json(server):
+    chunks = list(client(server).chat.completions.create(
+        model=MODEL, messages=MESSAGES, response_format=ANSWER_FORMAT, temperature=0.8, seed=3, max_tokens=80,
+        stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    jsonschema.validate(json.loads(text), ANSWER_SCHEMA)
+
+
+def test_json_cut_by_max_tokens_is_reported_as_length(server):
+    out = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, response_format=ANSWER_FORMAT,
+                                                 max_tokens=4, seed=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 4
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out.choices[0].message.content)
+
+
+def test_responses_text_format_json_schema(server):
+    fmt = {"type": "json_schema", "name": "answer", "schema": ANSWER_SCHEMA, "strict": True}
+    resp = client(server).responses.create(model=MODEL, input="What is 3 + 4?", text={"format": fmt},
+                                           temperature=0.7, max_output_tokens=80)
+    assert resp.status == "completed"
+    jsonschema.validate(json.loads(resp.output_text), ANSWER_SCHEMA)
+    assert resp.text.format.type == "json_schema" and resp.text.format.schema_ == ANSWER_SCHEMA  # echoed
+    cut = client(server).responses.create(model=MODEL, input="What is 3 + 4?", text={"format": fmt},
+                                          max_output_tokens=3)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
@@ -180,7 +286,21 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
     (CHAT, {"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
             "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, None),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "presence_penalty": 1.0}, 422, "presence_penalty"),
-    (CHAT, {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_object"}}, 422, "response_format"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"type": "object", "properties": {"a": {"type": "integr"}}}}}},  # not a JSON schema
+     400, "response_format.json_schema.schema"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"$ref": "#/$defs/missing"}}}}, 400, "response_format.json_schema.schema"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"type": "array", "uniqueItems": True}}}},  # valid, but decoding cannot enforce it
+     400, "response_format.json_schema.schema"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_object"}, "ignore_eos": True},
+     400, None),  # the end-of-sequence token ends the JSON
+    ("/v1/responses", {"model": MODEL, "input": "hi", "text": {"format": {"type": "json_schema", "name": "a",
+                                                                          "schema": {"required": 5}}}},
+     400, "text.format.schema"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 422, "messages"),
     (CHAT, {"model": "gpt-4o", "messages": MESSAGES}, 404, "model"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x" * (9 << 20)}]}, 413, None),

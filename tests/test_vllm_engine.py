@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 import threading
 
 import pytest
@@ -120,6 +121,25 @@ def test_top_logprobs(engine, hf_model):
             assert top[tok] == lp
         elif lp < values[-1].item() - ATOL:
             assert tok not in top
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"answer": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                                      "unit": {"type": "string", "maxLength": 8}},
+     "required": ["answer", "unit"], "additionalProperties": False},
+    {"type": "object"},
+], ids=["schema", "object"])
+def test_json_constraint_masks_as_the_hf_engine_does(engine, tiny_model_path, schema):
+    """Greedy under the same grammar, the two engines pick the same tokens and report the same logprobs: both
+    are over the tokens the grammar allows (vLLM masks before its sampler; the HF engine likewise)."""
+    hf = make_engine("hf", str(tiny_model_path))
+    prompt = prompts(engine, 1)[0]
+    params = dict(max_tokens=60, temperature=0.0, json_schema=schema)
+    v, h = gen(engine, prompt, **params), asyncio.run(generate(hf, prompt, SamplingParams(**params)))
+    assert v.token_ids == h.token_ids
+    assert torch.allclose(torch.tensor(v.logprobs), torch.tensor(h.logprobs), atol=ATOL)
+    if v.finish_reason == "stop":
+        assert isinstance(json.loads(engine.tokenizer.decode(v.token_ids, skip_special_tokens=True)), dict)
 
 
 def test_concurrent_streams_all_complete(engine):

@@ -97,10 +97,6 @@ class PolicyServer:
             if getattr(body, field, None):
                 raise ApiError(422, f"{field} is not supported (a penalty would change the policy's "
                                     f"distribution away from the one trained)", param=field, code="unsupported")
-        fmt = getattr(body, "response_format", None)
-        if fmt and fmt.type != "text":
-            raise ApiError(422, f"response_format {fmt.type} needs constrained decoding, which this engine lacks",
-                           param="response_format", code="unsupported")
 
     async def trace(self, request: Request) -> tuple[str | None, str | None]:
         """The rollout and attempt a call belongs to. An unknown rollout is the agent's misconfiguration: 404 before
@@ -139,14 +135,16 @@ class PolicyServer:
                                 f"has {len(prompt_ids)} and {max_tokens} more were requested",
                            param="messages", code="context_length_exceeded")
 
-    def sampling(self, body, max_tokens: int | None, top_logprobs: int = 0) -> SamplingParams:
+    def sampling(self, body, max_tokens: int | None, top_logprobs: int = 0, fmt=None) -> SamplingParams:
+        """`fmt`: the request's response format (chat's response_format, responses' text.format), if any."""
         d = self.defaults
         return SamplingParams(
             max_tokens=max_tokens or d.get("max_tokens", 256),
             temperature=d.get("temperature", 1.0) if body.temperature is None else body.temperature,
             top_p=d.get("top_p", 1.0) if body.top_p is None else body.top_p,
             seed=getattr(body, "seed", None), top_logprobs=top_logprobs, ignore_eos=getattr(body, "ignore_eos", False),
-            incremental=bool(body.stream or getattr(body, "stop", None)))
+            incremental=bool(body.stream or getattr(body, "stop", None)),
+            json_schema=fmt.constraint if fmt else None)
 
     def fingerprint(self, version: int) -> str:
         return f"lightning_ray-policy-v{version}"

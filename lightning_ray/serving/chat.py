@@ -41,9 +41,9 @@ async def create_chat_completion(server, body: ChatCompletionRequest, trace: tup
     use_tools = bool(offered)  # tools rendered into the prompt, and tool calls parsed from the answer
     prompt_ids = server.encode_chat(template_messages(body.messages), offered)
     params = server.sampling(body, body.max_completion_tokens or body.max_tokens,
-                             top_logprobs=body.top_logprobs or 0)
+                             top_logprobs=body.top_logprobs or 0, fmt=body.response_format)
     server.check_length(prompt_ids, params.max_tokens)
-    attrs = {"lightning_ray.request": body.model_dump(exclude_none=True, exclude={"model"})}
+    attrs = {"lightning_ray.request": body.model_dump(exclude_none=True, by_alias=True, exclude={"model"})}
     deltas = server.run("chat", [prompt_ids], params, body.n, body.stop_list, trace, attrs)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
     if body.stream:

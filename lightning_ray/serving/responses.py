@@ -15,8 +15,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from lightning_ray.serving.chat import template_messages
 from lightning_ray.serving.decoding import collect_all
+from lightning_ray.serving.schemas import TextFormat
 from lightning_ray.serving.sse import sse_response
 from lightning_ray.serving.tools import ToolCallStreamParser, ToolStreamDelta, parse_tool_calls, resolve_tool_choice
+
+
+class ResponseText(BaseModel):
+    model_config = ConfigDict(extra="allow")  # verbosity, ...: echoed back
+    format: TextFormat | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -35,7 +41,7 @@ class ResponsesRequest(BaseModel):
     conversation: str | dict[str, Any] | None = None
     store: bool | None = None  # accepted, but nothing is stored
     metadata: dict[str, str] | None = None
-    text: dict[str, Any] | None = None  # output format; no constrained decoding, so only echoed
+    text: ResponseText | None = None  # text.format: JSON by constrained decoding, as chat's response_format
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     user: str | None = None
@@ -173,9 +179,9 @@ def response_object(req: ResponsesRequest, *, output: list[dict], status: str, u
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
         "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
         "reasoning": req.reasoning, "store": False, "temperature": req.temperature, "top_p": req.top_p,
-        "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
-        "tools": req.tools or [], "truncation": req.truncation or "disabled", "user": req.user,
-        "metadata": req.metadata or {},
+        "text": req.text.model_dump(by_alias=True, exclude_none=True) if req.text else {"format": {"type": "text"}},
+        "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "truncation": req.truncation or "disabled",
+        "user": req.user, "metadata": req.metadata or {},
     }
 
 
@@ -271,9 +277,9 @@ async def create_response(server, req: ResponsesRequest, trace: tuple[str | None
     messages, tools, tool_choice = to_chat(req)
     offered = resolve_tool_choice(tool_choice, tools)
     prompt_ids = server.encode_chat(template_messages(messages), offered)
-    params = server.sampling(req, req.max_output_tokens)
+    params = server.sampling(req, req.max_output_tokens, fmt=req.text and req.text.format)
     server.check_length(prompt_ids, params.max_tokens)
-    attrs = {"lightning_ray.request": req.model_dump(exclude_none=True, exclude={"model"})}
+    attrs = {"lightning_ray.request": req.model_dump(exclude_none=True, by_alias=True, exclude={"model"})}
     deltas = server.run("responses", [prompt_ids], params, 1, [], trace, attrs)
     if req.stream:
         return sse_response(_events(req, deltas, prompt_ids, bool(offered)), done_marker=False, named=True)

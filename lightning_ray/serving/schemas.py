@@ -1,14 +1,17 @@
 """OpenAI request schemas for /v1/chat/completions and /v1/completions, field for field.
 
 Unknown fields are ignored (frameworks send metadata, user, store, ...). Fields we accept but cannot honour get a
-clear 422 from the endpoint rather than being silently dropped.
+clear 422 from the endpoint rather than being silently dropped. A JSON schema in a response format is checked here
+(valid, and wholly enforceable by constrained decoding), so a bad one is a 400 naming it before anything runs.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from lightning_ray.serving.engines.grammar import check_json_schema
 
 
 class _Request(BaseModel):
@@ -58,9 +61,59 @@ class ChatMessage(_Request):
         return self
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's json_schema response format. The schema is enforced by constrained decoding whatever `strict` says
+    (and strictly: an object that lists its properties gets no others); no schema: any JSON object."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow BaseModel.schema
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _enforceable(cls, schema):
+        if schema is not None:
+            check_json_schema(schema)
+        return schema
+
+
+FormatType = Literal["text", "json_object", "json_schema"]
+
+
+def json_constraint(kind: FormatType, spec: JsonSchemaFormat | None) -> dict[str, Any] | None:
+    """The JSON schema a response format constrains the output to; None for free text."""
+    if kind == "text":
+        return None
+    return spec.schema_ if kind == "json_schema" and spec and spec.schema_ is not None else {"type": "object"}
+
+
 class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    """/v1/chat/completions' response_format."""
+
+    type: FormatType
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs json_schema: {name, schema, strict}")
+        return self
+
+    @property
+    def constraint(self) -> dict[str, Any] | None:
+        return json_constraint(self.type, self.json_schema)
+
+
+class TextFormat(JsonSchemaFormat):
+    """/v1/responses' text.format: the same fields as JsonSchemaFormat, flat beside the type."""
+
+    type: FormatType
+
+    @property
+    def constraint(self) -> dict[str, Any] | None:
+        return json_constraint(self.type, self)
 
 
 class _Sampling(_Request):
@@ -102,6 +155,13 @@ class ChatCompletionRequest(_Sampling):
     def _check_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    @model_validator(mode="after")
+    def _check_json_ends(self):
+        if self.ignore_eos and self.response_format and self.response_format.constraint is not None:
+            raise ValueError("ignore_eos cannot be combined with a JSON response_format: the end-of-sequence token "
+                             "is what ends the JSON")
         return self
 
 

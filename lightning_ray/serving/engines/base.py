@@ -6,9 +6,9 @@ own, exactly as sampled: training uses them as they are, never re-tokenizing tex
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Protocol
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 
 class SamplingParams(BaseModel):
@@ -22,14 +22,25 @@ class SamplingParams(BaseModel):
     # False: the caller needs only the finished generation (no stream, no stop strings to watch for), so an
     # engine may deliver it in one delta, skipping per-token work (vLLM: FINAL_ONLY outputs).
     incremental: bool = True
+    # Constrained decoding: the output is JSON valid under this schema ({"type": "object"}: any JSON object),
+    # then a stop token. Schemas reaching an engine passed grammar.check_json_schema.
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _json_needs_eos(self):
+        if self.json_schema is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a JSON constraint: the JSON ends with the EOS token")
+        return self
 
 
 class TokenDelta(BaseModel):
     """New tokens since the last delta. The last delta of a stream has finish_reason set."""
 
     token_ids: list[int]
-    logprobs: list[float]  # log p(token) under the serving policy, untempered
-    top_logprobs: list[dict[int, float]] = []  # per token, when asked for
+    # log p(token) under the serving policy, untempered; under a JSON constraint, renormalized over the tokens
+    # the grammar allows (the distribution the token was sampled from; what vLLM reports)
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] = []  # per token, when asked for; tokens a constraint rules out are left out
     finish_reason: str | None = None  # "stop" (end of sequence or stop token) or "length"
     policy_version: int  # the weights that produced these tokens
 

@@ -2,13 +2,16 @@
 
 A plain sampling loop over the KV cache rather than `model.generate`: it streams token by token, reports the
 raw (untempered) logprob of every sampled token, and seeds a per-request generator. One request runs at a time:
-the model is shared, and a weight load must land between generations, never inside one.
+the model is shared, and a weight load must land between generations, never inside one. A JSON constraint masks
+the logits each step with an xgrammar matcher (grammar.JsonGrammars), which accepts every sampled token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
+from functools import cached_property
 from typing import AsyncIterator
 
 import torch
@@ -16,6 +19,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from lightning_ray.serving.engines.base import SamplingParams, TokenDelta
+from lightning_ray.serving.engines.grammar import JsonGrammars, apply_bitmask
 
 
 class HFEngine:
@@ -25,6 +29,11 @@ class HFEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
         self.lock = threading.Lock()
         self.policy_version = 0
+
+    @cached_property
+    def grammars(self) -> JsonGrammars:
+        """Built on the first JSON request: the tokenizer's vocabulary is indexed once, for the model's logits."""
+        return JsonGrammars(self.tokenizer, self.model.config.vocab_size)
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         loop, deltas = asyncio.get_running_loop(), asyncio.Queue()
@@ -51,18 +60,28 @@ class HFEngine:
     def _sample(self, prompt_ids: list[int], params: SamplingParams, cancelled: threading.Event):
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.tokenizer.eos_token_id})
         rng = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        matcher = None
+        if params.json_schema is not None:  # compiled (or found in the cache) before taking the model
+            matcher, bitmask = self.grammars.matcher(params.json_schema, stop), self.grammars.bitmask()
         with self.lock:
             version, cache, inputs = self.policy_version, DynamicCache(), torch.tensor([prompt_ids])
             for step in range(params.max_tokens):
                 if cancelled.is_set():
                     return
                 logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1].float()
+                if matcher is not None:  # tokens the grammar rules out get -inf: never sampled, probability 0
+                    matcher.fill_next_token_bitmask(bitmask)
+                    apply_bitmask(logits, bitmask)
                 logprobs = torch.log_softmax(logits, -1)
                 token = _sample_token(logits, params.temperature, params.top_p, rng)
                 top = {}
                 if params.top_logprobs:
                     values, ids = logprobs.topk(params.top_logprobs)
-                    top = dict(zip(ids.tolist(), values.tolist()))
+                    top = {i: v for i, v in zip(ids.tolist(), values.tolist()) if v > -math.inf}
+                # The matcher's stop tokens are ours: once the JSON is complete it allows only them, and accepting
+                # one terminates it, so the generation ends as "stop" exactly when the matcher terminates.
+                if matcher is not None and not matcher.accept_token(token):
+                    raise RuntimeError(f"the JSON grammar rejected token {token}, which its own mask allowed")
                 finish = "stop" if token in stop else "length" if step + 1 == params.max_tokens else None
                 yield TokenDelta(token_ids=[token], logprobs=[logprobs[token].item()],
                                  top_logprobs=[top] if params.top_logprobs else [], finish_reason=finish,

