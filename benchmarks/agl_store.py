@@ -129,7 +129,7 @@ async def main() -> None:
     p.add_argument("--rollouts", type=int, default=3000, help="rollouts for the in-memory store")
     p.add_argument("--http-rollouts", type=int, default=600, help="rollouts through HTTP")
     p.add_argument("--workload-rollouts", type=int, default=100, help="rollouts the spans are spread over")
-    p.add_argument("--batch", type=int, default=256, help="add_many_spans batch size (0: skip the batched runs)")
+    p.add_argument("--batch", type=int, default=512, help="add_many_spans batch size (0: skip the batched runs)")
     p.add_argument("--only", choices=["inmemory", "http"], help="run one store only")
     args = p.parse_args()
 

@@ -110,7 +110,8 @@ def main() -> None:
     p.add_argument("--spans", type=int, default=20_000)
     p.add_argument("--http-spans", type=int, default=5_000)
     p.add_argument("--peer-spans", type=int, default=5_000)
-    p.add_argument("--batch", type=int, default=256, help="spans per add_spans call (OTel's batch processor: 512)")
+    p.add_argument("--batch", type=int, default=512,
+                   help="spans per add_spans call (512: what OTel's BatchSpanProcessor and our tracer send)")
     p.add_argument("--senders", type=int, default=4, help="threads sending span batches at once")
     p.add_argument("--rollouts", type=int, default=2_000)
     p.add_argument("--http-rollouts", type=int, default=300)

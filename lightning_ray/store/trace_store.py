@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ray
@@ -25,6 +26,9 @@ class TraceStore:
     async def __init__(self, path: str | Path = ":memory:", max_batch_spans: int = 10_000,
                        expire_every_s: float = 0.2):
         self.backend = SQLiteBackend(path)
+        # Every SQLite call runs on one thread: serialised as SQLite wants, while the event loop keeps receiving
+        # and unpickling the next batch (sqlite3 releases the GIL while it writes).
+        self.db_thread = ThreadPoolExecutor(1, thread_name_prefix="sqlite")
         self.max_batch_spans = max_batch_spans
         self.errors: Counter[str] = Counter()
         self.error_metric = metrics.Counter("lightning_ray_store_errors", "Rejected store input, by kind.",
@@ -35,7 +39,7 @@ class TraceStore:
 
     async def _expire_forever(self, every: float) -> None:
         while True:
-            if self.backend.expire(time.time()):
+            if await self._call(self.backend.expire, time.time()):
                 await self._notify()
             await asyncio.sleep(every)
 
@@ -49,9 +53,10 @@ class TraceStore:
             self.errors[kind] += n
             self.error_metric.inc(n, tags={"kind": kind})
 
-    def _checked(self, call, *args):
+    async def _call(self, fn, *args):
+        """Run a backend call on the SQLite thread; a StoreError it raises is counted, then passed on."""
         try:
-            return call(*args)
+            return await asyncio.get_running_loop().run_in_executor(self.db_thread, fn, *args)
         except StoreError as e:
             self.count_error(e.code)
             raise
@@ -59,36 +64,38 @@ class TraceStore:
     # --- the rollout queue ---------------------------------------------------------------------------------
 
     async def enqueue(self, rollouts: list[Rollout]) -> int:
-        return self._checked(self.backend.enqueue, rollouts)
+        return await self._call(self.backend.enqueue, rollouts)
 
     async def dequeue(self, worker_id: str | None = None) -> tuple[Rollout, Attempt] | None:
-        return self.backend.dequeue(worker_id, time.time())
+        return await self._call(self.backend.dequeue, worker_id, time.time())
 
     async def heartbeat(self, attempt_id: str) -> Attempt:
-        return self._checked(self.backend.heartbeat, attempt_id, time.time())
+        return await self._call(self.backend.heartbeat, attempt_id, time.time())
 
     async def finish_attempt(self, attempt_id: str, status: str, reward: float | None = None,
                              error: str | None = None) -> Rollout:
-        rollout = self._checked(self.backend.finish_attempt, attempt_id, status, time.time(), reward, error)
+        rollout = await self._call(self.backend.finish_attempt, attempt_id, status, time.time(), reward, error)
         await self._notify()
         return rollout
 
     async def cancel(self, rollout_ids: list[str]) -> list[Rollout]:
-        rollouts = self._checked(self.backend.cancel, rollout_ids, time.time())
+        rollouts = await self._call(self.backend.cancel, rollout_ids, time.time())
         await self._notify()
         return rollouts
 
     async def wait_for_rollouts(self, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
         """Block until every rollout has ended (or the timeout passes); return the ended ones."""
-        def ended():
-            return [r for r in self.backend.get_rollouts(rollout_ids) if r.status in FINISHED]
-
+        deadline = None if timeout is None else time.monotonic() + timeout
         async with self.finished:
-            try:
-                await asyncio.wait_for(self.finished.wait_for(lambda: len(ended()) == len(rollout_ids)), timeout)
-            except asyncio.TimeoutError:
-                pass
-        return ended()
+            while True:
+                ended = [r for r in await self._call(self.backend.get_rollouts, rollout_ids) if r.status in FINISHED]
+                left = None if deadline is None else deadline - time.monotonic()
+                if len(ended) == len(rollout_ids) or (left is not None and left <= 0):
+                    return ended
+                try:
+                    await asyncio.wait_for(self.finished.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
 
     # --- spans ---------------------------------------------------------------------------------------------
 
@@ -97,7 +104,7 @@ class TraceStore:
         if len(rows) > self.max_batch_spans:
             self.count_error(BatchTooLarge.code)
             raise BatchTooLarge(f"{len(rows)} spans in one batch; the limit is {self.max_batch_spans}")
-        result = self.backend.add_span_rows(rows)
+        result = await self._call(self.backend.add_span_rows, rows)
         if result["rejected"]:
             self.count_error("invalid_spans", result["rejected"])
         if result["accepted"]:
@@ -107,20 +114,20 @@ class TraceStore:
     # --- queries -------------------------------------------------------------------------------------------
 
     async def get_rollouts(self, rollout_ids: list[str], strict: bool = False) -> list[Rollout]:
-        return self._checked(self.backend.get_rollouts, rollout_ids, strict)
+        return await self._call(self.backend.get_rollouts, rollout_ids, strict)
 
     async def query_rollouts(self, status: list[str] | None = None, since: float | None = None,
                              until: float | None = None, limit: int | None = None) -> list[Rollout]:
-        return self.backend.query_rollouts(status, since, until, limit)
+        return await self._call(self.backend.query_rollouts, status, since, until, limit)
 
     async def get_attempts(self, rollout_id: str) -> list[Attempt]:
-        return self.backend.get_attempts(rollout_id)
+        return await self._call(self.backend.get_attempts, rollout_id)
 
     async def query_spans(self, rollout_ids: list[str] | None = None, attempt_id: str | None = None,
                           name: str | None = None, since: float | None = None, until: float | None = None,
                           limit: int | None = None) -> list[Span]:
-        return self.backend.query_spans(rollout_ids, attempt_id, name, since, until, limit)
+        return await self._call(self.backend.query_spans, rollout_ids, attempt_id, name, since, until, limit)
 
     async def stats(self) -> dict:
-        return {"rollouts": self.backend.count_rollouts(), "spans": self.backend.count_spans(),
-                "errors": dict(self.errors)}
+        return {"rollouts": await self._call(self.backend.count_rollouts),
+                "spans": await self._call(self.backend.count_spans), "errors": dict(self.errors)}
