@@ -75,9 +75,10 @@ def test_headers_attribute_a_call_like_the_rollout_path(server):
 
 def test_calls_for_an_unknown_rollout_get_404_and_nothing_is_recorded(server):
     spans = server["store"].stats()["spans"]
-    with pytest.raises(openai.NotFoundError, match="rollout_not_found"):
+    with pytest.raises(openai.NotFoundError, match="no rollout 'ro-nobody'") as error:
         client(server, "/rollouts/ro-nobody/attempts/at-1/v1").chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=4)
+    assert error.value.code == "rollout_not_found"
     assert server["store"].stats()["spans"] == spans
 
 

@@ -28,7 +28,7 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
         "rollout": {"tasks_per_iteration": 16, "group_size": 4},
     })
     history = train(cfg)
-    db = sqlite3.connect(run_dir / "traces.sqlite")  # reopened after the run, by a plain sqlite3 client
+    db = sqlite3.connect(run_dir / "traces-spans.sqlite")  # reopened after the run, by a plain sqlite3 client
     spans = [
         {"span_id": r[0], "rollout_id": r[1], "name": r[2], "attributes": json.loads(r[3])}
         for r in db.execute("SELECT span_id, rollout_id, name, attributes FROM spans")
