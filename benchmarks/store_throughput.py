@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import ray
@@ -47,16 +47,32 @@ def our_spans(store, dicts: list[dict]) -> list[Span]:
     return [Span(**{**d, "rollout_id": ids[d["rollout_id"]]}) for d in dicts]
 
 
-def spans_per_s(name: str, store, dicts: list[dict], batch: int, senders: int) -> dict:
-    """`senders` threads share the batches, as rollout workers and server replicas send at the same time."""
+@ray.remote(num_cpus=0)
+class Sender:
+    """A process that sends spans as a rollout worker or a server replica does: Span objects → store.add_spans."""
+
+    def __init__(self, connect, spans: list[Span], batch: int):
+        self.store, self.batches = connect(), [spans[i:i + batch] for i in range(0, len(spans), batch)]
+
+    def send(self) -> int:
+        for b in self.batches:
+            self.store.add_spans(b)
+        return sum(map(len, self.batches))
+
+
+def spans_per_s(name: str, connect, dicts: list[dict], batch: int, senders: int) -> dict:
+    """`senders` processes send at once, as rollout workers and server replicas do; `connect()` gives the client."""
+    store = connect()
     spans = our_spans(store, dicts)
-    batches = [spans[i:i + batch] for i in range(0, len(spans), batch)]
+    actors = [Sender.remote(connect, spans[i::senders], batch) for i in range(senders)]
+    ray.get([a.__ray_ready__.remote() for a in actors])
     t = time.perf_counter()
-    with ThreadPoolExecutor(senders) as pool:
-        list(pool.map(store.add_spans, batches))
+    n = sum(ray.get([a.send.remote() for a in actors]))
     seconds = time.perf_counter() - t
     assert len(store.query_spans([spans[0].rollout_id])) == sum(s.rollout_id == spans[0].rollout_id for s in spans)
-    return emit(name, "spans_per_s", f"add_spans[{batch}] x {senders} senders", len(spans), seconds)
+    for a in actors:
+        ray.kill(a)
+    return emit(name, "spans_per_s", f"add_spans[{batch}] x {senders} sender processes", n, seconds)
 
 
 def rollouts_per_s(name: str, store, n: int) -> dict:
@@ -73,17 +89,20 @@ def ours(args) -> list[dict]:
     from lightning_ray.client import LightningClient
     from lightning_ray.store.http import APP_NAME, deploy_store_api
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=args.senders, include_dashboard=False, log_to_driver=False)
     dicts = make_spans(args.spans, args.workload_rollouts)
     out = []
     with tempfile.TemporaryDirectory() as run_dir:
-        out.append(spans_per_s("lightning_ray-sqlite", StoreClient.start(run_dir), dicts, args.batch, args.senders))
+        out.append(spans_per_s("lightning_ray-sqlite", partial(StoreClient, StoreClient.start(run_dir).shards), dicts,
+                               args.batch, args.senders))
         out.append(rollouts_per_s("lightning_ray-sqlite", StoreClient.start(Path(run_dir) / "q"), args.rollouts))
-    out.append(spans_per_s("lightning_ray-memory", StoreClient.start(), dicts, args.batch, args.senders))
+    out.append(spans_per_s("lightning_ray-memory", partial(StoreClient, StoreClient.start().shards), dicts,
+                           args.batch, args.senders))
     with tempfile.TemporaryDirectory() as run_dir:
-        http = LightningClient(deploy_store_api(StoreClient.start(run_dir), port=args.port))
-        out.append(spans_per_s("lightning_ray-http", http, dicts[:args.http_spans], args.batch, args.senders))
-        out.append(rollouts_per_s("lightning_ray-http", http, args.http_rollouts))
+        url = deploy_store_api(StoreClient.start(run_dir), port=args.port)
+        out.append(spans_per_s("lightning_ray-http", partial(LightningClient, url), dicts[:args.http_spans],
+                               args.batch, args.senders))
+        out.append(rollouts_per_s("lightning_ray-http", LightningClient(url), args.http_rollouts))
         serve.delete(APP_NAME)
     ray.shutdown()
     return out
@@ -112,7 +131,7 @@ def main() -> None:
     p.add_argument("--peer-spans", type=int, default=5_000)
     p.add_argument("--batch", type=int, default=512,
                    help="spans per add_spans call (512: what OTel's BatchSpanProcessor and our tracer send)")
-    p.add_argument("--senders", type=int, default=4, help="threads sending span batches at once")
+    p.add_argument("--senders", type=int, default=4, help="processes sending span batches at once")
     p.add_argument("--rollouts", type=int, default=2_000)
     p.add_argument("--http-rollouts", type=int, default=300)
     p.add_argument("--workload-rollouts", type=int, default=100)

@@ -91,6 +91,16 @@ class SQLiteBackend:
             self.db.execute(f"PRAGMA {schema}.journal_mode=WAL")
             self.db.execute(f"PRAGMA {schema}.synchronous=NORMAL")  # WAL + NORMAL: a commit survives a crash
         self.db.executescript(_SCHEMA)
+        # Span checkpoints (copying the WAL into the file, with an fsync) would stall the insert that crosses the
+        # threshold; `checkpoint_spans` does them from another connection and thread instead.
+        self.db.execute("PRAGMA span_db.wal_autocheckpoint=0")
+        self._checkpointer = None if spans_path == ":memory:" else sqlite3.connect(
+            spans_path, isolation_level=None, check_same_thread=False)
+
+    def checkpoint_spans(self) -> None:
+        """Move the spans' WAL into their file without blocking writers (any thread but the writer's)."""
+        if self._checkpointer is not None:
+            self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     @contextmanager
     def _transaction(self):

@@ -36,12 +36,20 @@ class TraceStore:
         self.span_metric = metrics.Counter("lightning_ray_store_spans", "Spans stored.")
         self.finished = asyncio.Condition()  # notified whenever some rollout may have ended
         self._expiry = asyncio.get_running_loop().create_task(self._expire_forever(expire_every_s))
+        self._checkpoints = asyncio.get_running_loop().create_task(self._checkpoint_forever())
 
     async def _expire_forever(self, every: float) -> None:
         while True:
             if await self._call(self.backend.expire, time.time()):
                 await self._notify()
             await asyncio.sleep(every)
+
+    async def _checkpoint_forever(self, every: float = 1.0) -> None:
+        """Span checkpoints on their own thread: their disk writes overlap the inserts instead of stalling them."""
+        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint") as thread:
+            while True:
+                await asyncio.get_running_loop().run_in_executor(thread, self.backend.checkpoint_spans)
+                await asyncio.sleep(every)
 
     async def _notify(self) -> None:
         async with self.finished:
