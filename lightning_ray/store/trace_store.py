@@ -8,6 +8,7 @@ reply was lost with the process (a dequeue) is healed by its lease: the attempt 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,8 @@ from ray.util import metrics
 from lightning_ray.store.errors import BatchTooLarge, StoreError
 from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.types import FINISHED, Attempt, Rollout, Span
+
+logger = logging.getLogger(__name__)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
@@ -40,15 +43,21 @@ class TraceStore:
 
     async def _expire_forever(self, every: float) -> None:
         while True:
-            if await self._call(self.backend.expire, time.time()):
-                await self._notify()
+            try:
+                if await self._call(self.backend.expire, time.time()):
+                    await self._notify()
+            except Exception:  # a background loop must outlive one bad pass
+                logger.exception("expiring attempts failed; retrying")
             await asyncio.sleep(every)
 
     async def _checkpoint_forever(self, every: float = 1.0) -> None:
         """Span checkpoints on their own thread: their disk writes overlap the inserts instead of stalling them."""
         with ThreadPoolExecutor(1, thread_name_prefix="checkpoint") as thread:
             while True:
-                await asyncio.get_running_loop().run_in_executor(thread, self.backend.checkpoint_spans)
+                try:
+                    await asyncio.get_running_loop().run_in_executor(thread, self.backend.checkpoint_spans)
+                except Exception:
+                    logger.exception("span checkpoint failed; retrying")
                 await asyncio.sleep(every)
 
     async def _notify(self) -> None:
