@@ -33,14 +33,17 @@ class StoreClient:
                                                                            else "traces.sqlite"))
         return cls([TraceStore.remote(path(i), **options) for i in range(num_shards)])
 
+    def _index(self, key: str) -> int:
+        return zlib.crc32(key.encode()) % len(self.shards)
+
     def shard(self, key: str):
-        return self.shards[zlib.crc32(key.encode()) % len(self.shards)]
+        return self.shards[self._index(key)]
 
     def _by_shard(self, keys: list[str]) -> dict[int, list[int]]:
         """Positions of `keys` grouped by shard index."""
         groups = defaultdict(list)
         for i, k in enumerate(keys):
-            groups[zlib.crc32(k.encode()) % len(self.shards)].append(i)
+            groups[self._index(k)].append(i)
         return groups
 
     # --- the rollout queue ---------------------------------------------------------------------------------

@@ -241,8 +241,10 @@ class SQLiteBackend:
                                (rollout_id,)).fetchall()
         return [_attempt(r) for r in rows]
 
-    def count_rollouts(self) -> dict[str, int]:
-        return dict(self.db.execute("SELECT status, COUNT(*) FROM rollouts GROUP BY status").fetchall())
+    def count_rollouts(self, rollout_ids: list[str] | None = None) -> dict[str, int]:
+        """Rollouts per status: all of them, or those among `rollout_ids`."""
+        where, args = _where(("rollout_id", rollout_ids))
+        return dict(self.db.execute(f"SELECT status, COUNT(*) FROM rollouts {where} GROUP BY status", args).fetchall())
 
     # --- spans -----------------------------------------------------------------------------------------------
 

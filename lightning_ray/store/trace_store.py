@@ -104,11 +104,12 @@ class TraceStore:
         """Block until every rollout has ended (or the timeout passes); return the ended ones."""
         deadline = None if timeout is None else time.monotonic() + timeout
         async with self.finished:
-            while True:
-                ended = [r for r in await self._call(self.backend.get_rollouts, rollout_ids) if r.status in FINISHED]
+            while True:  # woken by every verdict: count in SQL, read the rollouts only once at the end
+                counts = await self._call(self.backend.count_rollouts, rollout_ids)
                 left = None if deadline is None else deadline - time.monotonic()
-                if len(ended) == len(rollout_ids) or (left is not None and left <= 0):
-                    return ended
+                if sum(counts.get(s, 0) for s in FINISHED) == len(set(rollout_ids)) or (left is not None and left <= 0):
+                    rollouts = await self._call(self.backend.get_rollouts, rollout_ids)
+                    return [r for r in rollouts if r.status in FINISHED]
                 try:
                     await asyncio.wait_for(self.finished.wait(), left)
                 except asyncio.TimeoutError:
