@@ -8,21 +8,32 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+# How token losses add up to the batch loss (the choice changes what a long answer weighs):
+#   token_mean     every response token of the batch counts the same (DAPO's token-level mean)
+#   sequence_mean  each transition's token mean, then the mean over transitions (the original GRPO)
+#   token_sum      the token sum over a constant, transitions × rollout.max_tokens (Dr. GRPO: no length bias)
+LossAggregation = Literal["token_mean", "sequence_mean", "token_sum"]
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class ModelConfig(_Strict):
-    name: str = "tiny-calc"  # the model name agents ask for; LightningRL keeps only calls to it
-    path: str | None = None  # a local HF model directory; None builds the tiny model below
+    name: str = "policy"  # the model name agents ask for; LightningRL keeps only calls to it
+    path: str | None = None  # an HF model directory, `smollm2-135m-instruct`, or None: the tiny test model
     cache_dir: str = "~/.cache/lightning_ray/models"
 
 
 class TaskConfig(_Strict):
     name: Literal["calc"] = "calc"
-    train_size: int = Field(256, gt=0)
-    seed: int = 0
+    dataset: Literal["basic_arithmetic", "gsm_symbolic"] = "basic_arithmetic"  # the reasoning-gym generator
+    generator: dict[str, Any] = {}  # the generator's options; {}: the task's defaults
+    protocol: Literal["text", "tools"] = "text"  # CALC lines in text, or the calculator by OpenAI function calling
+    train_size: int = Field(1000, gt=0)
+    seed: int = 0  # the training split's seed
+    eval_size: int = Field(100, gt=0)  # the held-out split: another seed, no question shared with training
+    eval_seed: int = 1
 
 
 class EngineConfig(_Strict):
@@ -30,6 +41,7 @@ class EngineConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # bf16 is unusably slow on CPUs without AMX
     max_model_len: int = Field(512, gt=0)
     options: dict[str, Any] = {}  # passed to the engine as they are (vLLM: gpu_memory_utilization, ...)
+    env: dict[str, str] = {}  # environment of the serving replicas (vLLM-CPU's thread binding, ...)
 
 
 class ServeConfig(_Strict):
@@ -39,13 +51,17 @@ class ServeConfig(_Strict):
     autoscaling: dict[str, Any] | None = None  # Serve's autoscaling_config; replaces num_replicas when set
     api_key: str | None = None
     sync_timeout_s: float = Field(120.0, gt=0)
+    # The chat template the server renders with: null (the model's own), `hermes` (ours: ChatML with Hermes
+    # <tool_call> tools, for models whose template ignores tools, as SmolLM2's does), or a Jinja file's path.
+    chat_template: str | None = None
 
 
 class RolloutConfig(_Strict):
-    num_workers: int = Field(2, gt=0)
+    num_workers: int = Field(2, gt=0)  # RolloutWorker actors
+    agents_per_worker: int = Field(8, gt=0)  # agents each runs at once, in threads
     tasks_per_iteration: int = Field(4, gt=0)
     group_size: int = Field(4, gt=0)  # rollouts per task: one GRPO group
-    max_tokens: int = Field(24, gt=0)
+    max_tokens: int = Field(96, gt=0)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_attempts: int = Field(1, gt=0)  # tries per rollout; a failed/timed-out/silent attempt is retried
@@ -63,17 +79,28 @@ class AlgorithmConfig(_Strict):
     name: Literal["grpo"] = "grpo"
     clip_eps: float = Field(0.2, gt=0)
     normalize_std: bool = True  # GRPO's std scaling; False gives Dr. GRPO-style mean-centred advantages
+    loss_aggregation: LossAggregation = "token_mean"  # how token losses add up (algorithm/grpo.py)
+    # One sample per policy call, or a rollout's calls merged into one sequence where each prompt extends the last
+    # call's context token for token (tool results masked out of the loss): the same gradient, far fewer tokens.
+    level: Literal["transition", "trajectory"] = "transition"
 
 
 class TrainerConfig(_Strict):
     iterations: int = Field(2, gt=0)
-    num_workers: int = Field(2, gt=0)
+    num_workers: int = Field(1, gt=0)  # Ray Train workers (DeepSpeed data-parallel ranks)
+    threads_per_worker: int = Field(2, gt=0)  # torch threads in each: workers × threads ≈ the cores to train on
+    micro_batch_tokens: int = Field(2048, gt=0)  # padded tokens per forward/backward: bounds the memory
     zero_stage: Literal[0, 1, 2, 3] = 2
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
+    eval_every: int = Field(4, ge=0)  # held-out evaluation before training, every N iterations and at the end; 0: none
     checkpoint_every: int = Field(1, gt=0)
     step_timeout_s: float = Field(600.0, gt=0)
+
+
+class EvalConfig(_Strict):
+    pass_k: int = Field(0, ge=0)  # besides greedy accuracy, k samples per held-out task at rollout.temperature
 
 
 class RayConfig(_Strict):
@@ -92,6 +119,7 @@ class TrainConfig(_Strict):
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
+    eval: EvalConfig = EvalConfig()
     ray: RayConfig = RayConfig()
 
     @property

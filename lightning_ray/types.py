@@ -20,11 +20,14 @@ def new_id(prefix: str) -> str:
 
 
 class Task(BaseModel):
-    """One problem for the agent. `group_id` ties the GRPO group of rollouts of the same task together."""
+    """One problem for the agent. `group_id` ties the GRPO group of rollouts of the same task together.
+    `sampling`: defaults the policy server applies to this rollout's calls where the agent's request leaves them
+    unset (evaluation decodes greedily with {"temperature": 0} whatever the training temperature is)."""
 
     task_id: str
     input: dict[str, Any]
     group_id: str | None = None
+    sampling: dict[str, Any] = Field(default_factory=dict)
 
 
 class RolloutConfig(BaseModel):
@@ -91,7 +94,8 @@ class Span(BaseModel):
 
 
 class Transition(BaseModel):
-    """One policy call turned into RL data: exact token ids from the engine, never re-tokenized."""
+    """One policy call turned into RL data: exact token ids from the engine, never re-tokenized. `temperature` is
+    the one the call was sampled at: the learner scores the tokens under the same distribution."""
 
     rollout_id: str
     group_id: str
@@ -102,3 +106,15 @@ class Transition(BaseModel):
     reward: float
     advantage: float = 0.0
     policy_version: int
+    temperature: float = 1.0
+    # Trajectory level (several calls merged into one sequence): 1 for the policy's response tokens, 0 for the
+    # tool results and user turns between them, which are context, not actions. None: every response token is.
+    loss_mask: list[int] | None = None
+
+    @property
+    def action_mask(self) -> list[int]:
+        return self.loss_mask if self.loss_mask is not None else [1] * len(self.response_ids)
+
+    @property
+    def action_tokens(self) -> int:
+        return sum(self.loss_mask) if self.loss_mask is not None else len(self.response_ids)

@@ -14,7 +14,7 @@ from openai import OpenAI
 from lightning_ray.tasks import calc
 
 MODEL = "tiny-calc"
-QUESTION = [{"role": "system", "content": calc.TOOL_SYSTEM_PROMPT}, {"role": "user", "content": "What is 3 + 20?"}]
+QUESTION = [{"role": "system", "content": calc.TOOL_SYSTEM_PROMPT}, {"role": "user", "content": "Calculate 3 + 20."}]
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +47,13 @@ def test_openai_client_gets_parsed_tool_calls_also_when_streaming(server):
 
 def test_langchain_chat_model_plain_streaming_and_tools(server):
     llm = ChatOpenAI(model=MODEL, base_url=server["url"] + "/v1", api_key="EMPTY", max_retries=0, max_tokens=16)
-    reply = llm.invoke([("system", calc.SYSTEM_PROMPT), ("user", "What is 3 + 20?")])
+    reply = llm.invoke([("system", calc.SYSTEM_PROMPT), ("user", "Calculate 3 + 20.")])
     assert reply.content and reply.response_metadata["model_name"] == MODEL
     assert "".join(c.content for c in llm.stream("What is 1 + 1?"))  # SSE through LangChain's stream parser
     # Tools given as the OpenAI dict the tiny model was warmed up on: its tool schema must match token for token.
     with_tools = ChatOpenAI(model=MODEL, base_url=server["url"] + "/v1", api_key="EMPTY", max_retries=0)
     call = with_tools.bind_tools([calc.CALCULATOR_TOOL]).invoke([("system", calc.TOOL_SYSTEM_PROMPT),
-                                                                ("user", "What is 3 + 20?")])
+                                                                ("user", "Calculate 3 + 20.")])
     assert call.tool_calls and call.tool_calls[0]["name"] == "calculator"
 
 
@@ -65,7 +65,7 @@ def test_langgraph_react_agent_runs_tools_to_an_answer(server):
                      max_retries=0)
     # The model is bound to the dict schema it knows; LangGraph runs the real @tool when the model calls it.
     agent = create_react_agent(llm.bind_tools([calc.CALCULATOR_TOOL]), [calculator], prompt=calc.TOOL_SYSTEM_PROMPT)
-    result = agent.invoke({"messages": [("user", "What is 3 + 20?")]}, {"recursion_limit": 6})
+    result = agent.invoke({"messages": [("user", "Calculate 3 + 20.")]}, {"recursion_limit": 6})
     kinds = [type(m).__name__ for m in result["messages"]]
     assert kinds[:3] == ["HumanMessage", "AIMessage", "ToolMessage"]  # the model called the tool, the tool ran
     assert result["messages"][2].content.lstrip("-").isdigit()

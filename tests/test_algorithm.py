@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ray.algorithm.grpo import group_advantages, policy_loss
-from lightning_ray.algorithm.lightningrl import transitions_from_spans
+from lightning_ray.algorithm.grpo import group_advantages, policy_loss, token_weights
+from lightning_ray.algorithm.lightningrl import adapt, merge_calls, scored_faithfully, transitions_from_spans
+from lightning_ray.training.learner import micro_batches
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Rollout, Span, Task, Transition
 
@@ -47,13 +48,100 @@ def test_group_advantages_are_relative_within_each_group():
 
 
 def test_policy_loss_pushes_up_positive_advantages_and_clips():
-    logprobs = torch.zeros(1, 3, requires_grad=True)
-    mask = torch.tensor([[1.0, 1.0, 0.0]])
-    loss, stats = policy_loss(logprobs, torch.zeros(1, 3), torch.tensor([[2.0]]), mask, clip_eps=0.2)
+    logprobs = torch.zeros(2, requires_grad=True)
+    weights = torch.tensor([0.5, 0.5])
+    loss, stats = policy_loss(logprobs, torch.zeros(2), torch.tensor([2.0, 2.0]), weights, clip_eps=0.2)
     loss.backward()
     assert loss.item() == pytest.approx(-2.0)
-    assert (logprobs.grad[0, :2] < 0).all() and logprobs.grad[0, 2] == 0  # masked token gets no gradient
-    far = torch.full((1, 3), 1.0, requires_grad=True)  # ratio e ≈ 2.7: beyond the clip, gradient is cut
-    loss, stats = policy_loss(far, torch.zeros(1, 3), torch.tensor([[1.0]]), mask, clip_eps=0.2)
+    assert (logprobs.grad < 0).all()
+    far = torch.full((2,), 1.0, requires_grad=True)  # ratio e ≈ 2.7: beyond the clip, gradient is cut
+    loss, stats = policy_loss(far, torch.zeros(2), torch.tensor([1.0, 1.0]), weights, clip_eps=0.2)
     loss.backward()
     assert stats["clip_frac"] == 1.0 and far.grad.abs().sum() == 0
+
+
+def sized(response_len, advantage=1.0, prompt_len=4):
+    return Transition(rollout_id="r", group_id="g", span_id="s", prompt_ids=[1] * prompt_len,
+                      response_ids=[2] * response_len, logprobs=[-1.0] * response_len, reward=1.0,
+                      advantage=advantage, policy_version=0)
+
+
+@pytest.mark.parametrize("aggregation, expected", [
+    ("token_mean", [1 / 4, 1 / 4]),            # 4 tokens in all, each counts the same
+    ("sequence_mean", [1 / 2, 1 / 6]),          # each transition's mean, then the mean over the 2
+    ("token_sum", [1 / 20, 1 / 20]),            # over 2 transitions × max_tokens 10
+])
+def test_token_weights_sum_the_loss_over_the_whole_batch(aggregation, expected):
+    batch = [sized(1), sized(3)]
+    weights = token_weights(batch, aggregation, max_tokens=10)
+    assert weights == pytest.approx(expected)
+    if aggregation != "token_sum":  # a mean: the weights of all tokens add up to 1
+        assert sum(w * len(t.response_ids) for w, t in zip(weights, batch)) == pytest.approx(1.0)
+
+
+def test_micro_batches_stay_within_the_token_budget_and_keep_every_transition():
+    batch = [(sized(r, prompt_len=p), 0.1) for r, p in [(5, 20), (40, 60), (3, 10), (30, 90), (200, 300), (8, 8)]]
+    packed = micro_batches(batch, token_budget=256)
+    assert sorted(id(t) for mb in packed for t, _ in mb) == sorted(id(t) for t, _ in batch)
+    for mb in packed:
+        width = max(len(t.prompt_ids) + len(t.response_ids) for t, _ in mb)
+        assert len(mb) * width <= 256 or len(mb) == 1  # a row over the budget goes alone
+    assert len(packed) < len(batch)  # short rows share a micro-batch
+
+
+def test_rollouts_the_platform_failed_give_no_transitions():
+    rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}), attempt_id="at-1", status="failed",
+                      reward=None, error="APIConnectionError: Connection error.")
+    assert transitions_from_spans(rollout, [llm_span("ro-1", "policy", 1.0, [1], [2])], "policy") == []
+    scored_zero = rollout.model_copy(update={"reward": 0.0})  # the agent's own failure: the policy scored 0
+    assert [t.reward for t in transitions_from_spans(scored_zero, [llm_span("ro-1", "policy", 1.0, [1], [2])],
+                                                     "policy")] == [0.0]
+
+
+def test_transitions_carry_the_temperature_their_call_was_sampled_at():
+    rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}), attempt_id="at-1", reward=1.0)
+    span = llm_span("ro-1", "policy", 1.0, [1], [2])
+    span.attributes[semconv.SAMPLING] = {"temperature": 0.7, "top_p": 1.0, "seed": None, "constrained": False}
+    assert transitions_from_spans(rollout, [span], "policy")[0].temperature == 0.7
+    assert scored_faithfully(span)
+    span.attributes[semconv.SAMPLING]["top_p"] = 0.9
+    assert not scored_faithfully(span)
+
+
+def call(rollout, prompt, response, temperature=1.0):
+    return Transition(rollout_id=rollout, group_id="g", span_id=f"{rollout}-{len(prompt)}", prompt_ids=prompt,
+                      response_ids=response, logprobs=[-0.1 * (i + 1) for i in range(len(response))], reward=1.0,
+                      policy_version=0, temperature=temperature)
+
+
+def test_calls_whose_prompts_extend_the_context_merge_into_one_masked_sequence():
+    first = call("a", [1, 2, 3], [4, 5])
+    second = call("a", [1, 2, 3, 4, 5, 9, 9], [6])  # the tool result (9, 9) between the two answers
+    third = call("a", [1, 2, 3, 4, 5, 9, 9, 6, 8], [7])
+    other = call("b", [1, 2], [3])
+    merged, breaks = merge_calls([first, second, third, other])
+    assert breaks == 0 and len(merged) == 2
+    m = merged[0]
+    assert m.prompt_ids == [1, 2, 3] and m.response_ids == [4, 5, 9, 9, 6, 8, 7]
+    assert m.loss_mask == [1, 1, 0, 0, 1, 0, 1] and m.action_tokens == 4
+    assert [lp for lp, k in zip(m.logprobs, m.loss_mask) if k] == first.logprobs + second.logprobs + third.logprobs
+    assert merged[1] == other
+
+
+def test_a_re_rendered_prompt_breaks_the_sequence_and_is_counted():
+    first = call("a", [1, 2, 3], [4, 5])
+    drifted = call("a", [1, 2, 3, 45, 9], [6])  # the answer re-tokenized as one token: not the sampled ids
+    merged, breaks = merge_calls([first, drifted])
+    assert breaks == 1 and merged == [first, drifted]
+    cooler = call("a", [1, 2, 3, 4, 5, 9], [6], temperature=0.5)  # scored at another temperature: kept apart
+    assert len(merge_calls([first, cooler])[0]) == 2
+
+
+def test_adapt_reports_calls_and_drift():
+    rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}), attempt_id="at-1", reward=1.0)
+    spans = [llm_span("ro-1", "policy", 1.0, [1, 2], [3]), llm_span("ro-1", "policy", 2.0, [1, 2, 3, 7], [4])]
+    transitions, stats = adapt([rollout], spans, "policy", "trajectory")
+    assert len(transitions) == 1 and transitions[0].response_ids == [3, 7, 4]
+    assert stats == {"policy_calls": 2, "prefix_break_rate": 0.0}
+    transitions, stats = adapt([rollout], spans, "policy", "transition")
+    assert len(transitions) == 2

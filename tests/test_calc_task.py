@@ -1,26 +1,99 @@
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
+from transformers import AutoTokenizer
 
+from lightning_ray.models.tiny import EASY
 from lightning_ray.tasks import calc
+from lightning_ray.tracing import semconv
 
 
-def test_tasks_are_deterministic_and_answers_correct():
-    tasks = calc.make_tasks(50, seed=3)
-    assert tasks == calc.make_tasks(50, seed=3)
+def test_tasks_are_deterministic_json_safe_and_scored_by_their_generator():
+    tasks = calc.make_tasks(200, seed=3)
+    assert tasks == calc.make_tasks(200, seed=3)
+    assert [t.task_id for t in tasks[:2]] == ["basic_arithmetic-3-0", "basic_arithmetic-3-1"]
+    assert len({t.input["question"] for t in tasks}) == 200
     for t in tasks:
-        a, op, b = t.input["question"].removeprefix("What is ").removesuffix("?").split()
-        assert t.input["answer"] == (int(a) + int(b) if op == "+" else int(a) - int(b))
+        assert json.loads(json.dumps(t.input)) == t.input  # tuples in the generator's metadata became lists
+        assert (t.input["dataset"], t.input["protocol"]) == ("basic_arithmetic", "tools")
+        # our calculator, on the generator's own expression, gives the generator's answer
+        assert str(calc.calculate(t.input["metadata"]["expression"])) == t.input["answer"]
+    word = calc.make_tasks(3, seed=3, dataset="gsm_symbolic", protocol="text")
+    assert word == calc.make_tasks(3, seed=3, dataset="gsm_symbolic", protocol="text")
+    assert word[0].task_id == "gsm_symbolic-3-0" and word[0].input["protocol"] == "text"
+    with pytest.raises(ValueError, match="supports"):
+        calc.make_tasks(1, seed=0, dataset="chess")
 
 
-@pytest.mark.parametrize("expr", ["__import__('os').system('true')", "2**100", "open('x')", "1/0"])
+def test_exclude_keeps_training_disjoint_from_held_out():
+    held_out = calc.make_tasks(100, seed=1)
+    questions = {t.input["question"] for t in held_out}
+    # reasoning-gym seeds item i with seed + i: neighbouring seeds share most of their items
+    assert questions & {t.input["question"] for t in calc.make_tasks(300, seed=0)}
+    train = calc.make_tasks(300, seed=0, exclude=questions)
+    assert len(train) == 300 and not questions & {t.input["question"] for t in train}
+    # a generator with fewer distinct questions than asked for is an error, not an endless loop
+    tiny_space = {**EASY, "operators": ["+"], "allow_parentheses": False}
+    with pytest.raises(ValueError, match="distinct questions"):
+        calc.make_tasks(500, seed=0, options=tiny_space)
+
+
+@pytest.mark.parametrize("expr", ["__import__('os').system('true')", "2**100", "open('x')", "1/0", "x + 1",
+                                  "(1).real", "True + 1", "1j * 2", "9" * 300])
 def test_calculator_evaluates_nothing_but_arithmetic(expr):
     with pytest.raises((ValueError, SyntaxError)):
         calc.calculate(expr)
 
 
-def test_reward_is_exact_match():
-    task = {"question": "What is 2 - 5?", "answer": -3}
-    assert calc.reward(task, "-3") == 1.0
-    assert calc.reward(task, "3") == 0.0
-    assert calc.reward(task, None) == 0.0
+@pytest.mark.parametrize("expr, value", [("-( 20 + 67 + -59 )", -28), ("85 / 17", 5), ("-9 / 9", -1), ("7 / 2", 3.5),
+                                         ("1 / 3", 0.333333), ("2 * -3 - -1", -5), ("0.1 + 0.2", 0.3)])
+def test_calculator_divides_exactly(expr, value):
+    result = calc.calculate(expr)
+    assert result == value and type(result) is type(value)  # whole results are ints, as the generators write them
+
+
+def test_reward_is_the_generators_score():
+    [task] = calc.make_tasks(1, seed=0)
+    assert (task.input["question"], task.input["answer"]) == ("Calculate -33 / 11 + -22.", "-25")
+    assert calc.reward(task.input, "-25") == 1.0
+    assert calc.reward(task.input, "-24") == 0.0
+    assert calc.reward(task.input, None) == 0.0
+    assert calc.reward(task.input, "-250") == 0.75  # basic_arithmetic's partial credit: the answer inside it
+    [word] = calc.make_tasks(1, seed=0, dataset="gsm_symbolic")
+    assert calc.reward(word.input, word.input["answer"]) == 1.0
+    assert calc.reward(word.input, None) == 0.0
+
+
+@pytest.fixture(scope="module")
+def server(policy_app):
+    with policy_app("tiny-calc", defaults={"temperature": 0.0, "max_tokens": 96}, max_model_len=1024) as app:
+        yield app
+
+
+@pytest.mark.parametrize("protocol", ["tools", "text"])
+def test_agent_runs_the_calculator_through_a_served_model(server, tiny_model_path, protocol):
+    """The tiny model, greedy: the agent's calls are recorded under the rollout, the calculator's result is in the
+    second prompt, and the answer is read from the second reply."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    for task in calc.make_tasks(20, seed=5, options=EASY, protocol=protocol):  # the tiny model misses many: take
+        rid = server["new_rollout"]()                                         # the first it calls the tool on
+        answer = calc.agent(task.input, base_url=f"{server['url']}/rollouts/{rid}/attempts/at-1/v1", model="tiny-calc")
+        calls = sorted((s for s in server["store"].query_spans([rid]) if s.name == semconv.LLM_CALL),
+                       key=lambda s: s.start_time)
+        if len(calls) == 2:
+            break
+    assert len(calls) == 2
+    first, second = (c.attributes["lightning_ray.response"] for c in calls)
+    prompt = tokenizer.decode(calls[1].attributes[semconv.PROMPT_TOKEN_IDS])
+    if protocol == "tools":
+        call = json.loads(re.search(r"<tool_call>\n(.*)\n</tool_call>", first).group(1))
+        assert call["name"] == "calculator" and "# Tools" in prompt
+        result = calc._evaluate(call["arguments"]["expression"])  # what the tool answered, an error included
+        assert f"<|im_start|>tool\n<tool_response>\n{result}\n</tool_response><|im_end|>" in prompt
+    else:
+        result = calc._evaluate(re.fullmatch(r"CALC (.*)", first).group(1))
+        assert f"<|im_start|>user\nRESULT {result}<|im_end|>" in prompt and "# Tools" not in prompt
+    assert second == f"ANSWER {answer}" and re.fullmatch(r"-?\d+", answer)

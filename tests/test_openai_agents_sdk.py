@@ -31,7 +31,7 @@ def test_agents_sdk_runner_completes_through_the_responses_api(server):
     client = AsyncOpenAI(base_url=server["url"] + f"/rollouts/{rid}/attempts/at-1/v1", api_key="EMPTY", max_retries=0)
     agent = Agent(name="calc", instructions=calc.TOOL_SYSTEM_PROMPT, tools=[calculator],
                   model=OpenAIResponsesModel(model="tiny-calc", openai_client=client))
-    result = asyncio.run(Runner.run(agent, "What is 3 + 20?", max_turns=4))
+    result = asyncio.run(Runner.run(agent, "Calculate 3 + 20.", max_turns=4))
     calls = server["store"].query_spans([rid])
     assert calls and all(c.attributes["gen_ai.operation.name"] == "responses" for c in calls)
     assert calls[0].attributes["lightning_ray.request"]["tools"][0]["name"] == "calculator"  # the SDK's tool arrived

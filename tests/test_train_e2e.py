@@ -1,5 +1,5 @@
 """Two iterations of the whole loop on the real stack: Ray, Serve, the HF engine, SQLite, the openai client,
-Ray Train + DeepSpeed ZeRO-2 on gloo, and the tiny local model."""
+Ray Train + DeepSpeed ZeRO-2 on gloo (two ranks, micro-batches), held-out evaluation, and the tiny local model."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from lightning_ray.config import validate
 from lightning_ray.trainer import train
 from lightning_ray.training.loop import parameter_digest
 
+EASY = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}  # problems the tiny model half solves
+
 
 @pytest.fixture(scope="module")
 def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
@@ -22,10 +24,13 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
         "run_dir": str(run_dir),
         "model": {"path": str(tiny_model_path)},
         "serve": {"port": serve_port},
-        "trainer": {"iterations": 2, "num_workers": 2, "zero_stage": 2},
+        # two ranks of one thread; a small token budget, so each rank accumulates over several micro-batches
+        "trainer": {"iterations": 2, "num_workers": 2, "threads_per_worker": 1, "zero_stage": 2,
+                    "micro_batch_tokens": 512, "eval_every": 2, "lr": 1e-3},
+        "task": {"generator": EASY, "eval_size": 8},
         # 16 GRPO groups: an iteration where every group scores uniformly (no signal, no update) is then
         # vanishingly rare, so the assertions below about parameters moving hold.
-        "rollout": {"tasks_per_iteration": 16, "group_size": 4},
+        "rollout": {"tasks_per_iteration": 16, "group_size": 4, "agents_per_worker": 4},
     })
     history = train(cfg)
     db = sqlite3.connect(run_dir / "traces-spans.sqlite")  # reopened after the run, by a plain sqlite3 client
@@ -33,7 +38,8 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
         {"span_id": r[0], "rollout_id": r[1], "name": r[2], "attributes": json.loads(r[3])}
         for r in db.execute("SELECT span_id, rollout_id, name, attributes FROM spans")
     ]
-    return {"dir": run_dir, "history": history, "spans": spans, "model_path": tiny_model_path}
+    rollouts = [r[0] for r in sqlite3.connect(run_dir / "traces.sqlite").execute("SELECT rollout_id FROM rollouts")]
+    return {"dir": run_dir, "history": history, "spans": spans, "rollouts": rollouts, "model_path": tiny_model_path}
 
 
 def test_each_iteration_is_served_by_the_previous_update(run):
@@ -51,9 +57,19 @@ def test_each_iteration_is_served_by_the_previous_update(run):
 def test_one_transition_per_policy_call(run):
     for h in run["history"]:
         assert h["transitions"] == h["llm_spans"] > 0
-        assert h["groups_with_signal"] > 0
-    policy_calls = [s for s in run["spans"] if s["name"] == "llm.call" and s["rollout_id"]]
-    assert sum(h["transitions"] for h in run["history"]) == len(policy_calls)
+        assert h["groups_with_signal"] > 0 and h["updated"]
+        assert h["trained_tokens"] > 0 and h["micro_batches"] > 2  # each rank accumulated over several
+        # every call was sampled at the rollout temperature (1.0), which the learner scores at
+        assert h["unfaithfully_scored_calls"] == 0
+
+
+def test_held_out_evaluation_is_greedy_and_logged(run):
+    final = run["history"][-1]["eval"]
+    assert final["tasks"] == 8 and 0.0 <= final["accuracy"] <= 1.0
+    eval_calls = [s["attributes"] for s in run["spans"] if s["name"] == "llm.call" and s["rollout_id"]
+                  and s["attributes"]["lightning_ray.sampling"]["temperature"] == 0.0]
+    assert len(eval_calls) >= 16  # 8 problems before training and 8 after, at least one call each
+    assert (run["dir"] / "learning_curve.png").stat().st_size > 10_000
 
 
 def test_stored_token_ids_are_the_engines_own(run):
@@ -92,11 +108,12 @@ def test_served_logprobs_change_after_each_weight_sync(run):
 
 
 def test_sqlite_file_holds_every_span(run):
-    history = run["history"]
-    # per rollout: a rollout span and a reward span (worker) + its LLM calls (server); + one probe call per sync
-    expected = sum(2 * h["rollouts"] + h["llm_spans"] for h in history) + len(history) + 1
-    assert len(run["spans"]) == expected
-    assert len({s["span_id"] for s in run["spans"]}) == expected
+    # per rollout, training's and evaluation's: a rollout span and a reward span (worker) + its LLM calls (server)
+    assert len(run["rollouts"]) == sum(h["rollouts"] for h in run["history"]) + 2 * 8
+    for name in ("rollout", "reward"):
+        assert sorted(s["rollout_id"] for s in run["spans"] if s["name"] == name) == sorted(run["rollouts"])
+    assert sum(s["rollout_id"] is None for s in run["spans"]) == len(run["history"]) + 1  # a probe per sync
+    assert len({s["span_id"] for s in run["spans"]}) == len(run["spans"])
 
 
 def test_metrics_file_has_one_line_per_iteration(run):

@@ -1,4 +1,4 @@
-"""GRPO: group-relative advantages and the clipped policy-gradient loss."""
+"""GRPO: group-relative advantages, how the loss is aggregated over tokens, and the clipped policy-gradient loss."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from statistics import mean, pstdev
 
 import torch
 
+from lightning_ray.config import LossAggregation
 from lightning_ray.types import Transition
 
 
@@ -26,15 +27,28 @@ def group_advantages(transitions: list[Transition], normalize_std: bool = True, 
     return out
 
 
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+def token_weights(transitions: list[Transition], aggregation: LossAggregation, max_tokens: int) -> list[float]:
+    """The weight of each response token of each transition in the batch loss, so that the loss is one sum over
+    all tokens whatever the micro-batches and ranks it is split into. Transitions with zero advantage carry no
+    gradient and are not in the batch, so they do not dilute the others' tokens."""
+    tokens = sum(t.action_tokens for t in transitions)
+    if aggregation == "token_mean":
+        return [1.0 / tokens] * len(transitions)
+    if aggregation == "sequence_mean":
+        return [1.0 / (t.action_tokens * len(transitions)) for t in transitions]
+    if aggregation == "token_sum":
+        return [1.0 / (max_tokens * len(transitions))] * len(transitions)
+    raise ValueError(f"unknown loss aggregation {aggregation!r}")
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
                 clip_eps: float) -> tuple[torch.Tensor, dict]:
-    """PPO-clip surrogate, averaged over response tokens. All tensors are [batch, tokens]; advantages broadcast."""
+    """PPO-clip surrogate, summed over tokens with their weights. All tensors are flat, one entry per token."""
     ratio = torch.exp(logprobs - old_logprobs)
     surrogate = torch.minimum(ratio * advantages, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages)
-    tokens = mask.sum().clamp(min=1)
-    loss = -(surrogate * mask).sum() / tokens
+    loss = -(surrogate * weights).sum()
     with torch.no_grad():
-        clipped = ((ratio - 1).abs() > clip_eps).float()
-        stats = {"clip_frac": ((clipped * mask).sum() / tokens).item(),
-                 "ratio_mean": ((ratio * mask).sum() / tokens).item()}
+        n = max(len(ratio), 1)
+        stats = {"clip_frac": ((ratio - 1).abs() > clip_eps).float().sum().item() / n,
+                 "ratio_mean": ratio.sum().item() / n}
     return loss, stats

@@ -11,9 +11,13 @@ from lightning_ray.types import Rollout, Span, Transition
 
 
 def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: str) -> list[Transition]:
+    """A rollout without a reward failed for the platform's reasons (a timeout, a lost worker, a server error),
+    not the policy's: it gives no transitions, rather than teaching the policy that it scored 0."""
     spans = [s for s in spans if s.attempt_id == rollout.attempt_id]  # the attempt that ended the rollout
     rewards = [s.attributes[semconv.REWARD_VALUE] for s in spans if s.name == semconv.REWARD]
-    reward = rewards[-1] if rewards else (rollout.reward or 0.0)
+    reward = rewards[-1] if rewards else rollout.reward
+    if reward is None:
+        return []
     calls = [s for s in spans if s.name == semconv.LLM_CALL and s.attributes.get(semconv.MODEL) == policy_model]
     return [
         Transition(
@@ -25,6 +29,64 @@ def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: st
             logprobs=s.attributes[semconv.LOGPROBS],
             reward=reward,
             policy_version=s.attributes[semconv.POLICY_VERSION],
+            temperature=_temperature(s),
         )
         for s in sorted(calls, key=lambda s: s.start_time)
     ]
+
+
+def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str,
+          level: str = "transition") -> tuple[list[Transition], dict]:
+    """Every rollout's spans to transitions (or, at the trajectory level, to one sequence per episode where the
+    tokens allow). Stats: policy calls, and how often a call's prompt did not extend the previous call's context."""
+    by_rollout: dict[str, list[Span]] = {}
+    for s in spans:
+        by_rollout.setdefault(s.rollout_id, []).append(s)
+    out, calls, joins, breaks = [], 0, 0, 0
+    for r in rollouts:
+        transitions = transitions_from_spans(r, by_rollout.get(r.rollout_id, []), policy_model)
+        calls += len(transitions)
+        joins += max(len(transitions) - 1, 0)
+        if level == "trajectory":
+            transitions, broken = merge_calls(transitions)
+            breaks += broken
+        out += transitions
+    return out, {"policy_calls": calls, "prefix_break_rate": breaks / joins if joins else 0.0}
+
+
+def merge_calls(transitions: list[Transition]) -> tuple[list[Transition], int]:
+    """Trajectory level: consecutive calls of one rollout become one sequence when each call's prompt extends the
+    previous call's prompt + response token for token; what lies between (tool results, user turns) stays in the
+    sequence as context, masked out of the loss. One forward pass then scores the whole episode instead of one per
+    call, each re-reading the episode so far. A call whose prompt does not extend the previous one (the agent, or
+    the chat template, re-rendered the conversation into other tokens: re-tokenization drift) starts a new
+    sequence. Returns the sequences and how many joins drift broke. Input: a rollout's calls in time order."""
+    out: list[Transition] = []
+    breaks = 0
+    for t in transitions:
+        prev = out[-1] if out and out[-1].rollout_id == t.rollout_id else None
+        if prev is not None and prev.temperature == t.temperature and prev.policy_version == t.policy_version:
+            context = prev.prompt_ids + prev.response_ids
+            if t.prompt_ids[: len(context)] == context:
+                between = t.prompt_ids[len(context):]
+                out[-1] = prev.model_copy(update={
+                    "response_ids": prev.response_ids + between + t.response_ids,
+                    "logprobs": prev.logprobs + [0.0] * len(between) + t.logprobs,
+                    "loss_mask": prev.action_mask + [0] * len(between) + [1] * len(t.response_ids)})
+                continue
+            breaks += 1
+        out.append(t)
+    return out, breaks
+
+
+def scored_faithfully(span: Span) -> bool:
+    """Whether the learner can score a call's tokens under the distribution they were sampled from: it scores the
+    softmax at the call's temperature, so greedy, top-p-truncated and grammar-constrained calls are approximations
+    (scored at temperature 1, or without the truncation / the grammar's mask). The trainer reports how many."""
+    sampling = span.attributes.get(semconv.SAMPLING, {})
+    return sampling.get("temperature", 1.0) > 0 and sampling.get("top_p", 1.0) >= 1.0 and not sampling.get("constrained")
+
+
+def _temperature(span: Span) -> float:
+    t = span.attributes.get(semconv.SAMPLING, {}).get("temperature", 1.0)
+    return t if t > 0 else 1.0  # greedy: no temperature to score at

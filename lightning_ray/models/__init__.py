@@ -26,7 +26,7 @@ def resolve_model_path(cfg: ModelConfig) -> Path:
         return path
     from lightning_ray.models.tiny import build_tiny_model
 
-    return _cached(Path(cfg.cache_dir).expanduser() / "tiny-calc-v2", build_tiny_model)
+    return _cached(Path(cfg.cache_dir).expanduser() / "tiny-calc-v3", build_tiny_model)
 
 
 def _cached(path: Path, build) -> Path:

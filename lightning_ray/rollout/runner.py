@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import logging
 import threading
+
+import httpx
+import openai
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -17,6 +20,11 @@ from lightning_ray.tracing import semconv
 from lightning_ray.types import Rollout
 
 logger = logging.getLogger(__name__)
+
+# Errors that say the platform failed the agent, not that the policy did: the endpoint unreachable, timing out or
+# answering 5xx. (A 4xx, such as a prompt grown past the context length, is the policy's doing: it scores 0.)
+INFRASTRUCTURE_ERRORS = (openai.APIConnectionError, openai.InternalServerError, httpx.TransportError, ConnectionError,
+                         TimeoutError)
 
 
 def work(store, agent: Callable, reward: Callable, policy_url: str, model: str, api_key: str = "EMPTY",
@@ -43,10 +51,13 @@ def run_attempt(store, rollout: Rollout, agent: Callable, reward: Callable, poli
             answer = agent(rollout.task.input, base_url=base_url, model=model, api_key=api_key)
             value, status, error = reward(rollout.task.input, answer), "succeeded", None
         except Exception as e:  # the agent's failure is the rollout's outcome, not the worker's
-            answer, value, status, error = None, 0.0, "failed", f"{type(e).__name__}: {e}"
+            # ... and scores 0, unless the platform failed it (no reward: LightningRL leaves it out of training)
+            answer, status, error = None, "failed", f"{type(e).__name__}: {e}"
+            value = None if isinstance(e, INFRASTRUCTURE_ERRORS) else 0.0
             tracing.emit_exception(e)
         root.set_attributes({"answer": answer, "status": status, "error": error})
-        tracing.emit_reward(value)
+        if value is not None:
+            tracing.emit_reward(value)
     if lease_lost.is_set():
         logger.warning("rollout %s attempt %s lost its lease; its result is dropped", rid, aid)
         return

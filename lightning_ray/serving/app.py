@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 
 import ray
 from fastapi import FastAPI, Request
@@ -42,18 +43,24 @@ APP_NAME = "policy"
 class PolicyServer:
     async def __init__(self, model_path: str, model_name: str, store, registry, engine: str = "hf",
                  engine_options: dict | None = None, max_model_len: int = 512, defaults: dict | None = None,
-                 api_key: str | None = None, max_request_bytes: int = 8 << 20):
+                 api_key: str | None = None, max_request_bytes: int = 8 << 20, seed: int = 0,
+                 chat_template: str | None = None):
         import torch
 
         torch.set_num_threads(1)  # a replica shares the cores with rollouts and training
-        self.engine = make_engine(engine, model_path, max_model_len, **(engine_options or {}))
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        # Each replica samples from its own random stream: with one shared seed, two replicas given the same calls
+        # in the same order would draw the same samples, and a GRPO group spread over them would be correlated.
+        seed = (seed + zlib.crc32(self.replica_id.encode())) % 2**31
+        self.engine = make_engine(engine, model_path, max_model_len, seed=seed, **(engine_options or {}))
         self.tokenizer = self.engine.tokenizer
+        if chat_template:  # the template text (serving/templates.py), in place of the model's own
+            self.tokenizer.chat_template = chat_template
         self.model_name, self.store, self.registry = model_name, store, registry
         self.max_model_len, self.defaults = max_model_len, defaults or {}
         api.state.api_key, api.state.max_request_bytes = api_key, max_request_bytes
         self.gate = Gate()
-        self.known_rollouts: set[str] = set()
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.rollout_sampling: dict[str, dict] = {}  # rollout id -> its task's sampling defaults (looked up once)
         api.state.replica_id = self.replica_id  # named in a response header (http.REPLICA_HEADER)
         # A replica started mid-run (autoscaling, or replacing a dead one) loads the latest policy before Serve
         # routes it a single request, so no call is ever served by stale weights.
@@ -100,15 +107,15 @@ class PolicyServer:
 
     async def trace(self, request: Request) -> tuple[str | None, str | None]:
         """The rollout and attempt a call belongs to. An unknown rollout is the agent's misconfiguration: 404 before
-        any generation (each rollout is looked up once per replica)."""
+        any generation (each rollout is looked up once per replica, with its task's sampling defaults)."""
         rollout_id, attempt_id = trace_ids(request)
-        if rollout_id and rollout_id not in self.known_rollouts:
-            if not await self.store.rollout_exists(rollout_id):
+        if rollout_id and rollout_id not in self.rollout_sampling:
+            if (rollout := await self.store.get_rollout(rollout_id)) is None:
                 raise ApiError(404, f"no rollout {rollout_id!r} in the trace store", param="rollout_id",
                                code="rollout_not_found")
-            if len(self.known_rollouts) > 100_000:
-                self.known_rollouts.clear()
-            self.known_rollouts.add(rollout_id)
+            if len(self.rollout_sampling) > 100_000:
+                self.rollout_sampling.clear()
+            self.rollout_sampling[rollout_id] = rollout.task.sampling
         return rollout_id, attempt_id
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
@@ -135,9 +142,11 @@ class PolicyServer:
                                 f"has {len(prompt_ids)} and {max_tokens} more were requested",
                            param="messages", code="context_length_exceeded")
 
-    def sampling(self, body, max_tokens: int | None, top_logprobs: int = 0, fmt=None) -> SamplingParams:
-        """`fmt`: the request's response format (chat's response_format, responses' text.format), if any."""
-        d = self.defaults
+    def sampling(self, body, max_tokens: int | None, trace: tuple[str | None, str | None], top_logprobs: int = 0,
+                 fmt=None) -> SamplingParams:
+        """What the request sets, else its rollout's sampling defaults, else the server's. `fmt`: the request's
+        response format (chat's response_format, responses' text.format), if any."""
+        d = {**self.defaults, **self.rollout_sampling.get(trace[0], {})}
         return SamplingParams(
             max_tokens=max_tokens or d.get("max_tokens", 256),
             temperature=d.get("temperature", 1.0) if body.temperature is None else body.temperature,
@@ -179,6 +188,9 @@ class PolicyServer:
                               semconv.PROMPT_TOKEN_IDS: prompts[i // n],
                               semconv.COMPLETION_TOKEN_IDS: c.token_ids,
                               semconv.LOGPROBS: c.logprobs,
+                              # what the tokens were sampled from: the learner scores them under the same
+                              semconv.SAMPLING: {"temperature": params.temperature, "top_p": params.top_p,
+                                                 "seed": params.seed, "constrained": params.json_schema is not None},
                               "gen_ai.response.finish_reasons": [c.finish_reason],
                               "lightning_ray.response": c.text,
                               "lightning_ray.choice_index": i,
@@ -208,13 +220,16 @@ class PolicyServer:
 def deploy_policy(model_path: str, model_name: str, store, registry, host: str = "127.0.0.1", port: int = 8000,
                   num_replicas: int = 1, autoscaling: dict | None = None, engine: str = "hf",
                   engine_options: dict | None = None, max_model_len: int = 512, defaults: dict | None = None,
-                  api_key: str | None = None) -> str:
+                  api_key: str | None = None, seed: int = 0, env: dict[str, str] | None = None,
+                  chat_template: str | None = None) -> str:
     """Start the policy app on Ray Serve and return its base URL (without /v1). `autoscaling` is Serve's
     autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...) and replaces num_replicas."""
     serve.start(http_options={"host": host, "port": port})
-    scale = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}
-    app = PolicyServer.options(**scale).bind(
+    options = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}
+    if env:  # the replicas' environment: engines read settings from it when they start (vLLM-CPU's binding)
+        options["ray_actor_options"] = {"runtime_env": {"env_vars": env}}
+    app = PolicyServer.options(**options).bind(
         model_path, model_name, store, registry, engine=engine, engine_options=engine_options,
-        max_model_len=max_model_len, defaults=defaults, api_key=api_key)
+        max_model_len=max_model_len, defaults=defaults, api_key=api_key, seed=seed, chat_template=chat_template)
     serve.run(app, name=APP_NAME, route_prefix="/")
     return f"http://{host}:{port}"

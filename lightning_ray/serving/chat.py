@@ -40,7 +40,7 @@ async def create_chat_completion(server, body: ChatCompletionRequest, trace: tup
     offered = resolve_tool_choice(body.tool_choice, [t.model_dump(exclude_none=True) for t in body.tools or []])
     use_tools = bool(offered)  # tools rendered into the prompt, and tool calls parsed from the answer
     prompt_ids = server.encode_chat(template_messages(body.messages), offered)
-    params = server.sampling(body, body.max_completion_tokens or body.max_tokens,
+    params = server.sampling(body, body.max_completion_tokens or body.max_tokens, trace,
                              top_logprobs=body.top_logprobs or 0, fmt=body.response_format)
     server.check_length(prompt_ids, params.max_tokens)
     attrs = {"lightning_ray.request": body.model_dump(exclude_none=True, by_alias=True, exclude={"model"})}

@@ -21,7 +21,7 @@ async def create_completion(server, body: CompletionRequest, trace: tuple[str | 
     if body.echo and body.logprobs is not None:
         raise ApiError(422, "echo with logprobs (prompt scoring) is not supported", param="echo", code="unsupported")
     prompts = [server.encode_text(p) if isinstance(p, str) else server.check_token_ids(p) for p in body.prompts()]
-    params = server.sampling(body, body.max_tokens, top_logprobs=body.logprobs or 0)
+    params = server.sampling(body, body.max_tokens, trace, top_logprobs=body.logprobs or 0)
     for ids in prompts:
         server.check_length(ids, params.max_tokens)
     attrs = {"lightning_ray.request": body.model_dump(exclude_none=True, exclude={"model"})}

@@ -91,8 +91,9 @@ class StoreClient:
         parts = ray.get([s.query_rollouts.remote(status, since, until, limit) for s in self.shards])
         return sorted((r for part in parts for r in part), key=lambda r: r.enqueued_at)[:limit]
 
-    async def rollout_exists(self, rollout_id: str) -> bool:
-        return bool(await self.shard(rollout_id).get_rollouts.remote([rollout_id]))
+    async def get_rollout(self, rollout_id: str) -> Rollout | None:
+        found = await self.shard(rollout_id).get_rollouts.remote([rollout_id])
+        return found[0] if found else None
 
     def get_attempts(self, rollout_id: str) -> list[Attempt]:
         return ray.get(self.shard(rollout_id).get_attempts.remote(rollout_id))

@@ -1,9 +1,21 @@
-"""Built-in tasks. Each module offers make_tasks(n, seed), agent(task, base_url, model, api_key) and
-reward(task, answer)."""
+"""Built-in tasks. Each module offers make_tasks(n, seed, dataset, options, protocol, exclude), agent(task, base_url,
+model, api_key) and reward(task, answer)."""
 
 import importlib
 from types import ModuleType
 
+from lightning_ray.config import TaskConfig
+from lightning_ray.types import Task
+
 
 def load_task(name: str) -> ModuleType:
     return importlib.import_module(f"lightning_ray.tasks.{name}")
+
+
+def load_splits(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
+    """The training split and the held-out split: different seeds, and no held-out question in training."""
+    task = load_task(cfg.name)
+    options = {"dataset": cfg.dataset, "options": cfg.generator or None, "protocol": cfg.protocol}
+    held_out = task.make_tasks(cfg.eval_size, cfg.eval_seed, **options)
+    train = task.make_tasks(cfg.train_size, cfg.seed, exclude={t.input["question"] for t in held_out}, **options)
+    return train, held_out

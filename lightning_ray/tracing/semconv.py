@@ -21,6 +21,7 @@ PROMPT_TOKEN_IDS = "lightning_ray.prompt_token_ids"
 COMPLETION_TOKEN_IDS = "lightning_ray.completion_token_ids"
 LOGPROBS = "lightning_ray.logprobs"
 POLICY_VERSION = "lightning_ray.policy_version"
+SAMPLING = "lightning_ray.sampling"  # {temperature, top_p, seed, constrained}: the distribution tokens came from
 
 # Rewards: REWARD_VALUE is the scalar LightningRL optimises; a multi-dimensional reward also carries each named
 # dimension as f"{REWARD_VALUE}.{name}".

@@ -10,25 +10,30 @@ from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Empty, Queue
 
+from lightning_ray.algorithm.grpo import token_weights
 from lightning_ray.config import TrainConfig
-from lightning_ray.training.loop import train_loop_per_worker
+from lightning_ray.training.loop import MicroBatch, train_loop_per_worker
 from lightning_ray.types import Transition
 
 
 class Learner:
     def __init__(self, cfg: TrainConfig, model_path: Path, registry):
-        self.n = cfg.trainer.num_workers
-        self.timeout_s = cfg.trainer.step_timeout_s
+        t = cfg.trainer
+        self.n, self.timeout_s, self.token_budget = t.num_workers, t.step_timeout_s, t.micro_batch_tokens
+        self.aggregation, self.max_tokens = cfg.algorithm.loss_aggregation, cfg.rollout.max_tokens
+        self.version = 0
         self.inboxes = [Queue(actor_options={"num_cpus": 0}) for _ in range(self.n)]
         self.outbox = Queue(actor_options={"num_cpus": 0})
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={
                 "model_path": str(model_path), "inboxes": self.inboxes, "outbox": self.outbox, "registry": registry,
-                "lr": cfg.trainer.lr, "weight_decay": cfg.trainer.weight_decay, "grad_clip": cfg.trainer.grad_clip,
-                "zero_stage": cfg.trainer.zero_stage, "clip_eps": cfg.algorithm.clip_eps,
+                "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "zero_stage": t.zero_stage,
+                "threads_per_worker": t.threads_per_worker, "clip_eps": cfg.algorithm.clip_eps,
                 "extensions_dir": str(Path("~/.cache/lightning_ray/torch_extensions").expanduser()),
             },
+            # One logical CPU per worker whatever its threads: phases alternate, so the learner's threads use the
+            # cores the rollouts leave idle while it trains.
             scaling_config=ScalingConfig(num_workers=self.n, use_gpu=False, resources_per_worker={"CPU": 1}),
             run_config=RunConfig(name="learner", storage_path=str(cfg.run_path / "ray_train")),
         )
@@ -59,10 +64,20 @@ class Learner:
         return sorted(replies, key=lambda r: r["rank"])
 
     def step(self, transitions: list[Transition]) -> list[dict]:
-        """One policy update over all transitions, sharded across ranks by length so work stays balanced."""
-        ordered = sorted(transitions, key=lambda t: len(t.prompt_ids) + len(t.response_ids))
-        for rank, inbox in enumerate(self.inboxes):
-            inbox.put({"kind": "step", "transitions": ordered[rank :: self.n]})
+        """One optimizer step over the transitions that carry a learning signal (a nonzero advantage), publishing
+        policy version v+1. The caller skips batches without any: an empty step would still move the weights
+        (Adam's momentum) and bump the version for nothing."""
+        batch = [t for t in transitions if t.advantage != 0]
+        if not batch:
+            raise ValueError("no transition with a nonzero advantage: nothing to learn from")
+        weighted = list(zip(batch, token_weights(batch, self.aggregation, self.max_tokens)))
+        per_rank: list[list[MicroBatch]] = [[] for _ in range(self.n)]
+        for i, micro_batch in enumerate(micro_batches(weighted, self.token_budget)):
+            per_rank[i % self.n].append(micro_batch)
+        rounds = max(len(mbs) for mbs in per_rank)  # ranks with fewer micro-batches pad with empty ones
+        self.version += 1
+        for inbox, mbs in zip(self.inboxes, per_rank):
+            inbox.put({"kind": "step", "version": self.version, "micro_batches": mbs + [[]] * (rounds - len(mbs))})
         return self._gather()
 
     def save(self, path: Path) -> None:
@@ -74,3 +89,16 @@ class Learner:
         for inbox in self.inboxes:
             inbox.put(None)
         self.thread.join(timeout=60)
+
+
+def micro_batches(weighted: list[tuple[Transition, float]], token_budget: int) -> list[MicroBatch]:
+    """Rows sorted by length, packed while rows × the longest row (the padded size) stays within the budget, so a
+    micro-batch's memory is bounded whatever the batch size. A row longer than the budget goes alone."""
+    out: list[MicroBatch] = []
+    for item in sorted(weighted, key=lambda tw: len(tw[0].prompt_ids) + len(tw[0].response_ids)):
+        width = len(item[0].prompt_ids) + len(item[0].response_ids)
+        if out and (len(out[-1]) + 1) * width <= token_budget:
+            out[-1].append(item)
+        else:
+            out.append([item])
+    return out

@@ -13,11 +13,15 @@ import torch
 from lightning_ray.algorithm.grpo import policy_loss
 from lightning_ray.types import Transition
 
+MicroBatch = list[tuple[Transition, float]]  # transitions with the weight of each of their tokens in the loss
+
 
 def deepspeed_config(cfg: dict) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 1,  # batches are variable-sized; DeepSpeed only needs a nominal size
-        "gradient_accumulation_steps": 1,
+        # We accumulate over as many micro-batches as a batch needs (its token budget decides) and step once:
+        # backward() only accumulates, step() is the boundary. Losses come pre-weighted (grpo.token_weights).
+        "managed_gradient_accumulation": False,
         "gradient_clipping": cfg["grad_clip"],
         "zero_optimization": {"stage": cfg["zero_stage"]},
         # torch_adam: DeepSpeed's fused CPU Adam would compile for ~70 s on first use.
@@ -32,65 +36,97 @@ def train_loop_per_worker(cfg: dict) -> None:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(cfg["threads_per_worker"])
     transformers.logging.disable_progress_bar()  # per-load bars from every worker bury the iteration summaries
     ctx = ray.train.get_context()
-    rank = ctx.get_world_rank()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
     model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32)
-    pad_id = AutoTokenizer.from_pretrained(cfg["model_path"]).pad_token_id
+    tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # padding is masked out anyway
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=deepspeed_config(cfg), dist_init_required=False)
     inbox, outbox, registry = cfg["inboxes"][rank], cfg["outbox"], cfg["registry"]
-    version = 0
     outbox.put({"rank": rank, "ready": True, "digest": parameter_digest(engine.module)})
     while (msg := inbox.get()) is not None:
         if msg["kind"] == "save":
             if rank == 0:
                 engine.module.save_pretrained(msg["path"])
-                AutoTokenizer.from_pretrained(cfg["model_path"]).save_pretrained(msg["path"])
+                tokenizer.save_pretrained(msg["path"])
             outbox.put({"rank": rank, "saved": msg["path"]})
             continue
-        stats = train_step(engine, msg["transitions"], pad_id, cfg["clip_eps"])
-        version += 1
+        stats = train_step(engine, msg["micro_batches"], pad_id, cfg["clip_eps"], world)
         if rank == 0:
             state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-            ray.get(registry.publish.remote(version, [ray.put(state)]))
-        outbox.put({"rank": rank, "version": version, "digest": parameter_digest(engine.module), **stats})
+            ray.get(registry.publish.remote(msg["version"], [ray.put(state)]))
+        outbox.put({"rank": rank, "version": msg["version"], "digest": parameter_digest(engine.module), **stats})
 
 
-def train_step(engine, transitions: list[Transition], pad_id: int, clip_eps: float) -> dict:
-    """One optimizer step on this worker's shard. An empty shard still steps (with zero loss): every rank must
-    join the gradient all-reduce."""
-    batch = collate(transitions, pad_id)
-    logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
-    logprobs = torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
-    loss, stats = policy_loss(logprobs, batch["old_logprobs"], batch["advantages"][:, None], batch["mask"], clip_eps)
-    with torch.no_grad():  # how far the trainer's logprobs are from the server's for the same tokens
-        tokens = batch["mask"].sum().clamp(min=1)
-        stats["logprob_abs_diff"] = ((logprobs - batch["old_logprobs"]).abs() * batch["mask"]).sum().item() / tokens.item()
-    engine.backward(loss)
+def train_step(engine, micro_batches: list[MicroBatch], pad_id: int, clip_eps: float, world_size: int) -> dict:
+    """One optimizer step over this rank's micro-batches, gradients accumulated. Every rank gets the same number
+    of micro-batches (some may be empty): ZeRO reduces gradients inside backward, and all ranks must join.
+
+    The batch is on-policy (sampled by exactly these weights) and takes one step, so the behaviour policy's
+    logprobs are the ones computed here, detached: the ratio starts at 1, as PPO's first step does."""
+    totals = {"loss": 0.0, "tokens": 0, "clip_frac": 0.0, "logprob_abs_diff": 0.0}
+    for micro_batch in micro_batches:
+        batch = collate(micro_batch, pad_id)
+        logprobs, untempered = score(engine.module, batch)
+        # DeepSpeed averages gradients over ranks; the weights already normalize over the whole batch.
+        loss, stats = policy_loss(logprobs, logprobs.detach(), batch["advantages"], batch["weights"] * world_size,
+                                  clip_eps)
+        engine.backward(loss, scale_wrt_gas=False)
+        n = len(logprobs)
+        totals["loss"] += loss.item() / world_size
+        totals["tokens"] += n
+        totals["clip_frac"] += stats["clip_frac"] * n
+        # how far the trainer is from the server on the same tokens (both untempered): ~1e-7 when they agree
+        totals["logprob_abs_diff"] += (untempered - batch["served_logprobs"]).abs().sum().item()
     engine.step()
-    return {"loss": loss.item(), "transitions": len(transitions), **stats}
+    tokens = max(totals["tokens"], 1)
+    return {"loss": totals["loss"], "tokens": totals["tokens"], "micro_batches": len(micro_batches),
+            "clip_frac": totals["clip_frac"] / tokens, "logprob_abs_diff": totals["logprob_abs_diff"] / tokens}
 
 
-def collate(transitions: list[Transition], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+response rows. Position i of the masks predicts token i+1."""
-    rows = transitions or []
-    width = max([len(t.prompt_ids) + len(t.response_ids) for t in rows] + [2])
-    n = max(len(rows), 1)
+def score(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of the response tokens, flat in row order: under each call's sampling temperature (with gradient),
+    and untempered (to compare with the engine's). Only the positions that predict a response token go through
+    the LM head, so the [rows, width, vocabulary] logits of the whole micro-batch never exist."""
+    hidden = model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    predicts = batch["mask"].bool()
+    logits = model.get_output_embeddings()(hidden[:, :-1][predicts]).float()  # [response tokens, vocabulary]
+    targets = batch["input_ids"][:, 1:][predicts]
+    temperature = batch["temperature"][:, None].expand_as(predicts)[predicts]
+    picked = logits.gather(-1, targets[:, None]).squeeze(-1)
+    tempered = picked / temperature - torch.logsumexp(logits / temperature[:, None], -1)
+    with torch.no_grad():
+        untempered = picked - torch.logsumexp(logits, -1)
+    return tempered, untempered
+
+
+def collate(micro_batch: MicroBatch, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+response rows. Position i of `mask` predicts token i+1, and is 1 where that token is
+    the policy's action; the flat per-token tensors (advantages, weights, served_logprobs) follow the actions in row
+    order, as `score` returns them."""
+    rows = micro_batch or []
+    width = max([len(t.prompt_ids) + len(t.response_ids) for t, _ in rows] + [2])
+    n = max(len(rows), 1)  # an empty micro-batch is one row of padding: no tokens, zero loss, still a backward
     input_ids = torch.full((n, width), pad_id)
     attention_mask = torch.zeros(n, width, dtype=torch.long)
-    mask, old = torch.zeros(n, width - 1), torch.zeros(n, width - 1)
-    advantages = torch.zeros(n)
-    for i, t in enumerate(rows):
+    mask = torch.zeros(n, width - 1)
+    temperature = torch.ones(n)
+    advantages, weights, served = [], [], []
+    for i, (t, w) in enumerate(rows):
         p, r = len(t.prompt_ids), len(t.response_ids)
         input_ids[i, : p + r] = torch.tensor(t.prompt_ids + t.response_ids)
         attention_mask[i, : p + r] = 1
-        mask[i, p - 1 : p - 1 + r] = 1
-        old[i, p - 1 : p - 1 + r] = torch.tensor(t.logprobs)
-        advantages[i] = t.advantage
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "mask": mask, "old_logprobs": old,
-            "advantages": advantages}
+        mask[i, p - 1 : p - 1 + r] = torch.tensor(t.action_mask, dtype=torch.float)  # tool results: context only
+        temperature[i] = t.temperature
+        advantages += [t.advantage] * t.action_tokens
+        weights += [w] * t.action_tokens
+        served += [lp for lp, m in zip(t.logprobs, t.action_mask) if m]
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "mask": mask, "temperature": temperature,
+            "advantages": torch.tensor(advantages), "weights": torch.tensor(weights),
+            "served_logprobs": torch.tensor(served)}
 
 
 def parameter_digest(module: torch.nn.Module) -> str:

@@ -23,8 +23,9 @@ from lightning_ray.serving.engines.grammar import JsonGrammars, apply_bitmask
 
 
 class HFEngine:
-    def __init__(self, model_path: str, dtype: str = "float32"):
+    def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0):
         transformers.logging.disable_progress_bar()
+        torch.manual_seed(seed)  # requests without a seed of their own draw from the process's generator
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
         self.lock = threading.Lock()

@@ -1,0 +1,121 @@
+"""One policy update on the same SmolLM2 batch: our learner (Ray Train + DeepSpeed, in the worker × thread layouts
+asked for) vs a bare single-process PyTorch step of the same loss on the same cores, side by side in one run.
+
+    python benchmarks/update_speed.py [--layouts 1x2 2x1] [--transitions 128] [--steps 2] [--micro-batch-tokens 2048]
+
+The batch: 64 calc episodes in the text protocol, as the trajectory level trains them (one sequence per episode,
+~150 tokens with SmolLM2's template): what an iteration of 16 tasks × 4 rollouts trains on.
+Each side takes `--steps` steps; the first warms up (allocations, DeepSpeed's buffers), the rest are timed. Ours
+includes publishing the new weights to the registry (the state dict into Ray's object store), as in training.
+Prints one JSON line per side, the learner's with its ratio to the bare step (bare seconds / ours: ≥ 1 is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+
+import ray
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lightning_ray.algorithm.grpo import policy_loss, token_weights
+from lightning_ray.config import ModelConfig, validate
+from lightning_ray.models import SMOLLM2, resolve_model_path
+from lightning_ray.tasks import calc
+from lightning_ray.training.learner import Learner, micro_batches
+from lightning_ray.training.loop import collate, score
+from lightning_ray.training.weights import WeightRegistry
+from lightning_ray.types import Transition
+
+
+def make_batch(model_path, n: int, seed: int = 0) -> list[Transition]:
+    """n episodes of the calc agent's text protocol as the trajectory level trains them: one sequence each, the
+    prompt up to the question, then the episode's turns (CALC, RESULT, ANSWER) as the response."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    rng = random.Random(seed)
+    out = []
+    for i, (task, episode) in enumerate(zip(tasks := calc.make_tasks(n, seed=seed, protocol="text"),
+                                            calc.demonstrations(tasks))):
+        prompt = _encode(tokenizer, episode[:-3], generation_prompt=True)
+        response = _encode(tokenizer, episode, generation_prompt=False)[len(prompt):]
+        out.append(Transition(rollout_id=f"r{i}", group_id=f"g{i // 4}", span_id=f"s{i}", prompt_ids=prompt,
+                              response_ids=response, logprobs=[-1.0] * len(response), reward=1.0,
+                              advantage=rng.choice([-1.0, 1.0]), policy_version=0, temperature=0.7))
+    return out
+
+
+def _encode(tokenizer, messages, generation_prompt: bool) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False,
+                                                          add_generation_prompt=generation_prompt),
+                            add_special_tokens=False)  # as the policy server encodes chats
+
+
+def bare_steps(model_path, batch, steps: int, token_budget: int, threads: int) -> list[float]:
+    """The baseline: one process, plain PyTorch AdamW, the same micro-batches and loss, no Ray, no DeepSpeed."""
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    weighted = list(zip(batch, token_weights(batch, "token_mean", 96)))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        for mb in micro_batches(weighted, token_budget):
+            b = collate(mb, pad_id=0)
+            logprobs, _ = score(model, b)
+            loss, _ = policy_loss(logprobs, logprobs.detach(), b["advantages"], b["weights"], 0.2)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def learner_steps(model_path, batch, steps: int, token_budget: int, workers: int, threads: int) -> list[float]:
+    cfg = validate({"run_dir": tempfile.mkdtemp(), "trainer": {
+        "num_workers": workers, "threads_per_worker": threads, "micro_batch_tokens": token_budget, "lr": 1e-6,
+        "zero_stage": 2}})
+    learner = Learner(cfg, model_path, WeightRegistry.remote())
+    times = []
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            learner.step(batch)
+            times.append(time.perf_counter() - start)
+    finally:
+        learner.close()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layouts", nargs="+", default=["1x2", "2x1"], help="workers x threads per worker")
+    parser.add_argument("--transitions", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--micro-batch-tokens", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=2, help="the bare step's torch threads (the cores)")
+    args = parser.parse_args()
+    model_path = resolve_model_path(ModelConfig(path=SMOLLM2))
+    batch = make_batch(model_path, args.transitions)
+    work = {"transitions": len(batch), "response_tokens": sum(len(t.response_ids) for t in batch),
+            "padded_tokens": sum(len(mb) * max(len(t.prompt_ids) + len(t.response_ids) for t, _ in mb)
+                                 for mb in micro_batches([(t, 0.0) for t in batch], args.micro_batch_tokens))}
+    bare = bare_steps(model_path, batch, args.steps, args.micro_batch_tokens, args.threads)
+    bare_s = sum(bare[1:]) / max(len(bare) - 1, 1)
+    print(json.dumps({"side": "bare_pytorch", "threads": args.threads, "seconds": bare, "step_s": round(bare_s, 2),
+                      **work}), flush=True)
+    ray.init(num_cpus=4, include_dashboard=False)
+    for layout in args.layouts:
+        workers, threads = map(int, layout.split("x"))
+        ours = learner_steps(model_path, batch, args.steps, args.micro_batch_tokens, workers, threads)
+        ours_s = sum(ours[1:]) / max(len(ours) - 1, 1)
+        print(json.dumps({"side": "learner", "layout": layout, "zero_stage": 2, "seconds": ours,
+                          "step_s": round(ours_s, 2), "speed_vs_bare": round(bare_s / ours_s, 3), **work}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

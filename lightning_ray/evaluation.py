@@ -1,0 +1,36 @@
+"""Held-out evaluation through the same server and the same unmodified agent as training.
+
+Greedy accuracy: one rollout per task, sampled at temperature 0 (the task's sampling defaults tell the server; the
+agent is not touched). pass@k: k rollouts per task at the training temperature; a task passes if any is right.
+A rollout is right when the task's reward is 1 (scorers may give partial credit below that). Rollouts that failed
+for the platform's reasons (no reward) count as wrong and are reported.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from lightning_ray.services import Services
+from lightning_ray.types import Rollout, Task
+
+
+def evaluate(services: Services, tasks: list[Task], pass_k: int = 0, desc: str = "eval") -> dict:
+    greedy = services.run_rollouts([t.model_copy(update={"sampling": {"temperature": 0.0}}) for t in tasks],
+                                   f"{desc} greedy")
+    result = {"tasks": len(tasks), "accuracy": _solved(greedy) / len(tasks),
+              "reward_mean": sum(r.reward or 0.0 for r in greedy) / len(greedy),
+              "failed_rollouts": sum(r.reward is None for r in greedy)}
+    if pass_k:
+        temperature = services.cfg.rollout.temperature
+        sampled = services.run_rollouts([t.model_copy(update={"sampling": {"temperature": temperature}})
+                                         for t in tasks for _ in range(pass_k)], f"{desc} pass@{pass_k}")
+        by_task: dict[str, list[Rollout]] = defaultdict(list)
+        for r in sampled:
+            by_task[r.task.task_id].append(r)
+        result[f"pass@{pass_k}"] = sum(_solved(rs) > 0 for rs in by_task.values()) / len(tasks)
+        result[f"mean@{pass_k}"] = _solved(sampled) / len(sampled)  # accuracy of one sample at that temperature
+    return result
+
+
+def _solved(rollouts: list[Rollout]) -> int:
+    return sum(r.reward is not None and r.reward >= 1.0 for r in rollouts)

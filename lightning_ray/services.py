@@ -1,0 +1,85 @@
+"""What a run stands on, started in one place for training and evaluation alike: Ray, the trace store, the weight
+registry, the policy server (and the store's HTTP API), the rollout workers; and the one thing they do together,
+run a set of rollouts to their end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ray
+from ray import serve
+from tqdm import tqdm
+
+from lightning_ray.config import TrainConfig
+from lightning_ray.models import resolve_model_path
+from lightning_ray.rollout.worker import RolloutWorker
+from lightning_ray.serving.app import APP_NAME, deploy_policy
+from lightning_ray.serving.templates import resolve_chat_template
+from lightning_ray.store.client import StoreClient
+from lightning_ray.store.http import APP_NAME as STORE_APP
+from lightning_ray.store.http import deploy_store_api
+from lightning_ray.training.weights import WeightRegistry
+from lightning_ray.types import Rollout, RolloutConfig, Task
+
+
+class Services:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        cfg.run_path.mkdir(parents=True, exist_ok=True)
+        self.owns_ray = not ray.is_initialized()
+        if self.owns_ray:
+            ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus if cfg.ray.address is None else None,
+                     namespace="lightning_ray")
+        self.model_path: Path = resolve_model_path(cfg.model)
+        self.store = StoreClient.start(cfg.run_path, cfg.store.num_shards)
+        self.attempts = RolloutConfig(max_attempts=cfg.rollout.max_attempts, timeout_seconds=cfg.rollout.timeout_seconds,
+                                      unresponsive_seconds=cfg.rollout.unresponsive_seconds)
+        self.registry = WeightRegistry.remote()
+        self.server_url = deploy_policy(
+            str(self.model_path), cfg.model.name, self.store, self.registry, host=cfg.serve.host, port=cfg.serve.port,
+            num_replicas=cfg.serve.num_replicas, autoscaling=cfg.serve.autoscaling, engine=cfg.engine.kind,
+            engine_options={"dtype": cfg.engine.dtype, **cfg.engine.options}, max_model_len=cfg.engine.max_model_len,
+            api_key=cfg.serve.api_key, seed=cfg.seed, env=cfg.engine.env,
+            chat_template=resolve_chat_template(cfg.serve.chat_template),
+            defaults={"max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature,
+                      "top_p": cfg.rollout.top_p})
+        print(f"policy served at {self.server_url}/v1 as {cfg.model.name!r}", flush=True)
+        if cfg.store.http:
+            store_url = deploy_store_api(self.store, cfg.serve.host, cfg.serve.port, cfg.serve.api_key)
+            print(f"trace store at {store_url} (OTLP/HTTP: {store_url}/v1/traces)", flush=True)
+        # Each worker runs agents_per_worker agents at once (threads): the engine batches their calls.
+        self.workers = [RolloutWorker.options(max_concurrency=cfg.rollout.agents_per_worker).remote(
+            cfg.task.name, self.store, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing)
+            for _ in range(cfg.rollout.num_workers)]
+
+    def __enter__(self) -> Services:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        serve.delete(APP_NAME)
+        if self.cfg.store.http:
+            serve.delete(STORE_APP)
+        if self.owns_ray:
+            ray.shutdown()
+
+    def run_rollouts(self, tasks: list[Task], desc: str) -> list[Rollout]:
+        """Queue a rollout per task and run them all to their end. Workers drain the queue; when they are done but
+        rollouts are still open (attempts that failed, timed out or went silent and were requeued), they are sent
+        again. A worker's crash is raised here."""
+        rollout_ids = [r.rollout_id for r in self.store.enqueue(tasks, self.attempts)]
+        with tqdm(total=len(rollout_ids), desc=desc, leave=False) as bar:
+            work = self._dispatch()
+            while True:
+                ended = len(self.store.wait_for_rollouts(rollout_ids, timeout=0.5))
+                bar.update(ended - bar.n)
+                if work:
+                    done, work = ray.wait(work, num_returns=len(work), timeout=0)
+                    ray.get(done)
+                if ended == len(rollout_ids):
+                    ray.get(work)
+                    return self.store.get_rollouts(rollout_ids)
+                if not work:
+                    work = self._dispatch()
+
+    def _dispatch(self) -> list:
+        return [w.work.remote() for w in self.workers for _ in range(self.cfg.rollout.agents_per_worker)]
