@@ -1,6 +1,6 @@
 """A tiny causal LM built locally (no hub): byte-level BPE, a ChatML chat template, 2 layers, hidden 64.
 
-It is warmed up for a few seconds on correct calc transcripts, in two protocols: CALC lines in plain text, and
+It is warmed up for ~1 min on correct calc transcripts, in two protocols: CALC lines in plain text, and
 function calls through the chat template's tools (Hermes <tool_call> blocks). Sampled at temperature 1 it then
 solves some tasks and fails others; that spread of rewards inside a GRPO group is what gives RL a signal.
 """
@@ -24,7 +24,7 @@ EASY = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "opera
         "allow_parentheses": False, "allow_negation": False}
 
 
-def build_tiny_model(out_dir: str | Path, warmup_steps: int = 400, seed: int = 0) -> Path:
+def build_tiny_model(out_dir: str | Path, warmup_steps: int = 1000, seed: int = 0) -> Path:
     """Write a tokenizer + model to out_dir (HF format) and return it."""
     out = Path(out_dir)
     torch.manual_seed(seed)
