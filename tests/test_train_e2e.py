@@ -49,9 +49,10 @@ def test_each_iteration_is_served_by_the_previous_update(run):
         assert h["rollout_policy_versions"] == [i]  # rollouts of iteration i ran on policy version i
         assert h["policy_version"] == i + 1
         assert h["served_policy_version"] == i + 1  # after the sync, the endpoint serves the new version
-    llm_versions = {s["attributes"]["lightning_ray.policy_version"] for s in run["spans"]
-                    if s["rollout_id"] and s["name"] == "llm.call"}
-    assert llm_versions == {0, 1}
+    sampled = [s["attributes"] for s in run["spans"] if s["rollout_id"] and s["name"] == "llm.call"]
+    training = {a["lightning_ray.policy_version"] for a in sampled if a["lightning_ray.sampling"]["temperature"] > 0}
+    evaluation = {a["lightning_ray.policy_version"] for a in sampled if a["lightning_ray.sampling"]["temperature"] == 0}
+    assert training == {0, 1} and evaluation == {0, 2}  # held-out evaluation before training and after the last sync
 
 
 def test_one_transition_per_policy_call(run):
