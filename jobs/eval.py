@@ -5,20 +5,16 @@ server and the same agent. Prints greedy accuracy (and pass@k) and writes it to 
 
 import json
 import logging
-import sys
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from lightning_ray.config import ConfigError, validate
+from lightning_ray.config import from_hydra
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="train")
 def main(raw: DictConfig) -> None:
-    try:
-        cfg = validate(OmegaConf.to_container(raw, resolve=True))
-    except ConfigError as e:
-        sys.exit(str(e))
+    cfg = from_hydra(raw)
     from lightning_ray.evaluation import evaluate  # imported late: `--help` and config errors stay instant
     from lightning_ray.services import Services
     from lightning_ray.tasks import load_splits

@@ -1,20 +1,16 @@
 """The main job: python jobs/train.py [key=value ...]  (Hydra overrides; see configs/train.yaml)."""
 
 import logging
-import sys
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from lightning_ray.config import ConfigError, validate
+from lightning_ray.config import from_hydra
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="train")
 def main(raw: DictConfig) -> None:
-    try:
-        cfg = validate(OmegaConf.to_container(raw, resolve=True))
-    except ConfigError as e:
-        sys.exit(str(e))
+    cfg = from_hydra(raw)
     from lightning_ray.trainer import train  # imported late: `--help` and config errors stay instant
 
     for noisy in ("httpx", "httpx2"):  # one line per HTTP request drowns the per-iteration summary

@@ -137,3 +137,13 @@ def validate(raw: dict) -> TrainConfig:
     except ValidationError as e:
         lines = [f"  {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
         raise ConfigError("invalid config:\n" + "\n".join(lines)) from None
+
+
+def from_hydra(raw) -> TrainConfig:
+    """A job's entry point: the Hydra-composed config validated, or the process exits naming the bad keys."""
+    from omegaconf import OmegaConf
+
+    try:
+        return validate(OmegaConf.to_container(raw, resolve=True))
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
