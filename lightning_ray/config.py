@@ -90,7 +90,7 @@ class TrainerConfig(_Strict):
     num_workers: int = Field(1, gt=0)  # Ray Train workers (DeepSpeed data-parallel ranks)
     threads_per_worker: int = Field(2, gt=0)  # torch threads in each: workers × threads ≈ the cores to train on
     micro_batch_tokens: int = Field(2048, gt=0)  # padded tokens per forward/backward: bounds the memory
-    zero_stage: Literal[0, 1, 2, 3] = 2
+    zero_stage: Literal["auto", 0, 1, 2, 3] = "auto"  # auto: 0 for one worker (nothing to partition), else 2
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)

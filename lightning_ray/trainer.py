@@ -118,6 +118,9 @@ def _record(iteration, rollouts, spans, transitions, adapted, signal, version, r
             "trained_tokens": sum(r["tokens"] for r in results),
             "micro_batches": sum(r["micro_batches"] for r in results),
             "worker_digests": [r["digest"] for r in results],
+            # where rank 0's step went: forward/backward, the optimizer, publishing the weights, the digest
+            "learner_seconds": {k: round(results[0][k], 2) for k in ("compute_s", "optimizer_s", "publish_s",
+                                                                     "digest_s")},
         })
     return record
 

@@ -11,7 +11,7 @@ from ray.train.torch import TorchTrainer
 from ray.util.queue import Empty, Queue
 
 from lightning_ray.algorithm.grpo import token_weights
-from lightning_ray.config import TrainConfig
+from lightning_ray.config import TrainConfig, TrainerConfig
 from lightning_ray.training.loop import MicroBatch, train_loop_per_worker
 from lightning_ray.types import Transition
 
@@ -28,7 +28,7 @@ class Learner:
             train_loop_per_worker,
             train_loop_config={
                 "model_path": str(model_path), "inboxes": self.inboxes, "outbox": self.outbox, "registry": registry,
-                "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "zero_stage": t.zero_stage,
+                "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "zero_stage": zero_stage(t),
                 "threads_per_worker": t.threads_per_worker, "clip_eps": cfg.algorithm.clip_eps,
                 "extensions_dir": str(Path("~/.cache/lightning_ray/torch_extensions").expanduser()),
             },
@@ -89,6 +89,12 @@ class Learner:
         for inbox in self.inboxes:
             inbox.put(None)
         self.thread.join(timeout=60)
+
+
+def zero_stage(t: TrainerConfig) -> int:
+    """ZeRO partitions across ranks: one rank has nothing to partition, and stage 2's gradient copies cost ~7% of
+    a step there (benchmarks/update_speed.py)."""
+    return t.zero_stage if t.zero_stage != "auto" else (0 if t.num_workers == 1 else 2)
 
 
 def micro_batches(weighted: list[tuple[Transition, float]], token_budget: int) -> list[MicroBatch]:
