@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
@@ -11,6 +12,7 @@ import ray
 from lightning_ray.store.client import StoreClient
 from lightning_ray.store.errors import BatchTooLarge, InvalidSpans, InvalidTransition, StaleAttempt, UnknownAttempt, UnknownRollout
 from lightning_ray.store.sqlite import SQLiteBackend, span_row
+from lightning_ray.tracing.spans import new_span_id
 from lightning_ray.types import Rollout, RolloutConfig, Span, Task
 
 
@@ -119,6 +121,21 @@ def test_spans_are_idempotent_validated_and_survive_reopening(tmp_path):
     assert reopened.query_spans(["r0"])[3] == spans[3]
     assert [s.start_time for s in reopened.query_spans(since=1, until=3)] == [1, 2]
     assert len(reopened.query_spans(attempt_id="a", limit=2)) == 2
+
+
+def test_spans_are_keyed_by_rollout_and_span_id():
+    """Two rollouts may carry the same span id (an agent that seeds `random` per task once gave every rollout the
+    same ids): both are kept; a re-sent span of the same rollout is still a duplicate."""
+    store = SQLiteBackend()
+    store.enqueue(rollouts(2))
+    same = [span_row(Span(span_id="00000000000000aa", rollout_id=r, name="llm.call")) for r in ("r0", "r1")]
+    assert store.add_span_rows(same)["accepted"] == 2
+    assert store.add_span_rows(same[:1])["duplicates"] == 1
+    assert [len(store.query_spans([r])) for r in ("r0", "r1")] == [1, 1]
+    random.seed(0)
+    first = new_span_id()
+    random.seed(0)
+    assert new_span_id() != first  # the tracer's ids do not follow the agent's seed
 
 
 def test_rollouts_are_queried_by_status_and_time():
@@ -243,3 +260,24 @@ def shape(spans: list[Span], rollout: Rollout) -> list[tuple]:
     return [(s.name, position.get(s.parent_id), s.status, s.status_message, s.attributes,
              [(e.name, {k: v for k, v in e.attributes.items() if k != "exception.stacktrace"}) for e in s.events])
             for s in spans]
+
+
+def test_the_queue_wal_stays_bounded_over_a_long_run(tmp_path):
+    """Tens of thousands of queue operations (dequeue, heartbeats, verdicts), with the checkpoints the store actor
+    runs every second in between: the queue's WAL file stays small instead of holding every change of the run."""
+    store = SQLiteBackend(tmp_path / "traces.sqlite")
+    wal = tmp_path / "traces.sqlite-wal"
+    store.enqueue([Rollout(rollout_id=f"r{i}", task=Task(task_id=f"t{i}", input={})) for i in range(2_000)])
+    operations, largest = 0, 0
+    while (leased := store.dequeue("w", time.time())) is not None:
+        _, attempt = leased
+        for _ in range(8):
+            store.heartbeat(attempt.attempt_id, time.time())
+        store.finish_attempt(attempt.attempt_id, "succeeded", time.time(), reward=1.0)
+        operations += 10
+        if operations % 1_000 == 0:
+            store.checkpoint()
+            largest = max(largest, wal.stat().st_size)
+    assert operations == 20_000
+    # ~9 KB per operation: ~9 MiB between two checkpoints here, ~170 MiB by the end without them
+    assert largest < 16 << 20, f"the queue's WAL reached {largest / 2**20:.1f} MiB"

@@ -2,7 +2,8 @@
 
 Every rollout/attempt state change is one transaction checked against lifecycle.py. Spans travel as rows that the
 sender encoded (attributes and events as JSON bytes), so the single store process only validates and inserts;
-they are idempotent on span_id, so a re-sent batch is never duplicated.
+they are idempotent on (rollout_id, span_id), so a re-sent batch is never duplicated and two rollouts' spans never
+collide.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ CREATE TABLE IF NOT EXISTS attempts (
 CREATE INDEX IF NOT EXISTS attempts_by_rollout ON attempts(rollout_id, sequence);
 CREATE INDEX IF NOT EXISTS attempts_by_status ON attempts(status);
 CREATE TABLE IF NOT EXISTS span_db.spans (
-    span_id TEXT PRIMARY KEY, trace_id TEXT, parent_id TEXT, rollout_id TEXT, attempt_id TEXT, name TEXT NOT NULL,
+    span_id TEXT NOT NULL, trace_id TEXT, parent_id TEXT, rollout_id TEXT, attempt_id TEXT, name TEXT NOT NULL,
     start_time REAL NOT NULL, end_time REAL, status TEXT NOT NULL, status_message TEXT,
     attributes BLOB NOT NULL, events BLOB NOT NULL);
+CREATE UNIQUE INDEX IF NOT EXISTS span_db.spans_key ON spans(IFNULL(rollout_id, ''), span_id);
 CREATE INDEX IF NOT EXISTS span_db.spans_by_rollout ON spans(rollout_id, start_time);
 CREATE INDEX IF NOT EXISTS span_db.spans_by_time ON spans(start_time);
 """
+WAL_SIZE_LIMIT = 16 << 20  # bytes a WAL file keeps after a checkpoint; between checkpoints it reuses its space
 _ROLLOUT_COLS = "rollout_id, task, config, status, attempt_id, attempts, reward, error, enqueued_at, ended_at"
 _ATTEMPT_COLS = "attempt_id, rollout_id, sequence, status, worker_id, started_at, last_heartbeat, ended_at, error"
 _SPAN_COLS = ("span_id, trace_id, parent_id, rollout_id, attempt_id, name, start_time, end_time, status, "
@@ -91,16 +94,19 @@ class SQLiteBackend:
             self.db.execute(f"PRAGMA {schema}.journal_mode=WAL")
             self.db.execute(f"PRAGMA {schema}.synchronous=NORMAL")  # WAL + NORMAL: a commit survives a crash
         self.db.executescript(_SCHEMA)
-        # Span checkpoints (copying the WAL into the file, with an fsync) would stall the insert that crosses the
-        # threshold; `checkpoint_spans` does them from another connection and thread instead.
-        self.db.execute("PRAGMA span_db.wal_autocheckpoint=0")
-        self._checkpointer = None if spans_path == ":memory:" else sqlite3.connect(
-            spans_path, isolation_level=None, check_same_thread=False)
+        # A checkpoint (copying the WAL into the file, with an fsync) would stall the write that crosses the
+        # threshold; `checkpoint` does them from other connections and another thread instead. This pragma holds
+        # for the whole connection, both files, whatever schema it names: so both are checkpointed there.
+        self.db.execute("PRAGMA wal_autocheckpoint=0")
+        self._checkpointers = [] if spans_path == ":memory:" else [
+            sqlite3.connect(p, isolation_level=None, check_same_thread=False) for p in (str(path), spans_path)]
+        for schema in ("main", "span_db"):  # a WAL that once grew (a burst of spans) is cut back when it restarts
+            self.db.execute(f"PRAGMA {schema}.journal_size_limit={WAL_SIZE_LIMIT}")
 
-    def checkpoint_spans(self) -> None:
-        """Move the spans' WAL into their file without blocking writers (any thread but the writer's)."""
-        if self._checkpointer is not None:
-            self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+    def checkpoint(self) -> None:
+        """Move both WALs into their files without blocking the writer (call from any thread but the writer's)."""
+        for c in self._checkpointers:
+            c.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     @contextmanager
     def _transaction(self):

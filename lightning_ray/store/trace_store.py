@@ -51,13 +51,13 @@ class TraceStore:
             await asyncio.sleep(every)
 
     async def _checkpoint_forever(self, every: float = 1.0) -> None:
-        """Span checkpoints on their own thread: their disk writes overlap the inserts instead of stalling them."""
+        """WAL checkpoints on their own thread: their disk writes overlap the writes instead of stalling them."""
         with ThreadPoolExecutor(1, thread_name_prefix="checkpoint") as thread:
             while True:
                 try:
-                    await asyncio.get_running_loop().run_in_executor(thread, self.backend.checkpoint_spans)
+                    await asyncio.get_running_loop().run_in_executor(thread, self.backend.checkpoint)
                 except Exception:
-                    logger.exception("span checkpoint failed; retrying")
+                    logger.exception("WAL checkpoint failed; retrying")
                 await asyncio.sleep(every)
 
     async def _notify(self) -> None:

@@ -83,14 +83,19 @@ def exception_type(exc: BaseException) -> str:
     return f"{module}.{name}" if module and module != "builtins" else name
 
 
+# The OS's randomness, not the `random` module's global generator: an agent that seeds `random` for each task
+# would otherwise give its spans the same ids in every rollout (and forked workers would share one sequence).
+_IDS = random.SystemRandom()
+
+
 def new_trace_id() -> str:
     """32 hex chars, like OpenTelemetry's (a random non-zero 128-bit id)."""
-    return f"{random.getrandbits(128) or 1:032x}"
+    return f"{_IDS.getrandbits(128) or 1:032x}"
 
 
 def new_span_id() -> str:
     """16 hex chars, like OpenTelemetry's (a random non-zero 64-bit id)."""
-    return f"{random.getrandbits(64) or 1:016x}"
+    return f"{_IDS.getrandbits(64) or 1:016x}"
 
 
 @dataclass(frozen=True)
