@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from lightning_ray.algorithm.lightningrl import transitions_from_spans
+from lightning_ray.store.http import gunzip
 from lightning_ray.tasks import calc
 from lightning_ray.tracing import semconv
 from lightning_ray.types import RolloutConfig, Task
@@ -157,3 +159,23 @@ def test_otlp_receiver_rejects_bad_payloads_clearly_and_keeps_serving(app):
     assert "ro-unknown" in r.json()["partialSuccess"]["errorMessage"]
     stats = app["store"].stats()
     assert stats["errors"]["otlp_malformed"] == before + 3 and stats["errors"]["invalid_spans"] >= 2
+
+
+def test_otlp_receiver_gunzips_within_the_size_limit(app):
+    """The SDK's exporter with gzip goes through; a small gzip body that inflates past the store's 64 MiB limit is
+    refused with 413 after inflating no more than the limit (it was decompressed whole before)."""
+    from opentelemetry.exporter.otlp.proto.http import Compression
+
+    store, url = app["store"], app["store_url"] + "/v1/traces"
+    [rollout] = store.enqueue([Task(task_id="gz", input={})])
+    _, spans = otel_spans(rollout.rollout_id, "at-1")
+    assert OTLPSpanExporter(endpoint=url, compression=Compression.Gzip).export(spans).name == "SUCCESS"
+    assert len(store.query_spans([rollout.rollout_id])) == 2
+    bomb = gzip.compress(b"\0" * (80 << 20))  # ~80 KB on the wire
+    before = store.stats()["errors"].get("request_too_large", 0)
+    r = httpx.post(url, content=bomb, headers={"content-type": "application/x-protobuf", "content-encoding": "gzip"},
+                   timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert store.stats()["errors"]["request_too_large"] == before + 1
+    assert gunzip(gzip.compress(b"ab") + gzip.compress(b"cd"), 4) == b"abcd"  # every member, up to the limit
+    assert gunzip(gzip.compress(b"abcde"), 4) is None

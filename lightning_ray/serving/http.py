@@ -6,6 +6,7 @@ X-Rollout-Id / X-Attempt-Id headers, so each endpoint is written once and agents
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import re
@@ -68,17 +69,48 @@ class PolicyMiddleware:
                 *[(k, v) for k, v in scope["headers"] if k not in (ROLLOUT_HEADER.encode(), ATTEMPT_HEADER.encode())],
                 (ROLLOUT_HEADER.encode(), m["rollout"].encode()), (ATTEMPT_HEADER.encode(), m["attempt"].encode())])
         api_key = getattr(state, "api_key", None)
-        if api_key and headers.get(b"authorization", b"").decode() != f"Bearer {api_key}":
+        # bytes, in constant time: no timing oracle, and a header that is not UTF-8 is just a wrong key
+        if api_key and not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {api_key}".encode()):
             return await _send(send, ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                                               code="invalid_api_key"))
-        limit = getattr(state, "max_request_bytes", None)
-        length = headers.get(b"content-length", b"0")
-        if limit and length.isdigit() and int(length) > limit:
-            if count := getattr(state, "count_rejected", None):  # the store counts every rejected input
-                count("request_too_large")
-            return await _send(send, ApiError(413, f"request body of {int(length)} bytes exceeds the limit of {limit}",
-                                              code="request_too_large"))
+        if limit := getattr(state, "max_request_bytes", None):
+            # Counted as it arrives, whatever Content-Length says (or a chunked body does not): the app then reads
+            # the body from memory, never more than `limit` bytes of it.
+            body = await _read_body(receive, limit, headers.get(b"content-length", b""))
+            if body is None:
+                if count := getattr(state, "count_rejected", None):  # the store counts every rejected input
+                    count("request_too_large")
+                return await _send(send, ApiError(413, f"request body exceeds the limit of {limit} bytes",
+                                                  code="request_too_large"))
+            receive = _replay(body, receive)
         await self.app(scope, receive, send)
+
+
+async def _read_body(receive, limit: int, content_length: bytes) -> bytes | None:
+    """The whole request body, or None as soon as it is known to pass `limit` bytes."""
+    if content_length.isdigit() and int(content_length) > limit:
+        return None
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client went away: the app sees the disconnect
+            return b"".join(chunks)
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit:
+            return None
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """An ASGI receive that gives the app the body already read, then the client's later messages (disconnects)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receiving():
+        return pending.pop() if pending else await receive()
+
+    return receiving
 
 
 def _with_header(send, name: bytes, value: bytes):

@@ -6,7 +6,7 @@ It runs as a Ray Serve app next to the policy (same proxy and port, under /store
 
 from __future__ import annotations
 
-import gzip
+import zlib
 
 from fastapi import FastAPI, Query, Request, Response
 from google.protobuf.json_format import MessageToJson
@@ -53,6 +53,21 @@ class RolloutIdsRequest(BaseModel):
 
 class SpansRequest(BaseModel):
     spans: list[Span]
+
+
+def gunzip(body: bytes, limit: int) -> bytes | None:
+    """A gzip body (one or more members) decompressed, or None as soon as it passes `limit` bytes: a small body
+    must not inflate into gigabytes."""
+    out = bytearray()
+    while body:
+        member = zlib.decompressobj(wbits=31)
+        out += member.decompress(body, limit + 1 - len(out))
+        if len(out) > limit or member.unconsumed_tail:
+            return None
+        if not member.eof:
+            raise EOFError("truncated gzip body")
+        body = member.unused_data
+    return bytes(out)
 
 
 def otlp_response(content_type: str, rejected: int, message: str) -> Response:
@@ -133,10 +148,12 @@ class StoreApi:
         content_type = request.headers.get("content-type", "").split(";")[0].strip()
         try:
             body = await request.body()
-            if request.headers.get("content-encoding") == "gzip":
-                body = gzip.decompress(body)
+            limit = request.app.state.max_request_bytes
+            if request.headers.get("content-encoding") == "gzip" and (body := gunzip(body, limit)) is None:
+                self.store.count_error("request_too_large")
+                raise ApiError(413, f"decompressed body exceeds the limit of {limit} bytes", code="request_too_large")
             spans = spans_from_otlp(body, content_type)
-        except (OtlpDecodeError, OSError, EOFError) as e:
+        except (OtlpDecodeError, OSError, EOFError, zlib.error) as e:
             self.store.count_error("otlp_malformed")
             raise ApiError(400, f"malformed OTLP payload: {e}", code="otlp_malformed") from None
         result = await self.store.add_spans_async(spans, strict=False) if spans else {"rejected": 0, "errors": []}
