@@ -327,7 +327,35 @@ def test_api_key_is_required_when_configured(server):
     r = httpx.post(server["url"] + CHAT, json={"model": MODEL, "messages": MESSAGES})
     assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
     assert httpx.get(server["url"] + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(server["url"] + "/v1/models", headers={"Authorization": b"Bearer \xff\xfe"}).status_code == 401
     assert httpx.post(server["url"] + "/rollouts/r/attempts/a/v1/chat/completions", json={}).status_code == 401
+
+
+def test_a_default_max_tokens_is_cut_to_the_room_left(server):
+    """max_model_len is 320 here: beside a 315-token prompt the default max_tokens (16) becomes 5, as OpenAI
+    generates into the rest of the context; a max_tokens the client asks for must fit, else 400."""
+    c = client(server)
+    prompt = [7] * 315
+    out = c.completions.create(model=MODEL, prompt=prompt, temperature=1.0, extra_body={"ignore_eos": True})
+    assert out.usage.prompt_tokens == 315 and out.usage.completion_tokens == 5
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt=prompt, max_tokens=12)
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_size_limit_holds_for_a_chunked_body_without_content_length(server):
+    """20 MiB sent chunked, so no Content-Length announces it: refused once 8 MiB have arrived, not read whole
+    and tokenized."""
+    def chunks():
+        yield b'{"model": "%s", "messages": [{"role": "user", "content": "' % MODEL.encode()
+        for _ in range(20):
+            yield b"x" * (1 << 20)
+        yield b'"}]}'
+
+    r = httpx.post(server["url"] + CHAT, content=chunks(), timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).choices
 
 
 # ---- weights -----------------------------------------------------------------------------------------------------

@@ -232,3 +232,23 @@ def logprob_error(model, prompt: list[int], ids: list[int], logprobs: list[float
     """Max |reported - HF| under the given model."""
     expected = rescore(model, prompt, ids).gather(1, torch.tensor(ids)[:, None])[:, 0]
     return (torch.tensor(logprobs) - expected).abs().max().item()
+
+
+def test_both_engines_stop_on_every_end_of_sequence_id(loop, engine, tiny_model_path, tmp_path):
+    """Chat models list end-of-turn ids of their own in generation_config.eos_token_id beside the tokenizer's.
+    vLLM stops on each; the HF engine stopped only on the tokenizer's, so the two engines made different training
+    data of the same model. On a copy whose generation config names the 3rd greedy token an end of sequence, both
+    stop there."""
+    prompt = prompts(engine, 1)[0]
+    greedy = gen(engine, prompt, max_tokens=8, temperature=0.0)
+    stop = greedy.token_ids[2]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    model.generation_config.eos_token_id = [engine.tokenizer.eos_token_id, stop]
+    model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(tmp_path)
+    hf = make_engine("hf", str(tmp_path), max_model_len=512)
+    by_hf = asyncio.run(generate(hf, prompt, SamplingParams(max_tokens=8, temperature=0.0)))
+    with running_engine(loop, tmp_path) as eng:
+        by_vllm = gen(eng, prompt, max_tokens=8, temperature=0.0)
+    expected = greedy.token_ids[:greedy.token_ids.index(stop) + 1]
+    assert (by_hf.token_ids, by_hf.finish_reason) == (by_vllm.token_ids, by_vllm.finish_reason) == (expected, "stop")

@@ -134,13 +134,19 @@ class PolicyServer:
                            param="prompt")
         return ids
 
-    def check_length(self, prompt_ids: list[int], max_tokens: int) -> None:
+    def fit_length(self, prompt_ids: list[int], params: SamplingParams, requested: int | None) -> SamplingParams:
+        """A max_tokens the client asked for must fit beside the prompt (else 400, as OpenAI and vLLM answer); the
+        default one is cut to the room left, as OpenAI generates into the rest of the context."""
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty: there is nothing to continue", param="prompt")
-        if len(prompt_ids) + max_tokens > self.max_model_len:
+        room = self.max_model_len - len(prompt_ids)
+        if requested is None and 0 < room < params.max_tokens:
+            return params.model_copy(update={"max_tokens": room})
+        if params.max_tokens > room:
             raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
-                                f"has {len(prompt_ids)} and {max_tokens} more were requested",
+                                f"has {len(prompt_ids)} and {params.max_tokens} more were requested",
                            param="messages", code="context_length_exceeded")
+        return params
 
     def sampling(self, body, max_tokens: int | None, trace: tuple[str | None, str | None], top_logprobs: int = 0,
                  fmt=None) -> SamplingParams:

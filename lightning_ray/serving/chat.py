@@ -40,9 +40,9 @@ async def create_chat_completion(server, body: ChatCompletionRequest, trace: tup
     offered = resolve_tool_choice(body.tool_choice, [t.model_dump(exclude_none=True) for t in body.tools or []])
     use_tools = bool(offered)  # tools rendered into the prompt, and tool calls parsed from the answer
     prompt_ids = server.encode_chat(template_messages(body.messages), offered)
-    params = server.sampling(body, body.max_completion_tokens or body.max_tokens, trace,
-                             top_logprobs=body.top_logprobs or 0, fmt=body.response_format)
-    server.check_length(prompt_ids, params.max_tokens)
+    requested = body.max_completion_tokens or body.max_tokens
+    params = server.sampling(body, requested, trace, top_logprobs=body.top_logprobs or 0, fmt=body.response_format)
+    params = server.fit_length(prompt_ids, params, requested)
     attrs = {"lightning_ray.request": body.model_dump(exclude_none=True, by_alias=True, exclude={"model"})}
     deltas = server.run("chat", [prompt_ids], params, body.n, body.stop_list, trace, attrs)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}

@@ -22,8 +22,9 @@ async def create_completion(server, body: CompletionRequest, trace: tuple[str | 
         raise ApiError(422, "echo with logprobs (prompt scoring) is not supported", param="echo", code="unsupported")
     prompts = [server.encode_text(p) if isinstance(p, str) else server.check_token_ids(p) for p in body.prompts()]
     params = server.sampling(body, body.max_tokens, trace, top_logprobs=body.logprobs or 0)
-    for ids in prompts:
-        server.check_length(ids, params.max_tokens)
+    requested = body.max_tokens if "max_tokens" in body.model_fields_set else None  # else the API's default, 16
+    # one max_tokens for all the prompts: the one that fits each of them
+    params = min((server.fit_length(ids, params, requested) for ids in prompts), key=lambda p: p.max_tokens)
     attrs = {"lightning_ray.request": body.model_dump(exclude_none=True, exclude={"model"})}
     deltas = server.run("completions", prompts, params, body.n, body.stop_list, trace, attrs)
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),

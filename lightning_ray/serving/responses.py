@@ -278,7 +278,7 @@ async def create_response(server, req: ResponsesRequest, trace: tuple[str | None
     offered = resolve_tool_choice(tool_choice, tools)
     prompt_ids = server.encode_chat(template_messages(messages), offered)
     params = server.sampling(req, req.max_output_tokens, trace, fmt=req.text and req.text.format)
-    server.check_length(prompt_ids, params.max_tokens)
+    params = server.fit_length(prompt_ids, params, req.max_output_tokens)
     attrs = {"lightning_ray.request": req.model_dump(exclude_none=True, by_alias=True, exclude={"model"})}
     deltas = server.run("responses", [prompt_ids], params, 1, [], trace, attrs)
     if req.stream:

@@ -28,6 +28,11 @@ class HFEngine:
         torch.manual_seed(seed)  # requests without a seed of their own draw from the process's generator
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+        # Every end-of-sequence id, as vLLM stops on them: the tokenizer's and the generation config's (one or a
+        # list; chat models often end turns on a token of their own). Same stops, same training data per engine.
+        configured = self.model.generation_config.eos_token_id
+        self.eos_ids = {i for i in [self.tokenizer.eos_token_id, *(configured if isinstance(configured, list)
+                                                                    else [configured])] if i is not None}
         self.lock = threading.Lock()
         self.policy_version = 0
 
@@ -59,7 +64,7 @@ class HFEngine:
 
     @torch.inference_mode()
     def _sample(self, prompt_ids: list[int], params: SamplingParams, cancelled: threading.Event):
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.tokenizer.eos_token_id})
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         rng = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         matcher = None
         if params.json_schema is not None:  # compiled (or found in the cache) before taking the model
