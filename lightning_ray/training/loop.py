@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from contextlib import contextmanager
 
 import ray
 import ray.train
@@ -47,27 +48,41 @@ def train_loop_per_worker(cfg: dict) -> None:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=deepspeed_config(cfg), dist_init_required=False)
     inbox, outbox, registry = cfg["inboxes"][rank], cfg["outbox"], cfg["registry"]
-    outbox.put({"rank": rank, "ready": True, "digest": parameter_digest(engine.module)})
+    with whole_weights(engine) as module:
+        outbox.put({"rank": rank, "ready": True, "digest": parameter_digest(module)})
     while (msg := inbox.get()) is not None:
         if msg["kind"] == "save":
-            if rank == 0:
-                engine.module.save_pretrained(msg["path"])
-                tokenizer.save_pretrained(msg["path"])
+            with whole_weights(engine) as module:
+                if rank == 0:
+                    module.save_pretrained(msg["path"])
+                    tokenizer.save_pretrained(msg["path"])
             outbox.put({"rank": rank, "saved": msg["path"]})
             continue
         started = time.perf_counter()
         stats = train_step(engine, msg["micro_batches"], pad_id, cfg["clip_eps"], world)
         trained = time.perf_counter()
-        if rank == 0:
-            # clone: under ZeRO the parameters are views into one flat buffer, and pickling a view carries the whole
-            # buffer (without it a 2-rank ZeRO-2 step on SmolLM2 took rank 0 from ~5 to 15 GB)
-            state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-            ray.get(registry.publish.remote(msg["version"], [ray.put(state)]))
-        published = time.perf_counter()
-        digest = parameter_digest(engine.module)
+        with whole_weights(engine) as module:
+            if rank == 0:
+                # clone: under ZeRO the parameters are views into one flat buffer, and pickling a view carries the
+                # whole buffer (without it a 2-rank ZeRO-2 step on SmolLM2 took rank 0 from ~5 to 15 GB)
+                state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+                ray.get(registry.publish.remote(msg["version"], [ray.put(state)]))
+            published = time.perf_counter()
+            digest = parameter_digest(module)
         stats.update(compute_s=trained - started, publish_s=published - trained,
                      digest_s=time.perf_counter() - published)
         outbox.put({"rank": rank, "version": msg["version"], "digest": digest, **stats})
+
+
+@contextmanager
+def whole_weights(engine):
+    """The module with all its parameters whole for the block: ZeRO-3 keeps a shard of each on every rank, and
+    gathering them is a collective (every rank enters). Other stages keep them whole: nothing to do."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
+                                           enabled=engine.zero_optimization_partition_weights()):
+        yield engine.module
 
 
 def train_step(engine, micro_batches: list[MicroBatch], pad_id: int, clip_eps: float, world_size: int) -> dict:
