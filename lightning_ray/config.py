@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 # How token losses add up to the batch loss (the choice changes what a long answer weighs):
@@ -125,6 +126,13 @@ class TrainConfig(_Strict):
     @property
     def run_path(self) -> Path:
         return Path(self.run_dir).expanduser().resolve()
+
+    def save(self, path: Path) -> None:
+        """The config as the run resolved it, secrets masked: the run directory's record of how it was made."""
+        data = self.model_dump(mode="json")
+        if data["serve"]["api_key"]:
+            data["serve"]["api_key"] = "***"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 class ConfigError(ValueError):

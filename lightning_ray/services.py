@@ -26,6 +26,7 @@ class Services:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         cfg.run_path.mkdir(parents=True, exist_ok=True)
+        cfg.save(cfg.run_path / "config.yaml")
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
             ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus if cfg.ray.address is None else None,

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,3 +31,19 @@ def test_bad_values_name_the_key(override, named, tmp_path):
 def test_unknown_keys_are_rejected(tmp_path):
     r = run_job("trainer.learning_rate=1e-3", f"hydra.run.dir={tmp_path}")
     assert r.returncode != 0 and "learning_rate" in r.stderr
+
+
+def test_no_secret_reaches_the_run_directory(tmp_path):
+    """Hydra's own record of a run (.hydra/, with every override) would keep the API key in clear; the job's
+    config.yaml keeps the resolved config with the key masked."""
+    r = run_job("serve.api_key=sk-secret-1", "rollout.group_size=0", f"hydra.run.dir={tmp_path}")
+    assert r.returncode != 0 and "rollout.group_size" in r.stderr
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and b"sk-secret-1" in p.read_bytes()]
+
+    from lightning_ray.config import validate
+
+    cfg = validate({"run_dir": str(tmp_path), "serve": {"api_key": "sk-secret-1"}, "trainer": {"lr": 3e-4}})
+    cfg.save(tmp_path / "config.yaml")
+    saved = (tmp_path / "config.yaml").read_text()
+    assert "sk-secret-1" not in saved and "api_key: '***'" in saved
+    assert validate(yaml.safe_load(saved)).trainer == cfg.trainer  # everything else as the run resolved it
