@@ -35,6 +35,7 @@ class TaskConfig(_Strict):
     seed: int = 0  # the training split's seed
     eval_size: int = Field(100, gt=0)  # the held-out split: another seed, no question shared with training
     eval_seed: int = 1
+    agent_rewards: bool = False  # true: the last reward the agent emitted (a reward span) overrides the task's
 
 
 class EngineConfig(_Strict):

@@ -46,7 +46,8 @@ def train(cfg: TrainConfig) -> list[dict]:
                     rollouts = services.run_rollouts(groups, f"iter {iteration} rollouts")
                 with phase("adapt"):
                     spans = services.store.query_spans([r.rollout_id for r in rollouts])
-                    transitions, adapted = adapt(rollouts, spans, cfg.model.name, cfg.algorithm.level)
+                    transitions, adapted = adapt(rollouts, spans, cfg.model.name, cfg.algorithm.level,
+                                                 cfg.task.agent_rewards)
                     transitions = group_advantages(transitions, cfg.algorithm.normalize_std)
                 # a group whose rollouts all scored the same gives zero advantages: no learning signal
                 signal = len({tr.group_id for tr in transitions if tr.advantage != 0})
@@ -91,7 +92,7 @@ def train(cfg: TrainConfig) -> list[dict]:
 
 def _record(iteration, rollouts, spans, transitions, adapted, signal, version, results, seconds) -> dict:
     """One line of metrics.jsonl (the README's table explains each field)."""
-    llm_spans = [s for s in spans if s.name == semconv.LLM_CALL]
+    llm_spans = [s for s in spans if s.name == semconv.LLM_CALL and s.origin == "server"]
     record = {
         "iteration": iteration,
         "reward_mean": sum(r.reward or 0.0 for r in rollouts) / len(rollouts),

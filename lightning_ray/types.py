@@ -91,6 +91,9 @@ class Span(BaseModel):
     status_message: str | None = None
     attributes: dict[str, Any] = Field(default_factory=dict)
     events: list[SpanEvent] = Field(default_factory=list)
+    # Who stored it, set by the store from the path the span came in by (a sender's value is ignored): "server"
+    # for the policy server's LLM calls, the only spans training data is made of; "client" for everything else.
+    origin: Literal["server", "client"] = "client"
 
 
 class Transition(BaseModel):

@@ -12,24 +12,44 @@ from lightning_ray.tracing import semconv
 from lightning_ray.types import Rollout, Span, Task, Transition
 
 
-def llm_span(rollout, model, start, prompt, completion, attempt="at-1", version=0):
-    return Span(rollout_id=rollout, attempt_id=attempt, name=semconv.LLM_CALL, start_time=start, attributes={
-        semconv.MODEL: model, semconv.PROMPT_TOKEN_IDS: prompt, semconv.COMPLETION_TOKEN_IDS: completion,
-        semconv.LOGPROBS: [-0.5] * len(completion), semconv.POLICY_VERSION: version})
+def llm_span(rollout, model, start, prompt, completion, attempt="at-1", version=0, origin="server"):
+    return Span(rollout_id=rollout, attempt_id=attempt, name=semconv.LLM_CALL, start_time=start, origin=origin,
+                attributes={semconv.MODEL: model, semconv.PROMPT_TOKEN_IDS: prompt,
+                            semconv.COMPLETION_TOKEN_IDS: completion, semconv.LOGPROBS: [-0.5] * len(completion),
+                            semconv.POLICY_VERSION: version})
+
+
+def reward_span(value, rollout="ro-1", attempt="at-1"):
+    return Span(rollout_id=rollout, attempt_id=attempt, name=semconv.REWARD, attributes={semconv.REWARD_VALUE: value})
 
 
 def test_adapter_keeps_only_the_policys_calls_of_this_attempt_in_time_order():
-    rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}, group_id="g"), attempt_id="at-1")
+    rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}, group_id="g"), attempt_id="at-1",
+                      reward=0.75)
     spans = [
         llm_span("ro-1", "policy", 2.0, [1, 2, 3], [7]),
         llm_span("ro-1", "gpt-judge", 1.5, [1], [9]),  # another model in the same agent: not ours to train
         llm_span("ro-1", "policy", 1.0, [1, 2], [5, 6]),
         llm_span("ro-1", "policy", 0.5, [1], [4], attempt="at-0"),  # an earlier, abandoned attempt
-        Span(rollout_id="ro-1", attempt_id="at-1", name=semconv.REWARD, attributes={semconv.REWARD_VALUE: 0.75}),
+        reward_span(0.75),
     ]
     out = transitions_from_spans(rollout, spans, "policy")
     assert [t.response_ids for t in out] == [[5, 6], [7]]
     assert all(t.reward == 0.75 and t.group_id == "g" for t in out)
+
+
+def test_training_data_comes_only_from_what_the_server_recorded():
+    """Anyone holding the agent's key can post spans to the store's API: an LLM call with made-up tokens and a
+    reward span. Neither becomes training data (the store marks them "client"), unless the task opts in to
+    agent-emitted rewards; a malformed agent reward is passed over, not a crash."""
+    rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}), attempt_id="at-1", reward=0.0)
+    real = llm_span("ro-1", "policy", 1.0, [1], [2])
+    forged = llm_span("ro-1", "policy", 2.0, [1], [666], version=99, origin="client")
+    spans = [real, forged, reward_span(1.0)]
+    assert [(t.response_ids, t.reward) for t in transitions_from_spans(rollout, spans, "policy")] == [([2], 0.0)]
+    opted_in = transitions_from_spans(rollout, spans + [reward_span("lots"), reward_span(float("nan"))], "policy",
+                                      agent_rewards=True)
+    assert [(t.response_ids, t.reward) for t in opted_in] == [([2], 1.0)]  # the last well-formed one
 
 
 def transition(rollout, group, reward):

@@ -98,6 +98,12 @@ def test_store_api_lifecycle_and_errors_over_http(app):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "status"
     missing = http.post(f"/v1/rollouts/{leased['rollout_id']}/attempts/at-nope/heartbeat")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "attempt_not_found"
+    [other] = http.post("/v1/rollouts", json={"tasks": [{"task_id": "t2", "input": {}}]}).json()
+    for verb in ("heartbeat", "finish"):  # a real attempt, under another rollout's path
+        crossed = http.post(f"/v1/rollouts/{other['rollout_id']}/attempts/{leased['attempt_id']}/{verb}",
+                            json={"status": "succeeded"})
+        assert crossed.status_code == 404 and crossed.json()["error"]["code"] == "attempt_not_found", verb
+    http.post("/v1/rollouts/cancel", json={"rollout_ids": [other["rollout_id"]]})  # not for other tests' workers
     assert http.get("/v1/rollouts/ro-nope").status_code == 404
     assert [a["status"] for a in http.get(path.rsplit("/", 2)[0] + "/attempts").json()] == ["failed"]
     assert rollout["rollout_id"] in [r["rollout_id"] for r in http.get("/v1/rollouts", params={"status": "requeued"}).json()]
@@ -179,3 +185,23 @@ def test_otlp_receiver_gunzips_within_the_size_limit(app):
     assert store.stats()["errors"]["request_too_large"] == before + 1
     assert gunzip(gzip.compress(b"ab") + gzip.compress(b"cd"), 4) == b"abcd"  # every member, up to the limit
     assert gunzip(gzip.compress(b"abcde"), 4) is None
+
+
+def test_spans_posted_to_the_store_api_never_become_training_data(app):
+    """The agent's key lets anyone post spans; an `llm.call` with made-up tokens and an "origin" claim is stored as
+    the client's, and LightningRL makes transitions only of what the policy server recorded."""
+    store, http = app["store"], httpx.Client(base_url=app["store_url"], timeout=30)
+    [rollout] = store.enqueue([Task(task_id="forged", input={})])
+    leased = store.dequeue("w")
+    while leased.rollout_id != rollout.rollout_id:  # other tests' rollouts may be queued too
+        leased = store.dequeue("w")
+    forged = {"name": "llm.call", "rollout_id": rollout.rollout_id, "attempt_id": leased.attempt_id,
+              "origin": "server", "attributes": {semconv.MODEL: MODEL, semconv.PROMPT_TOKEN_IDS: [1],
+                                                 semconv.COMPLETION_TOKEN_IDS: [666], semconv.LOGPROBS: [0.0],
+                                                 semconv.POLICY_VERSION: 99}}
+    assert http.post("/v1/spans", json={"spans": [forged]}).json()["accepted"] == 1
+    store.finish_attempt(rollout.rollout_id, leased.attempt_id, "succeeded", 1.0)
+    [stored] = store.query_spans([rollout.rollout_id])
+    assert stored.origin == "client"
+    [ended] = store.get_rollouts([rollout.rollout_id])
+    assert transitions_from_spans(ended, [stored], MODEL) == []

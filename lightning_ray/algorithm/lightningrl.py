@@ -1,24 +1,32 @@
 """LightningRL: an agent's trace becomes single-turn RL data.
 
-Only the policy model's calls become transitions (an agent may call other models too), ordered by time. Credit
-assignment, in the paper's simplest form: every transition of an episode receives the episode's reward.
+Only the policy model's calls become transitions (an agent may call other models too), ordered by time, and only
+as the policy server recorded them (origin "server"): spans sent through the store's API cannot make training data.
+Credit assignment, in the paper's simplest form: every transition of an episode receives the episode's reward, the
+task's reward function's verdict — or, where a task opts in (`task.agent_rewards`), the last reward its agent
+emitted.
 """
 
 from __future__ import annotations
+
+import math
 
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Rollout, Span, Transition
 
 
-def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: str) -> list[Transition]:
+def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: str,
+                           agent_rewards: bool = False) -> list[Transition]:
     """A rollout without a reward failed for the platform's reasons (a timeout, a lost worker, a server error),
     not the policy's: it gives no transitions, rather than teaching the policy that it scored 0."""
     spans = [s for s in spans if s.attempt_id == rollout.attempt_id]  # the attempt that ended the rollout
-    rewards = [s.attributes[semconv.REWARD_VALUE] for s in spans if s.name == semconv.REWARD]
-    reward = rewards[-1] if rewards else rollout.reward
+    reward = rollout.reward
+    if agent_rewards and (emitted := [s for s in spans if s.name == semconv.REWARD and _number(s)]):
+        reward = emitted[-1].attributes[semconv.REWARD_VALUE]
     if reward is None:
         return []
-    calls = [s for s in spans if s.name == semconv.LLM_CALL and s.attributes.get(semconv.MODEL) == policy_model]
+    calls = [s for s in spans if s.name == semconv.LLM_CALL and s.origin == "server"
+             and s.attributes.get(semconv.MODEL) == policy_model]
     return [
         Transition(
             rollout_id=rollout.rollout_id,
@@ -35,8 +43,8 @@ def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: st
     ]
 
 
-def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str,
-          level: str = "transition") -> tuple[list[Transition], dict]:
+def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str, level: str = "transition",
+          agent_rewards: bool = False) -> tuple[list[Transition], dict]:
     """Every rollout's spans to transitions (or, at the trajectory level, to one sequence per episode where the
     tokens allow). Stats: policy calls, and how often a call's prompt did not extend the previous call's context."""
     by_rollout: dict[str, list[Span]] = {}
@@ -44,7 +52,7 @@ def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str,
         by_rollout.setdefault(s.rollout_id, []).append(s)
     out, calls, joins, breaks = [], 0, 0, 0
     for r in rollouts:
-        transitions = transitions_from_spans(r, by_rollout.get(r.rollout_id, []), policy_model)
+        transitions = transitions_from_spans(r, by_rollout.get(r.rollout_id, []), policy_model, agent_rewards)
         calls += len(transitions)
         joins += max(len(transitions) - 1, 0)
         if level == "trajectory":
@@ -90,3 +98,9 @@ def scored_faithfully(span: Span) -> bool:
 def _temperature(span: Span) -> float:
     t = span.attributes.get(semconv.SAMPLING, {}).get("temperature", 1.0)
     return t if t > 0 else 1.0  # greedy: no temperature to score at
+
+
+def _number(span: Span) -> bool:
+    """A reward span whose value is a finite number; an agent's malformed one is passed over, not a crash."""
+    value = span.attributes.get(semconv.REWARD_VALUE)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -204,7 +204,8 @@ class PolicyServer:
                               "lightning_ray.replica": self.replica_id,
                           }) for i, c in sorted(choices.items())]
             if spans:
-                await self.store.add_spans_async(spans)  # recorded before the answer completes
+                # recorded before the answer completes; "server": the only spans training data is made of
+                await self.store.add_spans_async(spans, origin="server")
 
     async def _follow_weights(self) -> None:
         """Pull every newly published policy version; load it with admission paused; acknowledge it."""

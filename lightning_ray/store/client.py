@@ -64,11 +64,11 @@ class StoreClient:
         return None
 
     def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
-        return ray.get(self.shard(rollout_id).heartbeat.remote(attempt_id))
+        return ray.get(self.shard(rollout_id).heartbeat.remote(attempt_id, rollout_id))
 
     def finish_attempt(self, rollout_id: str, attempt_id: str, status: str, reward: float | None = None,
                        error: str | None = None) -> Rollout:
-        return ray.get(self.shard(rollout_id).finish_attempt.remote(attempt_id, status, reward, error))
+        return ray.get(self.shard(rollout_id).finish_attempt.remote(attempt_id, status, reward, error, rollout_id))
 
     def cancel(self, rollout_ids: list[str]) -> list[Rollout]:
         return self._scatter(rollout_ids, lambda shard, ids: shard.cancel.remote(ids))
@@ -100,16 +100,18 @@ class StoreClient:
 
     # --- spans ---------------------------------------------------------------------------------------------
 
-    def add_spans(self, spans: list[Span], strict: bool = True) -> dict:
-        """Store spans; with `strict`, raise on any rejected span (the valid ones are stored all the same)."""
-        return _merged(ray.get(self._add_span_refs(spans)), strict)
+    def add_spans(self, spans: list[Span], strict: bool = True, origin: str = "client") -> dict:
+        """Store spans; with `strict`, raise on any rejected span (the valid ones are stored all the same).
+        `origin="server"` is for the policy server's own records; the HTTP store API never passes it."""
+        return _merged(ray.get(self._add_span_refs(spans, origin)), strict)
 
-    async def add_spans_async(self, spans: list[Span], strict: bool = True) -> dict:
-        return _merged(await asyncio.gather(*self._add_span_refs(spans)), strict)
+    async def add_spans_async(self, spans: list[Span], strict: bool = True, origin: str = "client") -> dict:
+        return _merged(await asyncio.gather(*self._add_span_refs(spans, origin)), strict)
 
-    def _add_span_refs(self, spans: list[Span]) -> list:
+    def _add_span_refs(self, spans: list[Span], origin: str) -> list:
         groups = self._by_shard([s.rollout_id or s.span_id for s in spans])
-        return [self.shards[s].add_spans.remote([span_row(spans[i]) for i in idx]) for s, idx in groups.items()]
+        return [self.shards[s].add_spans.remote([span_row(spans[i]) for i in idx], origin)
+                for s, idx in groups.items()]
 
     def query_spans(self, rollout_ids: list[str] | None = None, attempt_id: str | None = None,
                     name: str | None = None, since: float | None = None, until: float | None = None,

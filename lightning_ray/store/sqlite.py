@@ -34,7 +34,7 @@ CREATE INDEX IF NOT EXISTS attempts_by_status ON attempts(status);
 CREATE TABLE IF NOT EXISTS span_db.spans (
     span_id TEXT NOT NULL, trace_id TEXT, parent_id TEXT, rollout_id TEXT, attempt_id TEXT, name TEXT NOT NULL,
     start_time REAL NOT NULL, end_time REAL, status TEXT NOT NULL, status_message TEXT,
-    attributes BLOB NOT NULL, events BLOB NOT NULL);
+    attributes BLOB NOT NULL, events BLOB NOT NULL, origin TEXT NOT NULL DEFAULT 'client');
 CREATE UNIQUE INDEX IF NOT EXISTS span_db.spans_key ON spans(IFNULL(rollout_id, ''), span_id);
 CREATE INDEX IF NOT EXISTS span_db.spans_by_rollout ON spans(rollout_id, start_time);
 CREATE INDEX IF NOT EXISTS span_db.spans_by_time ON spans(start_time);
@@ -43,7 +43,8 @@ WAL_SIZE_LIMIT = 16 << 20  # bytes a WAL file keeps after a checkpoint; between 
 _ROLLOUT_COLS = "rollout_id, task, config, status, attempt_id, attempts, reward, error, enqueued_at, ended_at"
 _ATTEMPT_COLS = "attempt_id, rollout_id, sequence, status, worker_id, started_at, last_heartbeat, ended_at, error"
 _SPAN_COLS = ("span_id, trace_id, parent_id, rollout_id, attempt_id, name, start_time, end_time, status, "
-              "status_message, attributes, events")
+              "status_message, attributes, events, origin")
+_ORIGINS = ("server", "client")
 _SPAN_STATUSES = ("unset", "ok", "error")
 _json = msgspec.json.Encoder()
 
@@ -58,7 +59,8 @@ def span_row(s: Span) -> tuple:
 def span_from_row(r: tuple) -> Span:
     return Span(span_id=r[0], trace_id=r[1], parent_id=r[2], rollout_id=r[3], attempt_id=r[4], name=r[5],
                 start_time=r[6], end_time=r[7], status=r[8], status_message=r[9],
-                attributes=msgspec.json.decode(r[10]), events=[SpanEvent(**e) for e in msgspec.json.decode(r[11])])
+                attributes=msgspec.json.decode(r[10]), events=[SpanEvent(**e) for e in msgspec.json.decode(r[11])],
+                origin=r[12])
 
 
 def row_problem(r) -> str | None:
@@ -93,6 +95,9 @@ class SQLiteBackend:
         for schema in ("main", "span_db"):
             self.db.execute(f"PRAGMA {schema}.journal_mode=WAL")
             self.db.execute(f"PRAGMA {schema}.synchronous=NORMAL")  # WAL + NORMAL: a commit survives a crash
+        columns = {c[1] for c in self.db.execute("PRAGMA span_db.table_info(spans)")}
+        if columns and "origin" not in columns:  # a spans file from before origins were recorded
+            self.db.execute("ALTER TABLE span_db.spans ADD COLUMN origin TEXT NOT NULL DEFAULT 'client'")
         self.db.executescript(_SCHEMA)
         # A checkpoint (copying the WAL into the file, with an fsync) would stall the write that crosses the
         # threshold; `checkpoint` does them from other connections and another thread instead. This pragma holds
@@ -157,8 +162,8 @@ class SQLiteBackend:
         return rollout.model_copy(update={"status": "running", "attempt_id": attempt.attempt_id,
                                           "attempts": attempt.sequence}), attempt
 
-    def heartbeat(self, attempt_id: str, now: float) -> Attempt:
-        attempt, lease = self._attempt(attempt_id)
+    def heartbeat(self, attempt_id: str, now: float, rollout_id: str | None = None) -> Attempt:
+        attempt, lease = self._attempt(attempt_id, rollout_id)
         if attempt.status != "running":
             raise StaleAttempt(f"attempt {attempt_id} is {attempt.status}: stop working on it")
         with self._transaction():
@@ -167,9 +172,9 @@ class SQLiteBackend:
         return attempt.model_copy(update={"last_heartbeat": now})
 
     def finish_attempt(self, attempt_id: str, status: str, now: float, reward: float | None = None,
-                       error: str | None = None) -> Rollout:
+                       error: str | None = None, rollout_id: str | None = None) -> Rollout:
         """The worker's verdict on its attempt; decides whether the rollout ends or goes back to the queue."""
-        attempt, _ = self._attempt(attempt_id)
+        attempt, _ = self._attempt(attempt_id, rollout_id)
         if attempt.status != "running":
             raise StaleAttempt(f"attempt {attempt_id} already ended as {attempt.status}; its result is not taken")
         with self._transaction():
@@ -218,12 +223,13 @@ class SQLiteBackend:
         self.db.execute("UPDATE attempts SET status=?, ended_at=?, error=? WHERE attempt_id=?",
                         (status, now, error, attempt.attempt_id))
 
-    def _attempt(self, attempt_id: str) -> tuple[Attempt, float | None]:
+    def _attempt(self, attempt_id: str, rollout_id: str | None = None) -> tuple[Attempt, float | None]:
+        """The attempt and its lease length; with `rollout_id`, it must be that rollout's (the HTTP path names both)."""
         row = self.db.execute(
             f"SELECT {_ATTEMPT_COLS}, lease_until - last_heartbeat FROM attempts WHERE attempt_id=?",
             (attempt_id,)).fetchone()
-        if row is None:
-            raise UnknownAttempt(f"no attempt {attempt_id!r}")
+        if row is None or rollout_id is not None and row[1] != rollout_id:
+            raise UnknownAttempt(f"no attempt {attempt_id!r}" + (f" of rollout {rollout_id!r}" if row else ""))
         return _attempt(row[:-1]), row[-1]
 
     def get_rollouts(self, rollout_ids: list[str], strict: bool = False) -> list[Rollout]:
@@ -254,8 +260,11 @@ class SQLiteBackend:
 
     # --- spans -----------------------------------------------------------------------------------------------
 
-    def add_span_rows(self, rows: list[tuple]) -> dict:
-        """Store valid rows, reject the rest with a reason each: {"accepted", "duplicates", "rejected", "errors"}."""
+    def add_span_rows(self, rows: list[tuple], origin: str = "client") -> dict:
+        """Store valid rows as coming from `origin`, reject the rest with a reason each: {"accepted",
+        "duplicates", "rejected", "errors"}."""
+        if origin not in _ORIGINS:
+            raise ValueError(f"origin {origin!r}: expected one of {_ORIGINS}")
         errors = [(i, p) for i, r in enumerate(rows) if (p := row_problem(r))]
         bad = {i for i, _ in errors}
         rollout_ids = list({r[3] for i, r in enumerate(rows) if i not in bad and r[3] is not None})
@@ -265,10 +274,10 @@ class SQLiteBackend:
             if i not in bad and r[3] is not None and r[3] not in known:
                 errors.append((i, f"unknown rollout_id {r[3]!r}"))
                 bad.add(i)
-        good = [tuple(r) for i, r in enumerate(rows) if i not in bad]
+        good = [(*r, origin) for i, r in enumerate(rows) if i not in bad]
         with self._transaction():
             inserted = self.db.executemany(f"INSERT OR IGNORE INTO spans ({_SPAN_COLS}) VALUES "
-                                           "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", good).rowcount if good else 0
+                                           "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", good).rowcount if good else 0
         return {"accepted": inserted, "duplicates": len(good) - inserted, "rejected": len(bad),
                 "errors": [f"span #{i}: {p}" for i, p in sorted(errors)[:10]]}
 

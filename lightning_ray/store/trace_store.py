@@ -86,12 +86,13 @@ class TraceStore:
     async def dequeue(self, worker_id: str | None = None) -> tuple[Rollout, Attempt] | None:
         return await self._call(self.backend.dequeue, worker_id, time.time())
 
-    async def heartbeat(self, attempt_id: str) -> Attempt:
-        return await self._call(self.backend.heartbeat, attempt_id, time.time())
+    async def heartbeat(self, attempt_id: str, rollout_id: str | None = None) -> Attempt:
+        return await self._call(self.backend.heartbeat, attempt_id, time.time(), rollout_id)
 
     async def finish_attempt(self, attempt_id: str, status: str, reward: float | None = None,
-                             error: str | None = None) -> Rollout:
-        rollout = await self._call(self.backend.finish_attempt, attempt_id, status, time.time(), reward, error)
+                             error: str | None = None, rollout_id: str | None = None) -> Rollout:
+        rollout = await self._call(self.backend.finish_attempt, attempt_id, status, time.time(), reward, error,
+                                   rollout_id)
         await self._notify()
         return rollout
 
@@ -117,12 +118,12 @@ class TraceStore:
 
     # --- spans ---------------------------------------------------------------------------------------------
 
-    async def add_spans(self, rows: list[tuple]) -> dict:
+    async def add_spans(self, rows: list[tuple], origin: str = "client") -> dict:
         """Store a batch of span rows (see sqlite.span_row); invalid ones are rejected with reasons and counted."""
         if len(rows) > self.max_batch_spans:
             self.count_error(BatchTooLarge.code)
             raise BatchTooLarge(f"{len(rows)} spans in one batch; the limit is {self.max_batch_spans}")
-        result = await self._call(self.backend.add_span_rows, rows)
+        result = await self._call(self.backend.add_span_rows, rows, origin)
         if result["rejected"]:
             self.count_error("invalid_spans", result["rejected"])
         if result["accepted"]:
