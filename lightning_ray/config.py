@@ -67,7 +67,8 @@ class RolloutConfig(_Strict):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_attempts: int = Field(1, gt=0)  # tries per rollout; a failed/timed-out/silent attempt is retried
-    timeout_seconds: float | None = Field(None, gt=0)  # wall-clock limit of one attempt
+    # wall-clock limit of one attempt, enforced by the store and the worker (which leaves a stuck agent behind)
+    timeout_seconds: float | None = Field(600.0, gt=0)
     unresponsive_seconds: float | None = Field(60.0, gt=0)  # lease: longest silence between worker heartbeats
     tracing: Literal["embedded", "otel"] = "embedded"  # how the agent's own spans are traced
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import ray
 from ray import serve
-from tqdm import tqdm
 
 from lightning_ray.config import TrainConfig
 from lightning_ray.models import resolve_model_path
+from lightning_ray.rollout.dispatch import run_to_end
 from lightning_ray.rollout.worker import RolloutWorker
 from lightning_ray.serving.app import APP_NAME, deploy_policy
 from lightning_ray.serving.templates import resolve_chat_template
@@ -64,23 +64,6 @@ class Services:
             ray.shutdown()
 
     def run_rollouts(self, tasks: list[Task], desc: str) -> list[Rollout]:
-        """Queue a rollout per task and run them all to their end. Workers drain the queue; when they are done but
-        rollouts are still open (attempts that failed, timed out or went silent and were requeued), they are sent
-        again. A worker's crash is raised here."""
+        """Queue a rollout per task and run them all to their end (rollout/dispatch.py)."""
         rollout_ids = [r.rollout_id for r in self.store.enqueue(tasks, self.attempts)]
-        with tqdm(total=len(rollout_ids), desc=desc, leave=False) as bar:
-            work = self._dispatch()
-            while True:
-                ended = len(self.store.wait_for_rollouts(rollout_ids, timeout=0.5))
-                bar.update(ended - bar.n)
-                if work:
-                    done, work = ray.wait(work, num_returns=len(work), timeout=0)
-                    ray.get(done)
-                if ended == len(rollout_ids):
-                    ray.get(work)
-                    return self.store.get_rollouts(rollout_ids)
-                if not work:
-                    work = self._dispatch()
-
-    def _dispatch(self) -> list:
-        return [w.work.remote() for w in self.workers for _ in range(self.cfg.rollout.agents_per_worker)]
+        return run_to_end(self.store, self.workers, self.cfg.rollout.agents_per_worker, rollout_ids, desc)

@@ -281,3 +281,65 @@ def test_the_queue_wal_stays_bounded_over_a_long_run(tmp_path):
     assert operations == 20_000
     # ~9 KB per operation: ~9 MiB between two checkpoints here, ~170 MiB by the end without them
     assert largest < 16 << 20, f"the queue's WAL reached {largest / 2**20:.1f} MiB"
+
+
+def test_a_stuck_agent_cannot_hold_its_worker(ray_cluster):
+    """An agent that never returns: at the attempt's deadline the worker gives up on it (its thread is left
+    behind), the store ends the attempt as a timeout and retries it, and the worker goes on to the next rollouts."""
+    from lightning_ray.rollout.runner import work
+
+    client = StoreClient.start(expire_every_s=0.05)
+    stuck = threading.Event()
+    tasks = [Task(task_id="stuck", input={"stuck": True}), Task(task_id="fine", input={"stuck": False})]
+    ids = [r.rollout_id for r in client.enqueue(tasks, RolloutConfig(timeout_seconds=1.0, max_attempts=2))]
+
+    def agent(task, **openai_settings):
+        if task["stuck"] and not stuck.is_set():  # the first attempt hangs for good; the retry answers
+            stuck.set()
+            threading.Event().wait()
+        return "done"
+
+    ran = []  # no LLM here: the agent never calls the (unreachable) policy URL
+    worker = threading.Thread(daemon=True, target=lambda: ran.append(
+        work(client, agent, lambda task, answer: 1.0, "http://127.0.0.1:9", "m")))
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "the worker is still waiting on the stuck agent"
+    assert ran == [3]  # the stuck attempt, its retry, and the other rollout
+    assert [a.status for a in client.get_attempts(ids[0])] == ["timeout", "succeeded"]
+    assert [r.status for r in client.get_rollouts(ids)] == ["succeeded", "succeeded"]
+
+
+@ray.remote(max_concurrency=2)
+class SleepyWorker:
+    """A rollout worker (two slots) whose agent takes the task's `seconds`."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def work(self) -> int:
+        from lightning_ray.rollout.runner import work
+
+        return work(self.store, lambda task, **_: time.sleep(task["seconds"]) or "done", lambda task, answer: 1.0,
+                    "http://127.0.0.1:9", "m")
+
+
+def test_a_requeued_rollout_is_taken_by_the_next_free_slot(ray_cluster):
+    """A rollout whose worker went silent is requeued by the store while another rollout still runs: a slot that
+    already found the queue empty takes it at once, not after the slow rollout (when all slots used to be sent
+    again)."""
+    from lightning_ray.rollout.dispatch import run_to_end
+
+    client = StoreClient.start(expire_every_s=0.05)
+    worker = SleepyWorker.remote(client)
+    ray.get(worker.__ray_ready__.remote())  # started: its slots find the queue at once
+    [lost] = client.enqueue([Task(task_id="lost", input={"seconds": 0})],
+                            RolloutConfig(unresponsive_seconds=1.5, max_attempts=2))
+    assert client.dequeue("a worker that dies").rollout_id == lost.rollout_id  # and never heartbeats
+    [slow] = client.enqueue([Task(task_id="slow", input={"seconds": 5.0})], RolloutConfig(unresponsive_seconds=5))
+    started = time.time()
+    ended = run_to_end(client, [worker], 2, [slow.rollout_id, lost.rollout_id], "test")
+    by_id = {r.rollout_id: r for r in ended}
+    assert [by_id[r.rollout_id].status for r in (slow, lost)] == ["succeeded", "succeeded"]
+    assert by_id[slow.rollout_id].ended_at - started >= 5.0
+    assert by_id[lost.rollout_id].ended_at - started < 3.5  # its lease ran out at 1.5 s; a free slot took it

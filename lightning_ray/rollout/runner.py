@@ -6,6 +6,7 @@ StoreClient or the HTTP LightningClient. Nothing here imports Ray.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 
@@ -48,8 +49,11 @@ def run_attempt(store, rollout: Rollout, agent: Callable, reward: Callable, poli
           tracing.trace_attempt(rid, aid, store.add_spans, tracing_backend),
           tracing.span(semconv.ROLLOUT, {"task_id": rollout.task.task_id}) as root):
         try:
-            answer = agent(rollout.task.input, base_url=base_url, model=model, api_key=api_key)
+            answer = _within(rollout.config.timeout_seconds, agent, rollout.task.input, base_url=base_url,
+                             model=model, api_key=api_key)
             value, status, error = reward(rollout.task.input, answer), "succeeded", None
+        except AttemptTimeout as e:  # the store times the attempt out too; the agent's thread is left behind
+            answer, status, error, value = None, "timeout", str(e), None
         except Exception as e:  # the agent's failure is the rollout's outcome, not the worker's
             # ... and scores 0, unless the platform failed it (no reward: LightningRL leaves it out of training)
             answer, status, error = None, "failed", f"{type(e).__name__}: {e}"
@@ -65,6 +69,35 @@ def run_attempt(store, rollout: Rollout, agent: Callable, reward: Callable, poli
         store.finish_attempt(rid, aid, status, value, error)
     except StaleAttempt as e:  # timed out or went unresponsive in the store's eyes while we finished
         logger.warning("%s", e)
+
+
+class AttemptTimeout(Exception):
+    """The agent ran past its attempt's deadline (rollout.timeout_seconds)."""
+
+
+def _within(seconds: float | None, fn: Callable, *args, **kwargs):
+    """fn's result, or AttemptTimeout after `seconds` (None: no limit). fn runs on a daemon thread in the caller's
+    context (so in its trace); a Python thread cannot be stopped, so one that never returns is left behind instead
+    of holding this worker forever."""
+    if seconds is None:
+        return fn(*args, **kwargs)
+    outcome: dict = {}
+    context = contextvars.copy_context()
+
+    def run():
+        try:
+            outcome["value"] = context.run(fn, *args, **kwargs)
+        except BaseException as e:  # re-raised on the caller's thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True, name="agent")
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise AttemptTimeout(f"the agent ran past rollout.timeout_seconds={seconds:g}; its thread was abandoned")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 @contextmanager

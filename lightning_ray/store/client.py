@@ -76,6 +76,15 @@ class StoreClient:
     def wait_for_rollouts(self, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
         return self._scatter(rollout_ids, lambda shard, ids: shard.wait_for_rollouts.remote(ids, timeout))
 
+    def count_rollouts(self, rollout_ids: list[str]) -> dict[str, int]:
+        """How many of these rollouts are in each status."""
+        counts: dict[str, int] = defaultdict(int)
+        for part in ray.get([self.shards[s].count_rollouts.remote([rollout_ids[i] for i in idx])
+                             for s, idx in self._by_shard(rollout_ids).items()]):
+            for status, n in part.items():
+                counts[status] += n
+        return dict(counts)
+
     def get_rollouts(self, rollout_ids: list[str], strict: bool = False) -> list[Rollout]:
         return self._scatter(rollout_ids, lambda shard, ids: shard.get_rollouts.remote(ids, strict))
 

@@ -147,6 +147,9 @@ class TraceStore:
                           limit: int | None = None) -> list[Span]:
         return await self._call(self.backend.query_spans, rollout_ids, attempt_id, name, since, until, limit)
 
+    async def count_rollouts(self, rollout_ids: list[str] | None = None) -> dict[str, int]:
+        return await self._call(self.backend.count_rollouts, rollout_ids)
+
     async def stats(self) -> dict:
         return {"rollouts": await self._call(self.backend.count_rollouts),
                 "spans": await self._call(self.backend.count_spans), "errors": dict(self.errors)}
