@@ -76,39 +76,40 @@ class PolicyMiddleware:
         if limit := getattr(state, "max_request_bytes", None):
             # Counted as it arrives, whatever Content-Length says (or a chunked body does not): the app then reads
             # the body from memory, never more than `limit` bytes of it.
-            body = await _read_body(receive, limit, headers.get(b"content-length", b""))
-            if body is None:
+            messages = await _read_body(receive, limit, headers.get(b"content-length", b""))
+            if messages is None:
                 if count := getattr(state, "count_rejected", None):  # the store counts every rejected input
                     count("request_too_large")
                 return await _send(send, ApiError(413, f"request body exceeds the limit of {limit} bytes",
                                                   code="request_too_large"))
-            receive = _replay(body, receive)
+            receive = _replay(messages, receive)
         await self.app(scope, receive, send)
 
 
-async def _read_body(receive, limit: int, content_length: bytes) -> bytes | None:
-    """The whole request body, or None as soon as it is known to pass `limit` bytes."""
+async def _read_body(receive, limit: int, content_length: bytes) -> list[dict] | None:
+    """The messages to hand the app: the whole body in one, or the disconnect of a client that went away while
+    sending; None as soon as the body is known to pass `limit` bytes."""
     if content_length.isdigit() and int(content_length) > limit:
         return None
     chunks, size = [], 0
     while True:
         message = await receive()
-        if message["type"] != "http.request":  # the client went away: the app sees the disconnect
-            return b"".join(chunks)
+        if message["type"] != "http.request":
+            return [message]
         chunks.append(message.get("body", b""))
         size += len(chunks[-1])
         if size > limit:
             return None
         if not message.get("more_body", False):
-            return b"".join(chunks)
+            return [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
 
-def _replay(body: bytes, receive):
-    """An ASGI receive that gives the app the body already read, then the client's later messages (disconnects)."""
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
+def _replay(messages: list[dict], receive):
+    """An ASGI receive that gives the app the messages already read, then the client's later ones (disconnects)."""
+    pending = list(messages)
 
     async def receiving():
-        return pending.pop() if pending else await receive()
+        return pending.pop(0) if pending else await receive()
 
     return receiving
 
