@@ -145,8 +145,10 @@ def test_stop_strings_cut_the_text_and_max_tokens_the_length(server):
 
 
 def test_max_completion_tokens_is_honoured(server):
-    out = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=3, temperature=0)
-    assert out.usage.completion_tokens <= 3
+    """Exactly 3 tokens with ignore_eos: the server's default here is 12, so a server that ignored the field fails."""
+    out = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=3,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
 
 
 # ---- completions -------------------------------------------------------------------------------------------------

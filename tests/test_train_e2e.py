@@ -98,7 +98,9 @@ def test_deepspeed_updates_every_worker_identically(run):
     initial = parameter_digest(AutoModelForCausalLM.from_pretrained(run["model_path"], dtype=torch.float32))
     for per_rank in digests:
         assert len(per_rank) == 2 and len(set(per_rank)) == 1
-    assert len({initial, digests[0][0], digests[1][0]}) == 3  # each step changed the parameters
+    # The first step moved them: Adam has no momentum yet, so only a gradient can (a later step would move them by
+    # momentum alone, so "changed again" proves nothing).
+    assert digests[0][0] != initial
     saved = AutoModelForCausalLM.from_pretrained(run["dir"] / "checkpoint", dtype=torch.float32)
     assert parameter_digest(saved) == digests[-1][0]  # the checkpoint is the final policy
 
