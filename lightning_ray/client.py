@@ -9,6 +9,7 @@ It offers the same worker-side calls as the Ray StoreClient, so both drive the s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import httpx
@@ -57,8 +58,15 @@ class LightningClient:
                           headers={"content-type": "application/json"})
 
     def wait_for_rollouts(self, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
-        return [Rollout(**r) for r in self._call("POST", "/v1/rollouts/wait",
-                                                 json={"rollout_ids": rollout_ids, "timeout": timeout})]
+        """The rollouts that ended within `timeout` seconds (None: all of them, however long): long polls of at
+        most 30 s each, as the server caps one wait."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 30.0 if deadline is None else min(30.0, max(deadline - time.monotonic(), 0.0))
+            ended = [Rollout(**r) for r in self._call("POST", "/v1/rollouts/wait",
+                                                      json={"rollout_ids": rollout_ids, "timeout": left})]
+            if len(ended) == len(set(rollout_ids)) or (deadline is not None and time.monotonic() >= deadline):
+                return ended
 
     def query_spans(self, rollout_ids: list[str] | None = None, **filters) -> list[Span]:
         params = {"rollout_id": rollout_ids or [], **{k: v for k, v in filters.items() if v is not None}}

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import httpx
 import pytest
@@ -205,3 +207,28 @@ def test_spans_posted_to_the_store_api_never_become_training_data(app):
     assert stored.origin == "client"
     [ended] = store.get_rollouts([rollout.rollout_id])
     assert transitions_from_spans(ended, [stored], MODEL) == []
+
+
+def test_many_waiters_leave_the_store_api_free(app):
+    """Waiting is a long poll on the event loop: 64 waiters on a rollout that does not end (more than the thread
+    pool a synchronous endpoint would hold them on) and the rest of the API still answers at once. One wait is capped
+    (400 past 60 s); the client polls again for longer waits."""
+    [rollout] = app["store"].enqueue([Task(task_id="never", input={})])
+    body = {"rollout_ids": [rollout.rollout_id], "timeout": 4.0}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=app["store_url"], timeout=30) as http:
+            waiters = [asyncio.create_task(http.post("/v1/rollouts/wait", json=body)) for _ in range(64)]
+            await asyncio.sleep(1.0)  # all of them waiting
+            started = time.monotonic()
+            stats = await http.get("/v1/stats")
+            answered_in = time.monotonic() - started
+            replies = await asyncio.gather(*waiters)
+            return stats, answered_in, replies
+
+    stats, answered_in, replies = asyncio.run(scenario())
+    assert stats.status_code == 200 and answered_in < 2.0, answered_in
+    assert all(r.status_code == 200 and r.json() == [] for r in replies)
+    too_long = httpx.post(app["store_url"] + "/v1/rollouts/wait", json={**body, "timeout": 3600})
+    assert too_long.status_code == 400 and "timeout" in json.dumps(too_long.json()["error"])
+    app["store"].cancel([rollout.rollout_id])

@@ -76,11 +76,14 @@ class StoreClient:
     def wait_for_rollouts(self, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
         return self._scatter(rollout_ids, lambda shard, ids: shard.wait_for_rollouts.remote(ids, timeout))
 
+    async def wait_for_rollouts_async(self, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
+        refs = self._scatter_refs(rollout_ids, lambda shard, ids: shard.wait_for_rollouts.remote(ids, timeout))
+        return _in_order(rollout_ids, await asyncio.gather(*refs))
+
     def count_rollouts(self, rollout_ids: list[str]) -> dict[str, int]:
         """How many of these rollouts are in each status."""
         counts: dict[str, int] = defaultdict(int)
-        for part in ray.get([self.shards[s].count_rollouts.remote([rollout_ids[i] for i in idx])
-                             for s, idx in self._by_shard(rollout_ids).items()]):
+        for part in ray.get(self._scatter_refs(rollout_ids, lambda shard, ids: shard.count_rollouts.remote(ids))):
             for status, n in part.items():
                 counts[status] += n
         return dict(counts)
@@ -90,10 +93,10 @@ class StoreClient:
 
     def _scatter(self, rollout_ids: list[str], call) -> list[Rollout]:
         """Send each shard its rollouts; answer in the order asked (rollouts a shard did not return are left out)."""
-        groups = self._by_shard(rollout_ids)
-        found = {r.rollout_id: r for part in ray.get([call(self.shards[s], [rollout_ids[i] for i in idx])
-                                                     for s, idx in groups.items()]) for r in part}
-        return [found[i] for i in rollout_ids if i in found]
+        return _in_order(rollout_ids, ray.get(self._scatter_refs(rollout_ids, call)))
+
+    def _scatter_refs(self, rollout_ids: list[str], call) -> list:
+        return [call(self.shards[s], [rollout_ids[i] for i in idx]) for s, idx in self._by_shard(rollout_ids).items()]
 
     def query_rollouts(self, status: list[str] | None = None, since: float | None = None,
                        until: float | None = None, limit: int | None = None) -> list[Rollout]:
@@ -157,3 +160,8 @@ def _merged(results: list[dict], strict: bool) -> dict:
         raise (UnknownRollout if unknown else InvalidSpans)(
             f"{merged['rejected']} span(s) rejected: " + "; ".join(merged["errors"]))
     return merged
+
+
+def _in_order(rollout_ids: list[str], parts: list[list[Rollout]]) -> list[Rollout]:
+    found = {r.rollout_id: r for part in parts for r in part}
+    return [found[i] for i in rollout_ids if i in found]

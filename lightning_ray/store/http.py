@@ -48,7 +48,13 @@ class FinishRequest(BaseModel):
 
 class RolloutIdsRequest(BaseModel):
     rollout_ids: list[str] = Field(min_length=1)
-    timeout: float | None = Field(None, ge=0)
+
+
+MAX_WAIT_S = 60.0  # one long poll; LightningClient polls again for longer waits
+
+
+class WaitRequest(RolloutIdsRequest):
+    timeout: float = Field(30.0, ge=0, le=MAX_WAIT_S)
 
 
 class SpansRequest(BaseModel):
@@ -111,8 +117,9 @@ class StoreApi:
         return self.store.cancel(body.rollout_ids)
 
     @api.post("/v1/rollouts/wait")
-    def wait_for_rollouts(self, body: RolloutIdsRequest) -> list[Rollout]:
-        return self.store.wait_for_rollouts(body.rollout_ids, body.timeout)
+    async def wait_for_rollouts(self, body: WaitRequest) -> list[Rollout]:
+        """On the event loop, not a thread each: any number of waiters, and the rest of the API stays free."""
+        return await self.store.wait_for_rollouts_async(body.rollout_ids, body.timeout)
 
     @api.get("/v1/rollouts")
     def query_rollouts(self, status: list[RolloutStatus] | None = Query(None), since: float | None = None,
