@@ -12,13 +12,12 @@ import ray
 from openai import OpenAI
 
 from lightning_ray.algorithm.grpo import group_advantages
-from lightning_ray.algorithm.lightningrl import adapt, scored_faithfully
+from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, scored_faithfully
 from lightning_ray.config import TrainConfig
 from lightning_ray.evaluation import evaluate
 from lightning_ray.report import plot_learning_curve
 from lightning_ray.services import Services
 from lightning_ray.tasks import load_splits
-from lightning_ray.tracing import semconv
 from lightning_ray.training.learner import Learner
 
 PROBE = [{"role": "user", "content": "What is 3 + 4?"}]  # a fixed prompt whose served logprobs track each update
@@ -92,7 +91,7 @@ def train(cfg: TrainConfig) -> list[dict]:
 
 def _record(iteration, rollouts, spans, transitions, adapted, signal, version, results, seconds) -> dict:
     """One line of metrics.jsonl (the README's table explains each field)."""
-    llm_spans = [s for s in spans if s.name == semconv.LLM_CALL and s.origin == "server"]
+    llm_spans = recorded_calls(spans)
     record = {
         "iteration": iteration,
         "reward_mean": sum(r.reward or 0.0 for r in rollouts) / len(rollouts),

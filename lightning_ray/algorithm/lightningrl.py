@@ -25,8 +25,7 @@ def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: st
         reward = emitted[-1].attributes[semconv.REWARD_VALUE]
     if reward is None:
         return []
-    calls = [s for s in spans if s.name == semconv.LLM_CALL and s.origin == "server"
-             and s.attributes.get(semconv.MODEL) == policy_model]
+    calls = [s for s in recorded_calls(spans) if s.attributes.get(semconv.MODEL) == policy_model]
     return [
         Transition(
             rollout_id=rollout.rollout_id,
@@ -41,6 +40,11 @@ def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: st
         )
         for s in sorted(calls, key=lambda s: s.start_time)
     ]
+
+
+def recorded_calls(spans: list[Span]) -> list[Span]:
+    """The LLM calls the policy server recorded itself: the only spans training data is made of."""
+    return [s for s in spans if s.name == semconv.LLM_CALL and s.origin == "server"]
 
 
 def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str, level: str = "transition",
