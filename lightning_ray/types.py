@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 RolloutStatus = Literal["queued", "running", "requeued", "succeeded", "failed", "cancelled"]
 AttemptStatus = Literal["running", "succeeded", "failed", "timeout", "unresponsive"]
 FINISHED: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+CancelOutcome = Literal["cancelled", "already_ended", "unknown"]  # what cancelling did to one rollout
 
 
 def new_id(prefix: str) -> str:

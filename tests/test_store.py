@@ -68,8 +68,7 @@ def test_every_state_change_is_validated():
     store.finish_attempt(attempt.attempt_id, "succeeded", now=1.0, reward=1.0)
     with pytest.raises(StaleAttempt):
         store.finish_attempt(attempt.attempt_id, "failed", now=2.0)  # an ended attempt cannot change its verdict
-    with pytest.raises(InvalidTransition, match="'succeeded' to 'cancelled'"):
-        store.cancel(["r0"], now=2.0)
+    assert store.cancel(["r0"], now=2.0) == {"r0": "already_ended"}  # a verdict stands
     with pytest.raises(InvalidTransition):
         store.enqueue([rollouts(1)[0].model_copy(update={"rollout_id": "x", "status": "running"})])
     _, second = store.dequeue(None, now=0.0)
@@ -80,6 +79,39 @@ def test_every_state_change_is_validated():
     with pytest.raises(UnknownRollout):
         store.get_rollouts(["nope"], strict=True)
     assert store.get_rollouts(["r1"])[0].status == "running"  # a rejected change leaves the state as it was
+
+
+def test_cancel_reports_per_rollout_and_a_second_cancel_changes_nothing():
+    """One unknown or ended rollout in the list does not stop the others being cancelled."""
+    store = SQLiteBackend()
+    store.enqueue(rollouts(3))
+    _, running = store.dequeue(None, now=0.0)
+    _, done = store.dequeue(None, now=0.0)
+    store.finish_attempt(done.attempt_id, "succeeded", now=1.0, reward=1.0)
+    ids = ["r0", "r1", "ghost", "r2", "r2"]
+    assert store.cancel(ids, now=2.0) == {"r0": "cancelled", "r1": "already_ended", "ghost": "unknown",
+                                          "r2": "cancelled"}
+    assert [(r.status, r.ended_at) for r in store.get_rollouts(["r0", "r1", "r2"])] == [
+        ("cancelled", 2.0), ("succeeded", 1.0), ("cancelled", 2.0)]
+    assert [(a.status, a.error) for a in store.get_attempts("r0")] == [("failed", "rollout cancelled")]
+    assert store.cancel(ids, now=3.0) == {"r0": "already_ended", "r1": "already_ended", "ghost": "unknown",
+                                          "r2": "already_ended"}
+    assert [r.ended_at for r in store.get_rollouts(["r0", "r2"])] == [2.0, 2.0]  # the second cancel is a no-op
+
+
+def test_dequeue_under_the_same_attempt_id_gets_the_same_lease_back():
+    """A worker whose reply was lost asks again under its attempt id: it gets the rollout the store leased to it,
+    not the next one (which stranded the first until its lease ran out, and failed it with max_attempts=1)."""
+    store = SQLiteBackend()
+    store.enqueue(rollouts(2, unresponsive_seconds=5))
+    first = store.dequeue("w", now=0.0, attempt_id="at-mine")
+    assert first[1].attempt_id == "at-mine" and first[0].attempt_id == "at-mine"
+    assert store.dequeue("w", now=1.0, attempt_id="at-mine") == first
+    assert store.count_rollouts() == {"running": 1, "queued": 1} and len(store.get_attempts("r0")) == 1
+    assert store.dequeue("w", now=1.0)[0].rollout_id == "r1"  # without an id: a fresh lease, as before
+    store.expire(now=6.0)  # both leases ran out: the attempt under that id is over
+    with pytest.raises(StaleAttempt, match="at-mine"):
+        store.dequeue("w", now=7.0, attempt_id="at-mine")
 
 
 def test_timeouts_and_lost_leases_end_attempts_and_retry_them():
@@ -224,6 +256,18 @@ def test_shards_split_rollouts_by_id_and_queries_merge(ray_cluster):
         assert len(ray.get(client.shard(r.rollout_id).query_spans.remote([r.rollout_id]))) == 1
     assert len(client.query_spans()) == 30 and len(client.query_spans(name="llm.call", limit=7)) == 7
     assert len(client.query_rollouts(status=["running"])) == 30
+    ids = [leased[0].rollout_id, "ro-ghost", leased[1].rollout_id]  # on different shards or not: one answer
+    assert list(client.cancel(ids).items()) == [(ids[0], "cancelled"), ("ro-ghost", "unknown"), (ids[2], "cancelled")]
+
+
+def test_a_retried_dequeue_is_answered_by_the_shard_that_leased_it(ray_cluster):
+    """Over HTTP the retry goes through the StoreClient again, which starts at the next shard: that one must not
+    lease a second rollout under the same attempt id."""
+    client = StoreClient.start(num_shards=3)
+    client.enqueue([Task(task_id=f"t{i}", input={}) for i in range(30)])
+    first = client.dequeue("w", "at-retried")
+    assert [client.dequeue("w", "at-retried") for _ in range(3)] == [first] * 3
+    assert client.count_rollouts([r.rollout_id for r in client.query_rollouts()]) == {"running": 1, "queued": 29}
 
 
 def test_both_tracing_paths_store_identical_spans_for_the_same_agent_run(ray_cluster):

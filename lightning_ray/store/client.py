@@ -17,7 +17,7 @@ import ray
 from lightning_ray.store.errors import InvalidSpans, UnknownRollout
 from lightning_ray.store.sqlite import span_row
 from lightning_ray.store.trace_store import TraceStore
-from lightning_ray.types import Attempt, Rollout, RolloutConfig, Span, Task, new_id
+from lightning_ray.types import Attempt, CancelOutcome, Rollout, RolloutConfig, Span, Task, new_id
 
 
 class StoreClient:
@@ -54,10 +54,15 @@ class StoreClient:
         ray.get([self.shards[s].enqueue.remote([rollouts[i] for i in idx]) for s, idx in groups.items()])
         return rollouts
 
-    def dequeue(self, worker_id: str | None = None) -> Rollout | None:
-        """Lease the next rollout to a new attempt; None when every shard's queue is empty."""
+    def dequeue(self, worker_id: str | None = None, attempt_id: str | None = None) -> Rollout | None:
+        """Lease the next rollout to a new attempt, named `attempt_id` if given; None when every shard's queue is
+        empty. Asking again under the same id (a reply lost over HTTP) gets the same rollout back."""
+        if attempt_id is not None and len(self.shards) > 1:  # not from another shard, which may have rollouts now
+            for leased in ray.get([s.leased.remote(attempt_id) for s in self.shards]):
+                if leased is not None:
+                    return leased[0]
         for k in range(len(self.shards)):
-            leased = ray.get(self.shards[(self._next + k) % len(self.shards)].dequeue.remote(worker_id))
+            leased = ray.get(self.shards[(self._next + k) % len(self.shards)].dequeue.remote(worker_id, attempt_id))
             if leased is not None:
                 self._next = (self._next + k + 1) % len(self.shards)
                 return leased[0]
@@ -70,8 +75,11 @@ class StoreClient:
                        error: str | None = None) -> Rollout:
         return ray.get(self.shard(rollout_id).finish_attempt.remote(attempt_id, status, reward, error, rollout_id))
 
-    def cancel(self, rollout_ids: list[str]) -> list[Rollout]:
-        return self._scatter(rollout_ids, lambda shard, ids: shard.cancel.remote(ids))
+    def cancel(self, rollout_ids: list[str]) -> dict[str, CancelOutcome]:
+        """Per rollout, in the order asked: "cancelled", "already_ended" or "unknown" (see SQLiteBackend.cancel)."""
+        parts = ray.get(self._scatter_refs(rollout_ids, lambda shard, ids: shard.cancel.remote(ids)))
+        outcome = {k: v for part in parts for k, v in part.items()}
+        return {i: outcome[i] for i in rollout_ids}
 
     def wait_for_rollouts(self, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
         return self._scatter(rollout_ids, lambda shard, ids: shard.wait_for_rollouts.remote(ids, timeout))

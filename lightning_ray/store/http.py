@@ -18,7 +18,7 @@ from lightning_ray.serving.http import ApiError, error_response, install
 from lightning_ray.store.client import StoreClient
 from lightning_ray.store.errors import StoreError
 from lightning_ray.tracing.otlp import OtlpDecodeError, spans_from_otlp
-from lightning_ray.types import Attempt, AttemptStatus, Rollout, RolloutConfig, RolloutStatus, Span, Task
+from lightning_ray.types import Attempt, AttemptStatus, CancelOutcome, Rollout, RolloutConfig, RolloutStatus, Span, Task
 
 APP_NAME, ROUTE_PREFIX = "store", "/store"
 api = FastAPI(title="lightning_ray trace store")
@@ -38,6 +38,8 @@ class EnqueueRequest(BaseModel):
 
 class DequeueRequest(BaseModel):
     worker_id: str | None = None
+    # chosen by the worker so that it can ask again after a lost reply; it goes into URL paths
+    attempt_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,128}$")
 
 
 class FinishRequest(BaseModel):
@@ -102,7 +104,7 @@ class StoreApi:
 
     @api.post("/v1/rollouts/dequeue")
     def dequeue(self, body: DequeueRequest) -> Rollout | None:
-        return self.store.dequeue(body.worker_id)
+        return self.store.dequeue(body.worker_id, body.attempt_id)
 
     @api.post("/v1/rollouts/{rollout_id}/attempts/{attempt_id}/heartbeat")
     def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
@@ -113,7 +115,8 @@ class StoreApi:
         return self.store.finish_attempt(rollout_id, attempt_id, body.status, body.reward, body.error)
 
     @api.post("/v1/rollouts/cancel")
-    def cancel(self, body: RolloutIdsRequest) -> list[Rollout]:
+    def cancel(self, body: RolloutIdsRequest) -> dict[str, CancelOutcome]:
+        """Per rollout: cancelled, already_ended or unknown; one unknown or ended rollout does not fail the rest."""
         return self.store.cancel(body.rollout_ids)
 
     @api.post("/v1/rollouts/wait")

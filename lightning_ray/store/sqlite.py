@@ -16,7 +16,7 @@ import msgspec
 
 from lightning_ray.store.errors import InvalidTransition, StaleAttempt, UnknownAttempt, UnknownRollout
 from lightning_ray.store.lifecycle import check_move
-from lightning_ray.types import Attempt, Rollout, RolloutConfig, Span, SpanEvent, Task, new_id
+from lightning_ray.types import FINISHED, Attempt, CancelOutcome, Rollout, RolloutConfig, Span, SpanEvent, Task, new_id
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
@@ -139,9 +139,13 @@ class SQLiteBackend:
                   r.attempt_id, r.attempts, r.reward, r.error, r.enqueued_at, r.ended_at)
                  for i, r in enumerate(rollouts)]).rowcount
 
-    def dequeue(self, worker_id: str | None, now: float) -> tuple[Rollout, Attempt] | None:
-        """Lease the oldest waiting rollout to a new attempt (queued or requeued → running)."""
+    def dequeue(self, worker_id: str | None, now: float,
+                attempt_id: str | None = None) -> tuple[Rollout, Attempt] | None:
+        """Lease the oldest waiting rollout to a new attempt (queued or requeued → running). The caller may name the
+        attempt: asking again under that name (its reply was lost) gets the same lease back, not a second one."""
         with self._transaction():
+            if attempt_id is not None and (again := self.leased(attempt_id)):
+                return again
             # one indexed lookup per waiting status (an IN over both would sort the whole queue on every dequeue)
             heads = [self.db.execute(f"SELECT seq, {_ROLLOUT_COLS} FROM rollouts WHERE status=? ORDER BY seq LIMIT 1",
                                      (status,)).fetchone() for status in ("queued", "requeued")]
@@ -151,8 +155,8 @@ class SQLiteBackend:
             rollout = _rollout(row)
             check_move("rollout", rollout.rollout_id, rollout.status, "running")
             cfg = rollout.config
-            attempt = Attempt(attempt_id=new_id("at"), rollout_id=rollout.rollout_id, sequence=rollout.attempts + 1,
-                              worker_id=worker_id, started_at=now, last_heartbeat=now)
+            attempt = Attempt(attempt_id=attempt_id or new_id("at"), rollout_id=rollout.rollout_id,
+                              sequence=rollout.attempts + 1, worker_id=worker_id, started_at=now, last_heartbeat=now)
             self.db.execute(
                 f"INSERT INTO attempts ({_ATTEMPT_COLS}, deadline, lease_until) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (*_attempt_values(attempt), cfg.timeout_seconds and now + cfg.timeout_seconds,
@@ -161,6 +165,17 @@ class SQLiteBackend:
                             (attempt.attempt_id, attempt.sequence, rollout.rollout_id))
         return rollout.model_copy(update={"status": "running", "attempt_id": attempt.attempt_id,
                                           "attempts": attempt.sequence}), attempt
+
+    def leased(self, attempt_id: str) -> tuple[Rollout, Attempt] | None:
+        """The rollout leased to this attempt, while it runs; None if there is no such attempt. One that ended (its
+        lease ran out before the caller asked again) raises StaleAttempt: ask again under a new attempt id."""
+        try:
+            attempt, _ = self._attempt(attempt_id)
+        except UnknownAttempt:
+            return None
+        if attempt.status != "running":
+            raise StaleAttempt(f"attempt {attempt_id} already ended as {attempt.status}; dequeue under a new id")
+        return self.get_rollouts([attempt.rollout_id])[0], attempt
 
     def heartbeat(self, attempt_id: str, now: float, rollout_id: str | None = None) -> Attempt:
         attempt, lease = self._attempt(attempt_id, rollout_id)
@@ -191,16 +206,23 @@ class SQLiteBackend:
                 self._end_attempt(_attempt(row[:-1]), status, now, None, f"attempt {status}")
         return [row[1] for row in rows]
 
-    def cancel(self, rollout_ids: list[str], now: float) -> list[Rollout]:
+    def cancel(self, rollout_ids: list[str], now: float) -> dict[str, CancelOutcome]:
+        """End the rollouts that have not ended (a running attempt fails); say per rollout what happened:
+        "cancelled", "already_ended" (so cancelling twice is harmless) or "unknown"."""
+        outcome = dict.fromkeys(rollout_ids, "unknown")
         with self._transaction():
-            for r in self.get_rollouts(rollout_ids, strict=True):
+            for r in self.get_rollouts(list(outcome)):
+                if r.status in FINISHED:
+                    outcome[r.rollout_id] = "already_ended"
+                    continue
                 check_move("rollout", r.rollout_id, r.status, "cancelled")
                 if r.status == "running":
                     attempt, _ = self._attempt(r.attempt_id)
                     self._move_attempt(attempt, "failed", now, "rollout cancelled")
                 self.db.execute("UPDATE rollouts SET status='cancelled', ended_at=? WHERE rollout_id=?",
                                 (now, r.rollout_id))
-        return self.get_rollouts(rollout_ids)
+                outcome[r.rollout_id] = "cancelled"
+        return outcome
 
     def _end_attempt(self, attempt: Attempt, status: str, now: float, reward: float | None,
                      error: str | None) -> Rollout:

@@ -1,8 +1,8 @@
 """The TraceStore actor: the rollout queue (leases, heartbeats, retries) and every span, durable in SQLite.
 
 Ray restarts it after a crash and retries the calls that were in flight; enqueues (ids chosen by the caller) and
-span batches (ids chosen by the sender) are idempotent, so a retried call never duplicates anything. A call whose
-reply was lost with the process (a dequeue) is healed by its lease: the attempt goes unresponsive and is retried.
+span batches (ids chosen by the sender) are idempotent, so a retried call never duplicates anything. So is a
+dequeue under an attempt id the worker chose: its retry gets the lease that the lost reply carried.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ray.util import metrics
 
 from lightning_ray.store.errors import BatchTooLarge, StoreError
 from lightning_ray.store.sqlite import SQLiteBackend
-from lightning_ray.types import FINISHED, Attempt, Rollout, Span
+from lightning_ray.types import FINISHED, Attempt, CancelOutcome, Rollout, Span
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,12 @@ class TraceStore:
     async def enqueue(self, rollouts: list[Rollout]) -> int:
         return await self._call(self.backend.enqueue, rollouts)
 
-    async def dequeue(self, worker_id: str | None = None) -> tuple[Rollout, Attempt] | None:
-        return await self._call(self.backend.dequeue, worker_id, time.time())
+    async def dequeue(self, worker_id: str | None = None,
+                      attempt_id: str | None = None) -> tuple[Rollout, Attempt] | None:
+        return await self._call(self.backend.dequeue, worker_id, time.time(), attempt_id)
+
+    async def leased(self, attempt_id: str) -> tuple[Rollout, Attempt] | None:
+        return await self._call(self.backend.leased, attempt_id)
 
     async def heartbeat(self, attempt_id: str, rollout_id: str | None = None) -> Attempt:
         return await self._call(self.backend.heartbeat, attempt_id, time.time(), rollout_id)
@@ -96,10 +100,10 @@ class TraceStore:
         await self._notify()
         return rollout
 
-    async def cancel(self, rollout_ids: list[str]) -> list[Rollout]:
-        rollouts = await self._call(self.backend.cancel, rollout_ids, time.time())
+    async def cancel(self, rollout_ids: list[str]) -> dict[str, CancelOutcome]:
+        outcome = await self._call(self.backend.cancel, rollout_ids, time.time())
         await self._notify()
-        return rollouts
+        return outcome
 
     async def wait_for_rollouts(self, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
         """Block until every rollout has ended (or the timeout passes); return the ended ones."""
