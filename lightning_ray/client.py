@@ -41,8 +41,8 @@ class LightningClient:
         body = {"tasks": [t.model_dump() for t in tasks], "config": config and config.model_dump()}
         return [Rollout(**r) for r in self._call("POST", "/v1/rollouts", json=body)]
 
-    def dequeue(self, worker_id: str | None = None) -> Rollout | None:
-        r = self._call("POST", "/v1/rollouts/dequeue", json={"worker_id": worker_id})
+    def dequeue(self, worker_id: str | None = None, attempt_id: str | None = None) -> Rollout | None:
+        r = self._call("POST", "/v1/rollouts/dequeue", json={"worker_id": worker_id, "attempt_id": attempt_id})
         return None if r is None else Rollout(**r)
 
     def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:

@@ -232,3 +232,47 @@ def test_many_waiters_leave_the_store_api_free(app):
     too_long = httpx.post(app["store_url"] + "/v1/rollouts/wait", json={**body, "timeout": 3600})
     assert too_long.status_code == 400 and "timeout" in json.dumps(too_long.json()["error"])
     app["store"].cancel([rollout.rollout_id])
+
+
+def test_cancel_over_http_reports_per_rollout_and_can_be_repeated(app):
+    http = httpx.Client(base_url=app["store_url"], timeout=30)
+    a, b = (r.rollout_id for r in app["store"].enqueue([Task(task_id="a", input={}), Task(task_id="b", input={})]))
+    first = http.post("/v1/rollouts/cancel", json={"rollout_ids": [a, "ro-ghost"]})
+    assert first.status_code == 200 and first.json() == {a: "cancelled", "ro-ghost": "unknown"}
+    again = http.post("/v1/rollouts/cancel", json={"rollout_ids": [a, b]})  # `a` a second time, with `b`
+    assert again.status_code == 200 and again.json() == {a: "already_ended", b: "cancelled"}
+    assert [r.status for r in app["store"].get_rollouts([a, b])] == ["cancelled", "cancelled"]
+
+
+class LosesTheFirstDequeueReply(httpx.HTTPTransport):
+    """The dequeue reaches the store, which leases a rollout; its reply never reaches the worker."""
+
+    lost: dict | None = None
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if self.lost is None and request.url.path.endswith("/v1/rollouts/dequeue"):
+            self.lost = json.loads(response.read())
+            response.close()
+            raise httpx.ReadError("connection reset by peer", request=request)
+        return response
+
+
+def test_a_worker_whose_dequeue_reply_is_lost_gets_the_same_rollout_again(app):
+    """The worker picks its attempt id before asking and asks again under it: the rollout leased by the lost reply
+    is run once and succeeds (a second dequeue used to lease another one and strand it: with max_attempts=1 it
+    failed when its lease ran out)."""
+    from lightning_ray.client import LightningClient
+
+    store = app["store"]
+    mine = store.enqueue([Task(task_id=f"lossy{i}", input={}) for i in range(2)], RolloutConfig(max_attempts=1))
+    client, transport = LightningClient(app["store_url"]), LosesTheFirstDequeueReply()
+    client.http = httpx.Client(base_url=app["store_url"], transport=transport, timeout=30)
+    ran = client.work(lambda task, **_: "ok", lambda task, answer: 1.0, "http://127.0.0.1:9", MODEL, worker_id="lossy")
+    assert ran >= 2 and transport.lost is not None
+    [attempt] = store.get_attempts(transport.lost["rollout_id"])
+    assert (attempt.attempt_id, attempt.status) == (transport.lost["attempt_id"], "succeeded")
+    for r in store.get_rollouts([r.rollout_id for r in mine]):
+        assert (r.status, r.attempts) == ("succeeded", 1)
+    bad = client.http.post("/v1/rollouts/dequeue", json={"attempt_id": "../at"})  # it goes into URL paths
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "attempt_id"

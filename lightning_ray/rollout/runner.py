@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
+import time
 
 import httpx
 import openai
@@ -18,7 +19,7 @@ from contextlib import contextmanager
 from lightning_ray import tracing
 from lightning_ray.store.errors import StaleAttempt
 from lightning_ray.tracing import semconv
-from lightning_ray.types import Rollout
+from lightning_ray.types import Rollout, new_id
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +33,28 @@ def work(store, agent: Callable, reward: Callable, policy_url: str, model: str, 
          worker_id: str | None = None, tracing_backend: str = "embedded") -> int:
     """Run rollouts from the queue until it is empty; return how many this worker ran."""
     done = 0
-    while (rollout := store.dequeue(worker_id)) is not None:
+    while (rollout := _dequeue(store, worker_id)) is not None:
         run_attempt(store, rollout, agent, reward, policy_url, model, api_key, tracing_backend)
         done += 1
     return done
+
+
+def _dequeue(store, worker_id: str | None, tries: int = 5) -> Rollout | None:
+    """Ask for the next rollout under an attempt id chosen here, and ask again under the same id when the store could
+    not be reached: a reply lost on the way back (a store restarting) gives the same lease again, instead of a
+    second rollout while the first waits out its lease (and fails, with max_attempts=1)."""
+    attempt_id, failures = new_id("at"), 0
+    while True:
+        try:
+            return store.dequeue(worker_id, attempt_id)
+        except StaleAttempt:  # its lease ran out before we asked again: the store retries or fails that rollout
+            attempt_id = new_id("at")
+        except (httpx.TransportError, ConnectionError):
+            failures += 1
+            if failures == tries:
+                raise
+            logger.warning("dequeue under %s failed; asking again", attempt_id, exc_info=True)
+            time.sleep(2 ** (failures - 1))
 
 
 def run_attempt(store, rollout: Rollout, agent: Callable, reward: Callable, policy_url: str, model: str,
