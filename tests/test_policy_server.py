@@ -15,6 +15,8 @@ import torch
 from openai import AsyncOpenAI, OpenAI
 from pydantic import BaseModel, Field
 
+from openai_schema import AsyncCheckedTransport, CheckedTransport
+
 
 KEY = "test-key"
 MODEL = "tiny-calc"
@@ -38,8 +40,26 @@ def server(request, policy_app):
         yield {**app, "engine": request.param}
 
 
+FOUND: list[str] = []  # answers that broke our schema of the OpenAI API (tests/openai_schema.py), this test
+
+
+@pytest.fixture(autouse=True)
+def conforms():
+    """Every answer a test gets, streamed or not, error or not, is checked against the schema."""
+    yield
+    found, FOUND[:] = list(FOUND), []
+    assert not found, "answers that break the OpenAI API schema:\n" + "\n".join(found)
+
+
 def client(server, path="/v1", cls=OpenAI):
-    return cls(base_url=server["url"] + path, api_key=KEY, max_retries=0)
+    http_client = httpx.AsyncClient(transport=AsyncCheckedTransport(FOUND)) if cls is AsyncOpenAI \
+        else httpx.Client(transport=CheckedTransport(FOUND))
+    return cls(base_url=server["url"] + path, api_key=KEY, max_retries=0, http_client=http_client)
+
+
+def http(timeout: float = 30) -> httpx.Client:
+    """Raw HTTP, its answers checked as the openai client's are."""
+    return httpx.Client(transport=CheckedTransport(FOUND), timeout=timeout)
 
 
 def spans_of(server, rollout_id):
@@ -267,6 +287,11 @@ def test_responses_text_format_json_schema(server):
     assert resp.status == "completed"
     jsonschema.validate(json.loads(resp.output_text), ANSWER_SCHEMA)
     assert resp.text.format.type == "json_schema" and resp.text.format.schema_ == ANSWER_SCHEMA  # echoed
+    assert resp.temperature == 0.7 and resp.top_p == 1.0  # what was sampled with: the server's default top_p
+    events = list(client(server).responses.create(model=MODEL, input="What is 3 + 4?", text={"format": fmt},
+                                                  temperature=0.7, max_output_tokens=80, stream=True))
+    assert events[-1].type == "response.completed"
+    jsonschema.validate(json.loads(events[-1].response.output_text), ANSWER_SCHEMA)
     cut = client(server).responses.create(model=MODEL, input="What is 3 + 4?", text={"format": fmt},
                                           max_output_tokens=3)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
@@ -316,7 +341,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, path, body, status, param):
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(server["url"] + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=30, **kwargs)
+    r = http().post(server["url"] + path, headers={"Authorization": f"Bearer {KEY}"}, **kwargs)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["message"] and error["type"] == "invalid_request_error"
@@ -326,11 +351,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, pat
 
 
 def test_api_key_is_required_when_configured(server):
-    r = httpx.post(server["url"] + CHAT, json={"model": MODEL, "messages": MESSAGES})
+    r = http().post(server["url"] + CHAT, json={"model": MODEL, "messages": MESSAGES})
     assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
-    assert httpx.get(server["url"] + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert httpx.get(server["url"] + "/v1/models", headers={"Authorization": b"Bearer \xff\xfe"}).status_code == 401
-    assert httpx.post(server["url"] + "/rollouts/r/attempts/a/v1/chat/completions", json={}).status_code == 401
+    assert http().get(server["url"] + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert http().get(server["url"] + "/v1/models", headers={"Authorization": b"Bearer \xff\xfe"}).status_code == 401
+    assert http().post(server["url"] + "/rollouts/r/attempts/a/v1/chat/completions", json={}).status_code == 401
 
 
 def test_a_default_max_tokens_is_cut_to_the_room_left(server):
@@ -354,8 +379,8 @@ def test_size_limit_holds_for_a_chunked_body_without_content_length(server):
             yield b"x" * (1 << 20)
         yield b'"}]}'
 
-    r = httpx.post(server["url"] + CHAT, content=chunks(), timeout=60,
-                   headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    r = http(timeout=60).post(server["url"] + CHAT, content=chunks(),
+                              headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
     assert client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).choices
 

@@ -1,19 +1,29 @@
 """The Responses API mapping: requests to chat, completions to Response objects and stream events, checked against
-the official openai client's own types and, through a mock HTTP transport, its parser and stream accumulator."""
+our JSON Schema of the API reference (tests/schemas/responses.json), the official openai client's own types and,
+through the real create_response behind an in-process HTTP transport, its parser and stream accumulator."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from functools import partial
 
 import httpx
 import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
+from transformers import AutoTokenizer
 
-from lightning_ray.serving.responses import ResponseEventStream, ResponsesRequest, to_chat, to_response
+from lightning_ray.serving.app import PolicyServer
+from lightning_ray.serving.decoding import ChoiceDelta
+from lightning_ray.serving.engines import SamplingParams
+from lightning_ray.serving.http import ApiError, error_response
+from lightning_ray.serving.responses import (ResponseEventStream, ResponsesRequest, create_response, to_chat,
+                                             to_response)
 from lightning_ray.serving.sse import frame
 from lightning_ray.serving.tools import ToolCallStreamParser, parse_tool_calls
+from openai_schema import CheckedTransport, check_stream, violations
 
 ADD = {"type": "function", "name": "add", "description": "Add", "strict": True,
        "parameters": {"type": "object", "properties": {"a": {"type": "number"}}, "required": ["a"]}}
@@ -25,16 +35,32 @@ def request(**kw) -> ResponsesRequest:
     return ResponsesRequest.model_validate({"model": "tiny", "input": "hi", **kw})
 
 
+def response_of(req: ResponsesRequest, **kw) -> dict:
+    """to_response's Response object, once checked against the schema of the reference."""
+    body = to_response(req, **kw)
+    assert not violations("responses.json", "Response", body)
+    return body
+
+
+def conforming_events(events: list[dict]) -> list[dict]:
+    """Stream events, once checked against the schema, each as the named SSE frame the server sends."""
+    assert not check_stream("/v1/responses", [(e["type"], json.dumps(e)) for e in events])
+    return events
+
+
 # --- the request --------------------------------------------------------------------------------------------------
 
 def test_request_ignores_unknown_fields_and_keeps_known_ones():
     req = request(tools=[ADD], tool_choice="required", max_output_tokens=64, store=True, metadata={"k": "v"},
-                  prompt_cache_key="x", include=["message.output_text.logprobs"], text={"format": {"type": "text"}})
-    assert req.max_output_tokens == 64 and req.tools == [ADD] and not hasattr(req, "prompt_cache_key")
+                  prompt_cache_retention="24h", include=["message.output_text.logprobs"], prompt_cache_key="x",
+                  text={"format": {"type": "text"}})
+    assert req.max_output_tokens == 64 and req.tools == [ADD] and not hasattr(req, "prompt_cache_retention")
+    assert req.prompt_cache_key == "x"  # echoed in the Response
 
 
 @pytest.mark.parametrize("fields, message", [
     ({"previous_response_id": "resp_1"}, "previous_response_id is not supported"),
+    ({"background": True}, "background is not supported"),
     ({"conversation": "conv_1"}, "conversation is not supported"),
     ({"tools": [{"type": "web_search"}]}, "only function tools are supported, not 'web_search'"),
     ({"tools": [{"type": "function"}]}, "needs a name"),
@@ -118,7 +144,7 @@ def test_unsupported_tool_choice_is_a_value_error():
 
 def test_text_response_is_what_the_client_parses():
     req = request(instructions="Be brief.", temperature=0.5, metadata={"run": "1"})
-    body = to_response(req, content="5", tool_calls=[], input_tokens=7, output_tokens=2)
+    body = response_of(req, content="5", tool_calls=[], input_tokens=7, output_tokens=2)
     resp = Response.model_validate(body)
     assert resp.id.startswith("resp_") and resp.object == "response" and resp.model == "tiny"
     assert resp.status == "completed" and resp.incomplete_details is None and resp.error is None
@@ -132,7 +158,7 @@ def test_text_response_is_what_the_client_parses():
 
 def test_tool_call_response_and_its_round_trip_into_the_next_request():
     req = request(tools=[ADD], tool_choice="auto")
-    body = to_response(req, content="Let me add.", tool_calls=[CALL], input_tokens=3, output_tokens=9)
+    body = response_of(req, content="Let me add.", tool_calls=[CALL], input_tokens=3, output_tokens=9)
     resp = Response.model_validate(body)
     assert [o.type for o in resp.output] == ["message", "function_call"]
     fc = resp.output[1]
@@ -148,16 +174,16 @@ def test_tool_call_response_and_its_round_trip_into_the_next_request():
 
 
 def test_calls_only_response_has_no_message_and_empty_completion_has_an_empty_one():
-    only_calls = Response.model_validate(to_response(request(), content=None, tool_calls=[CALL, CALL],
+    only_calls = Response.model_validate(response_of(request(), content=None, tool_calls=[CALL, CALL],
                                                      input_tokens=1, output_tokens=1))
     assert [o.type for o in only_calls.output] == ["function_call", "function_call"]
-    empty = Response.model_validate(to_response(request(), content=None, tool_calls=[], input_tokens=1,
+    empty = Response.model_validate(response_of(request(), content=None, tool_calls=[], input_tokens=1,
                                                 output_tokens=0))
     assert [o.type for o in empty.output] == ["message"] and empty.output_text == ""
 
 
 def test_length_finish_is_incomplete():
-    resp = Response.model_validate(to_response(request(max_output_tokens=4), content="abc", tool_calls=[],
+    resp = Response.model_validate(response_of(request(max_output_tokens=4), content="abc", tool_calls=[],
                                                input_tokens=1, output_tokens=4, finish_reason="length"))
     assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
     assert resp.output[0].status == "incomplete" and resp.max_output_tokens == 4
@@ -172,7 +198,8 @@ def stream_events(req, text, chunk=3, finish_reason="stop"):
     for i in range(0, len(text), chunk):
         events += stream.delta(parser.feed(text[i:i + chunk]))
     events += stream.delta(parser.finish())
-    return events + stream.finish(input_tokens=5, output_tokens=len(text), finish_reason=finish_reason)
+    return conforming_events(events + stream.finish(input_tokens=5, output_tokens=len(text),
+                                                    finish_reason=finish_reason))
 
 
 def types(events):
@@ -209,7 +236,7 @@ def test_tool_call_stream_matches_the_non_streamed_response():
     ]
     streamed = Response.model_validate(events[-1]["response"])
     content, calls = parse_tool_calls(text)
-    whole = Response.model_validate(to_response(req, content=content, tool_calls=calls, input_tokens=5,
+    whole = Response.model_validate(response_of(req, content=content, tool_calls=calls, input_tokens=5,
                                                 output_tokens=len(text)))
     def strip_ids(r):
         return [{k: v for k, v in o.model_dump().items() if k not in ("id", "call_id")} for o in r.output]
@@ -222,7 +249,7 @@ def test_tool_call_stream_matches_the_non_streamed_response():
 def test_text_after_a_tool_call_opens_a_second_message():
     stream = ResponseEventStream(request())
     events = stream.start() + stream.text("A") + stream.tool_call(CALL) + stream.text("B")
-    events += stream.finish(input_tokens=1, output_tokens=3)
+    events = conforming_events(events + stream.finish(input_tokens=1, output_tokens=3))
     final = Response.model_validate(events[-1]["response"])
     assert [o.type for o in final.output] == ["message", "function_call", "message"]
     added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
@@ -246,39 +273,150 @@ def test_an_event_is_one_named_sse_frame():
     assert json.loads(text.split("data: ", 1)[1]) == event
 
 
-# --- through the official client ----------------------------------------------------------------------------------
+# --- the reference's required fields -----------------------------------------------------------------------------
+
+def test_response_echoes_the_request_in_the_documented_shape():
+    """Every field the reference requires, with the sampling actually used (not null), function tools and a
+    json_schema format in their documented shapes, and the request's identifiers echoed."""
+    fmt = {"type": "json_schema", "name": "a", "schema": {"type": "object"}}
+    tool = {"type": "function", "name": "lookup", "parameters": {"type": "object"}}  # no description, no strict
+    req = request(tools=[tool], text={"format": fmt, "verbosity": "low"}, reasoning={"effort": "low"},
+                  prompt_cache_key="k", safety_identifier="u1", max_tool_calls=3)
+    params = SamplingParams(max_tokens=8, temperature=0.6, top_p=0.9)
+    body = response_of(req, content="{}", tool_calls=[], input_tokens=1, output_tokens=2, params=params)
+    assert (body["temperature"], body["top_p"], body["presence_penalty"], body["frequency_penalty"]) == \
+        (0.6, 0.9, 0.0, 0.0)
+    assert body["tools"] == [{"type": "function", "name": "lookup", "description": None,
+                              "parameters": {"type": "object"}, "strict": None}]
+    assert body["text"] == {"verbosity": "low", "format": {**fmt, "description": None, "strict": None}}
+    assert body["reasoning"] == {"effort": "low", "summary": None}
+    assert (body["prompt_cache_key"], body["safety_identifier"], body["max_tool_calls"]) == ("k", "u1", 3)
+    assert body["completed_at"] >= body["created_at"] and body["background"] is False
+    # without the sampling used, the request's or the API's defaults: never null
+    assert (response_of(request(), content="", tool_calls=[], input_tokens=1, output_tokens=0)["temperature"]) == 1.0
+
+
+@pytest.mark.parametrize("field", ["completed_at", "presence_penalty", "top_logprobs", "service_tier",
+                                   "prompt_cache_key", "safety_identifier", "background", "max_tool_calls"])
+def test_the_schema_requires_what_the_reference_requires(field):
+    """The schema can fail: the same body without one required field, or with null sampling, is rejected."""
+    body = to_response(request(), content="hi", tool_calls=[], input_tokens=1, output_tokens=1)
+    assert not violations("responses.json", "Response", body)
+    assert violations("responses.json", "Response", {k: v for k, v in body.items() if k != field})
+    assert violations("responses.json", "Response", {**body, "temperature": None})
+
+
+def test_a_failed_stream_ends_with_response_failed_and_an_error_event():
+    stream = ResponseEventStream(request())
+    events = stream.start() + stream.text("par")
+    events = conforming_events(events + stream.fail(ApiError(503, "weights are loading", code="unavailable",
+                                                             type="server_error")))
+    failed, error = events[-2:]
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"] == {"code": "unavailable", "message": "weights are loading"}
+    assert error["type"] == "error" and error["message"] == "weights are loading"
+    assert error["error"] == {"type": "server_error", "code": "unavailable", "message": "weights are loading",
+                              "param": None}
+
+
+# --- through the official client and the real create_response ---------------------------------------------------
 
 COMPLETION = "Checking.\n<tool_call>\n" + '{"name": "add", "arguments": {"a": 2}}' + "\n</tool_call>"
 
 
-def _fake_server(http_request: httpx.Request) -> httpx.Response:
-    """/v1/responses answered the way the policy server is meant to: parse, map to chat, answer with COMPLETION."""
-    req = ResponsesRequest.model_validate(json.loads(http_request.content))
-    messages, _, _ = to_chat(req)
-    assert messages[-1]["role"] == "user"
-    if not req.stream:
-        content, calls = parse_tool_calls(COMPLETION)
-        body = to_response(req, content=content, tool_calls=calls, input_tokens=4, output_tokens=11)
-        return httpx.Response(200, json=body)
-    sse = "".join(frame(e, e["type"]) for e in stream_events(req, COMPLETION, chunk=5))
-    return httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
+async def scripted_run(tokenizer, completion: str, fail_after: int | None, *args):
+    """What the policy server's `run` yields, for a model that answers `completion`, 3 tokens at a time; with
+    `fail_after`, the generation fails after that many tokens (a weight load that gave up, an engine crash)."""
+    ids = tokenizer.encode(completion, add_special_tokens=False)
+    for i in range(0, len(ids), 3):
+        if fail_after is not None and i >= fail_after:
+            raise ApiError(503, "the generation was cut short", code="unavailable", type="server_error")
+        part = ids[i:i + 3]
+        yield ChoiceDelta(index=0, text=tokenizer.decode(part), token_ids=part, logprobs=[0.0] * len(part),
+                          finish_reason="stop" if i + 3 >= len(ids) else None, policy_version=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+# The class as written in app.py, without the wrapper @serve.ingress puts around it.
+POLICY_SERVER = next(c for c in PolicyServer.func_or_class.__mro__ if "check_model" in vars(c))
+
+
+def policy(tokenizer, fail_after: int | None = None):
+    """The policy server's own request handling (model check, chat template, sampling defaults, length check),
+    without Serve or an engine: only `run`, which generates, is scripted to answer COMPLETION."""
+    server = object.__new__(POLICY_SERVER)  # its __init__ starts an engine inside a Serve replica
+    server.model_name, server.tokenizer, server.max_model_len = "tiny", tokenizer, 512
+    server.defaults, server.rollout_sampling = {"temperature": 0.7}, {}
+    server.run = partial(scripted_run, tokenizer, COMPLETION, fail_after)
+    return server
+
+
+async def serve(server, http_request: httpx.Request) -> httpx.Response:
+    """POST /v1/responses, through the real create_response, as the app's route answers it."""
+    try:
+        out = await create_response(server, ResponsesRequest.model_validate_json(http_request.content), (None, None))
+    except ApiError as e:
+        out = error_response(e)
+    if isinstance(out, dict):
+        return httpx.Response(200, json=out)
+    if hasattr(out, "body_iterator"):  # a stream: every frame the server would send
+        body = "".join([chunk async for chunk in out.body_iterator]).encode()
+    else:
+        body = out.body
+    return httpx.Response(out.status_code, content=body, headers={"content-type": out.media_type})
+
+
+FOUND: list[str] = []  # what answers broke the schema (tests/openai_schema.py)
 
 
 @pytest.fixture
-def client():
-    return openai.OpenAI(api_key="x", base_url="http://policy/v1",
-                         http_client=httpx.Client(transport=httpx.MockTransport(_fake_server)))
+def client_of(tokenizer):
+    def make(**kw):
+        handler = lambda http_request: asyncio.run(serve(policy(tokenizer, **kw), http_request))  # noqa: E731
+        transport = CheckedTransport(FOUND, httpx.MockTransport(handler))
+        return openai.OpenAI(api_key="x", base_url="http://policy/v1", max_retries=0,
+                             http_client=httpx.Client(transport=transport))
+
+    yield make
+    found, FOUND[:] = list(FOUND), []
+    assert not found, "answers that break the Responses API schema:\n" + "\n".join(found)
 
 
-def test_client_parses_a_response(client):
-    resp = client.responses.create(model="tiny", input="2?", tools=[ADD])
-    assert resp.output_text == "Checking." and resp.output[1].name == "add" and resp.usage.total_tokens == 15
+def test_client_parses_a_response(client_of):
+    resp = client_of().responses.create(model="tiny", input="2?", tools=[ADD])
+    assert resp.output_text == "Checking." and resp.output[1].name == "add"
+    assert resp.usage.output_tokens == len(resp.model_extra["token_ids"]) > 0
+    assert resp.usage.input_tokens == len(resp.model_extra["prompt_token_ids"])
+    assert resp.temperature == 0.7  # the server's default, as sampled: the request set none
 
 
-def test_client_stream_accumulates_to_the_same_response(client):
-    with client.responses.stream(model="tiny", input="2?", tools=[ADD]) as stream:
+def test_client_stream_accumulates_to_the_same_response(client_of):
+    with client_of().responses.stream(model="tiny", input="2?", tools=[ADD]) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_response()
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
     assert final.output_text == "Checking."
     assert (final.output[1].name, json.loads(final.output[1].arguments)) == ("add", {"a": 2})
+
+
+def test_a_stream_that_fails_part_way_raises_in_the_client(client_of):
+    """The headers are sent before generation fails: the failure comes in-band, as response.failed (status
+    "failed") and an error event, which the openai client raises with the server's message."""
+    kinds = []
+    with pytest.raises(openai.APIError, match="the generation was cut short"):
+        for event in client_of(fail_after=3).responses.create(model="tiny", input="2?", stream=True):
+            kinds.append(event.type)
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.failed"
+    assert event.response.status == "failed" and event.response.error.code == "unavailable"
+    assert "response.output_text.delta" in kinds  # it failed part way, after text went out
+
+
+def test_requests_the_server_cannot_serve_are_refused(client_of):
+    with pytest.raises(openai.UnprocessableEntityError, match="presence_penalty is not supported"):
+        client_of().responses.create(model="tiny", input="2?", extra_body={"presence_penalty": 0.5})
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client_of().responses.create(model="gpt-4o", input="2?")

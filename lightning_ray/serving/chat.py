@@ -52,7 +52,7 @@ async def create_chat_completion(server, body: ChatCompletionRequest, trace: tup
     out = []
     for c in choices:
         content, calls = parse_tool_calls(c.text) if use_tools else (c.text, [])
-        message = {"role": "assistant", "content": content, "refusal": None}
+        message = {"role": "assistant", "content": content, "refusal": None, "annotations": []}
         if calls:
             message["tool_calls"] = calls
         out.append({

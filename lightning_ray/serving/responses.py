@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from lightning_ray.serving.chat import template_messages
 from lightning_ray.serving.decoding import collect_all
+from lightning_ray.serving.engines import SamplingParams
+from lightning_ray.serving.http import ApiError
 from lightning_ray.serving.schemas import TextFormat
 from lightning_ray.serving.sse import sse_response
 from lightning_ray.serving.tools import ToolCallStreamParser, ToolStreamDelta, parse_tool_calls, resolve_tool_choice
@@ -34,8 +36,12 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)  # only 0 is served (server.check_unsupported)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     max_output_tokens: int | None = Field(None, gt=0)
+    max_tool_calls: int | None = Field(None, gt=0)  # a limit on built-in tools, which this server has none of: echoed
     stream: bool = False
+    background: bool | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
@@ -45,6 +51,8 @@ class ResponsesRequest(BaseModel):
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     user: str | None = None
+    safety_identifier: str | None = None  # echoed
+    prompt_cache_key: str | None = None  # echoed (the engine's prefix cache needs no key)
     include: list[str] | None = None
 
     @field_validator("tools")
@@ -63,6 +71,8 @@ class ResponsesRequest(BaseModel):
             if getattr(self, name):
                 raise ValueError(f"{name} is not supported: this server keeps no state; send the whole "
                                  "conversation as `input`")
+        if self.background:
+            raise ValueError("background is not supported: this server keeps no state to poll later")
         return self
 
 
@@ -152,7 +162,7 @@ def function_call_item(call: dict, *, item_id: str | None = None, status: str = 
 
 def to_response(req: ResponsesRequest, *, content: str | None, tool_calls: list[dict], input_tokens: int,
                 output_tokens: int, finish_reason: str = "stop", response_id: str | None = None,
-                created_at: float | None = None) -> dict:
+                created_at: float | None = None, params: SamplingParams | None = None) -> dict:
     """The Response object for a finished completion, already split into content and chat tool calls."""
     status = "incomplete" if finish_reason == "length" else "completed"
     output = []
@@ -160,7 +170,7 @@ def to_response(req: ResponsesRequest, *, content: str | None, tool_calls: list[
         output.append(message_item(content or "", status=status))
     output += [function_call_item(c) for c in tool_calls]
     return response_object(req, output=output, status=status, usage=response_usage(input_tokens, output_tokens),
-                           response_id=response_id, created_at=created_at)
+                           response_id=response_id, created_at=created_at, params=params)
 
 
 def response_usage(input_tokens: int, output_tokens: int) -> dict:
@@ -170,19 +180,49 @@ def response_usage(input_tokens: int, output_tokens: int) -> dict:
 
 
 def response_object(req: ResponsesRequest, *, output: list[dict], status: str, usage: dict | None = None,
-                    response_id: str | None = None, created_at: float | None = None) -> dict:
-    """A Response object that echoes the request's settings, as the API does."""
+                    response_id: str | None = None, created_at: float | None = None,
+                    params: SamplingParams | None = None, error: dict | None = None) -> dict:
+    """A Response object with every field the reference requires, echoing the request's settings as the API does.
+    `params`: the sampling used (the request's, else its rollout's or the server's defaults), when known."""
     return {
-        "id": response_id or _new_id("resp"), "object": "response", "created_at": created_at or int(time.time()),
-        "status": status, "error": None, "model": req.model, "output": output, "usage": usage,
+        "id": response_id or _new_id("resp"), "object": "response", "created_at": int(created_at or time.time()),
+        "completed_at": int(time.time()) if status == "completed" else None,
+        "status": status, "error": error, "model": req.model, "output": output, "usage": usage,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-        "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
-        "reasoning": req.reasoning, "store": False, "temperature": req.temperature, "top_p": req.top_p,
-        "text": req.text.model_dump(by_alias=True, exclude_none=True) if req.text else {"format": {"type": "text"}},
-        "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "truncation": req.truncation or "disabled",
-        "user": req.user, "metadata": req.metadata or {},
+        "max_tool_calls": req.max_tool_calls, "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": None, "reasoning": _reasoning(req.reasoning), "store": False, "background": False,
+        "service_tier": "default",
+        "temperature": params.temperature if params else 1.0 if req.temperature is None else req.temperature,
+        "top_p": params.top_p if params else 1.0 if req.top_p is None else req.top_p,
+        "presence_penalty": 0.0, "frequency_penalty": 0.0,  # any other value is refused (check_unsupported)
+        "top_logprobs": 0,  # output_text parts carry no logprobs
+        "text": _text_config(req.text), "tool_choice": req.tool_choice or "auto",
+        "tools": [_function_tool(t) for t in req.tools or []], "truncation": req.truncation or "disabled",
+        "user": req.user, "metadata": req.metadata or {}, "safety_identifier": req.safety_identifier,
+        "prompt_cache_key": req.prompt_cache_key,
     }
+
+
+def _function_tool(tool: dict) -> dict:
+    """A request's function tool in the documented shape: every field present, null where not given."""
+    return {"type": "function", "name": tool["name"], "description": tool.get("description"),
+            "parameters": tool.get("parameters"), "strict": tool.get("strict")}
+
+
+def _text_config(text: ResponseText | None) -> dict:
+    """text as the reference echoes it: a json_schema format with all its fields, the schema the one enforced."""
+    fmt = text.format if text else None
+    if fmt is None or fmt.type != "json_schema":
+        out = {"type": fmt.type if fmt else "text"}
+    else:
+        out = {"type": "json_schema", "name": fmt.name or "response", "description": fmt.description,
+               "schema": fmt.constraint, "strict": fmt.strict}
+    return {**(text.model_extra if text else {}), "format": out}
+
+
+def _reasoning(reasoning: dict | None) -> dict | None:
+    return {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")} if reasoning else None
 
 
 class ResponseEventStream:
@@ -191,11 +231,13 @@ class ResponseEventStream:
     Call start() once, then text(delta) / tool_call(call) (or delta(ToolStreamDelta) for both) as the completion
     arrives, then finish(...). Each returns event dicts (numbered by sequence_number) to send as SSE frames (sse.frame). Text
     after a tool call opens a new message item. The last event, response.completed (or response.incomplete when
-    cut by max_output_tokens), carries the whole Response, with the same item ids as the events.
+    cut by max_output_tokens), carries the whole Response, with the same item ids as the events; a stream that
+    fails part way ends with fail(...) instead.
     """
 
-    def __init__(self, req: ResponsesRequest, response_id: str | None = None, created_at: float | None = None):
-        self.req, self.response_id = req, response_id or _new_id("resp")
+    def __init__(self, req: ResponsesRequest, response_id: str | None = None, created_at: float | None = None,
+                 params: SamplingParams | None = None):
+        self.req, self.response_id, self.params = req, response_id or _new_id("resp"), params
         self.created_at = created_at or int(time.time())
         self.output: list[dict] = []  # finished items
         self._msg_id: str | None = None  # the message item being streamed, if any
@@ -203,8 +245,7 @@ class ResponseEventStream:
         self._seq = 0
 
     def start(self) -> list[dict]:
-        snapshot = response_object(self.req, output=[], status="in_progress", response_id=self.response_id,
-                                   created_at=self.created_at)
+        snapshot = self._response(output=[], status="in_progress")
         return [self._event("response.created", response=snapshot),
                 self._event("response.in_progress", response=snapshot)]
 
@@ -237,10 +278,22 @@ class ResponseEventStream:
         status = "incomplete" if finish_reason == "length" else "completed"
         events = self._open_message() if not self.output and not self._msg_id else []  # never an empty output
         events += self._close_message(status)
-        final = response_object(self.req, output=self.output, status=status,
-                                usage=response_usage(input_tokens, output_tokens),
-                                response_id=self.response_id, created_at=self.created_at)
+        final = self._response(output=self.output, status=status, usage=response_usage(input_tokens, output_tokens))
         return events + [self._event(f"response.{status}", response=final)]
+
+    def fail(self, e: ApiError) -> list[dict]:
+        """The end of a stream that failed after its headers went out: response.failed, whose response has status
+        "failed" and the error (the items finished so far), then the error event, which the openai client raises."""
+        failed = self._response(output=self.output, status="failed",
+                                error={"code": e.code or e.type, "message": e.message})
+        return [self._event("response.failed", response=failed),
+                # code/message/param as the openai package reads them; `error` as the reference nests them
+                self._event("error", code=e.code, message=e.message, param=e.param,
+                            error={"type": e.type, "code": e.code, "message": e.message, "param": e.param})]
+
+    def _response(self, **fields) -> dict:
+        return response_object(self.req, response_id=self.response_id, created_at=self.created_at, params=self.params,
+                               **fields)
 
     def _open_message(self) -> list[dict]:
         self._msg_id, self._msg_text = _new_id("msg"), ""
@@ -274,6 +327,7 @@ class ResponseEventStream:
 # ---- the route: POST /v1/responses -----------------------------------------------------------------------------
 async def create_response(server, req: ResponsesRequest, trace: tuple[str | None, str | None]):
     server.check_model(req.model)
+    server.check_unsupported(req)
     messages, tools, tool_choice = to_chat(req)
     offered = resolve_tool_choice(tool_choice, tools)
     prompt_ids = server.encode_chat(template_messages(messages), offered)
@@ -282,16 +336,18 @@ async def create_response(server, req: ResponsesRequest, trace: tuple[str | None
     attrs = {"lightning_ray.request": req.model_dump(exclude_none=True, by_alias=True, exclude={"model"})}
     deltas = server.run("responses", [prompt_ids], params, 1, [], trace, attrs)
     if req.stream:
-        return sse_response(_events(req, deltas, prompt_ids, bool(offered)), done_marker=False, named=True)
+        events = ResponseEventStream(req, params=params)
+        return sse_response(_events(events, deltas, prompt_ids, bool(offered)), done_marker=False, named=True,
+                            failed=events.fail)
     [c] = await collect_all(deltas)
     content, calls = parse_tool_calls(c.text) if offered else (c.text or None, [])
     out = to_response(req, content=content, tool_calls=calls, input_tokens=len(prompt_ids),
-                      output_tokens=len(c.token_ids), finish_reason=c.finish_reason or "stop")
+                      output_tokens=len(c.token_ids), finish_reason=c.finish_reason or "stop", params=params)
     return {**out, "prompt_token_ids": prompt_ids, "token_ids": c.token_ids}  # extension fields
 
 
-async def _events(req: ResponsesRequest, deltas, prompt_ids: list[int], parse_tools: bool):
-    events, parser, output_tokens, finish = ResponseEventStream(req), ToolCallStreamParser(), 0, "stop"
+async def _events(events: ResponseEventStream, deltas, prompt_ids: list[int], parse_tools: bool):
+    parser, output_tokens, finish = ToolCallStreamParser(), 0, "stop"
     for e in events.start():
         yield e
     async for d in deltas:
