@@ -53,6 +53,8 @@ class ServeConfig(_Strict):
     autoscaling: dict[str, Any] | None = None  # Serve's autoscaling_config; replaces num_replicas when set
     api_key: str | None = None
     sync_timeout_s: float = Field(120.0, gt=0)
+    # a weight update waits this long for in-flight generations, then ends them (503, "drain_timeout")
+    drain_timeout_s: float = Field(60.0, gt=0)
     # The chat template the server renders with: null (the model's own), `hermes` (ours: ChatML with Hermes
     # <tool_call> tools, for models whose template ignores tools, as SmolLM2's does), or a Jinja file's path.
     chat_template: str | None = None

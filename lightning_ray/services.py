@@ -41,7 +41,7 @@ class Services:
             num_replicas=cfg.serve.num_replicas, autoscaling=cfg.serve.autoscaling, engine=cfg.engine.kind,
             engine_options={"dtype": cfg.engine.dtype, **cfg.engine.options}, max_model_len=cfg.engine.max_model_len,
             api_key=cfg.serve.api_key, seed=cfg.seed, env=cfg.engine.env,
-            chat_template=resolve_chat_template(cfg.serve.chat_template),
+            chat_template=resolve_chat_template(cfg.serve.chat_template), drain_timeout_s=cfg.serve.drain_timeout_s,
             defaults={"max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature,
                       "top_p": cfg.rollout.top_p})
         print(f"policy served at {self.server_url}/v1 as {cfg.model.name!r}", flush=True)

@@ -46,9 +46,9 @@ def policy_app(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     from lightning_ray.training.weights import WeightRegistry
 
     @contextmanager
-    def deploy(model_name: str = "tiny-calc", **options):
+    def deploy(model_name: str = "tiny-calc", registry=None, **options):
         store = StoreClient.start(tmp_path_factory.mktemp("store"))
-        registry = WeightRegistry.remote()
+        registry = registry or WeightRegistry.remote()
         url = deploy_policy(str(tiny_model_path), model_name, store, registry, port=serve_port, **options)
         try:
             yield {"url": url, "store": store, "registry": registry,

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import copy
 import json
+import os
 import threading
 
 import pytest
@@ -217,6 +218,34 @@ def test_load_weights_with_tied_embeddings(loop, tiny_model_path, tmp_path):
         eng.run(eng.load_weights(new.state_dict(), version=1))
         g = gen(eng, prompt, max_tokens=16, temperature=1.0, seed=0)
     assert g.policy_version == 1 and logprob_error(new, prompt, g.token_ids, g.logprobs) < ATOL
+
+
+def test_weights_that_do_not_fit_are_refused_before_anything_loads(engine, hf_model):
+    prompt, v = prompts(engine, 1)[0], engine.policy_version
+    before = gen(engine, prompt, max_tokens=8, temperature=0.0)
+    state = perturbed(hf_model, seed=3).state_dict()
+    state["model.norm.weight"] = state["model.norm.weight"][:-1]
+    with pytest.raises(ValueError, match=r"model\.norm\.weight has shape"):
+        engine.run(engine.load_weights(state, version=v + 1))
+    after = gen(engine, prompt, max_tokens=8, temperature=0.0)
+    assert engine.policy_version == v and engine.broken is None
+    assert (after.token_ids, after.logprobs) == (before.token_ids, before.logprobs)  # nothing of it was loaded
+
+
+def test_weight_directories_of_dead_replicas_are_swept(tmp_path):
+    """A killed replica never runs shutdown(): the next engine removes its staging directory, not a live one's."""
+    import subprocess
+
+    from lightning_ray.serving.engines.vllm import WEIGHTS_DIR_PREFIX, sweep_weight_dirs
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid names a process that is gone
+    gone, alive = tmp_path / f"{WEIGHTS_DIR_PREFIX}{dead.pid}-x", tmp_path / f"{WEIGHTS_DIR_PREFIX}{os.getpid()}-y"
+    for d in (gone, alive):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"0" * 1024)
+    sweep_weight_dirs(str(tmp_path))
+    assert not gone.exists() and alive.exists()
 
 
 def perturbed(model, seed: int):

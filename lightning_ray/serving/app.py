@@ -2,8 +2,9 @@
 
 Each call is recorded, before it is answered, as one LLM span per choice in the trace store: the engine's exact
 prompt and completion token ids, logprobs, the policy version, the request, the text, latency and any error.
-Weights follow the registry; a load pauses admission and waits for in-flight requests, so no generation mixes
-two policy versions and no request is dropped.
+Weights follow the registry; a new version is checked and staged while serving goes on, then swapped in with
+admission paused and in-flight requests drained, so no generation mixes two policy versions and no request is
+dropped. A replica whose weights a failed load left mixed answers 503 and fails Serve's health check (replaced).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from lightning_ray.serving.completions import create_completion
 from lightning_ray.serving.decoding import choice_jobs, collect, generate_choices
 from lightning_ray.serving.engines import SamplingParams, make_engine
 from lightning_ray.serving.http import ApiError, trace_ids
-from lightning_ray.serving.gate import Gate
+from lightning_ray.serving.gate import DrainTimeout, Gate
 from lightning_ray.serving.responses import ResponsesRequest, create_response
 from lightning_ray.serving.routing import RolloutAffinityRouter
 from lightning_ray.serving.schemas import ChatCompletionRequest, CompletionRequest
@@ -44,7 +45,7 @@ class PolicyServer:
     async def __init__(self, model_path: str, model_name: str, store, registry, engine: str = "hf",
                  engine_options: dict | None = None, max_model_len: int = 512, defaults: dict | None = None,
                  api_key: str | None = None, max_request_bytes: int = 8 << 20, seed: int = 0,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, drain_timeout_s: float = 60.0):
         import torch
 
         torch.set_num_threads(1)  # a replica shares the cores with rollouts and training
@@ -59,15 +60,17 @@ class PolicyServer:
         self.model_name, self.store, self.registry = model_name, store, registry
         self.max_model_len, self.defaults = max_model_len, defaults or {}
         api.state.api_key, api.state.max_request_bytes = api_key, max_request_bytes
-        self.gate = Gate()
+        self.gate = Gate(drain_timeout_s)
         self.rollout_sampling: dict[str, dict] = {}  # rollout id -> its task's sampling defaults (looked up once)
         api.state.replica_id = self.replica_id  # named in a response header (http.REPLICA_HEADER)
         # A replica started mid-run (autoscaling, or replacing a dead one) loads the latest policy before Serve
-        # routes it a single request, so no call is ever served by stale weights.
+        # routes it a single request. It registers first, then looks: a version published after it looked holds
+        # the trainer's barrier until this replica has it (looking first, a publish in between went unwaited).
+        await registry.register_replica.remote(self.replica_id, ray.get_runtime_context().current_actor)
+        self.seen_version = 0
         version, refs = await registry.wait_newer.remote(0, timeout_s=0.0)
         if version > 0:
-            await self.engine.load_weights(await refs[0], version)
-        await registry.register_replica.remote(self.replica_id, ray.get_runtime_context().current_actor, version)
+            await self._load(refs, version)
         self._follower = asyncio.get_running_loop().create_task(self._follow_weights())
 
     # ---- routes ----------------------------------------------------------------------------------------------
@@ -79,7 +82,12 @@ class PolicyServer:
     @api.get("/health")
     async def health(self):
         return {"policy_version": self.engine.policy_version, "paused": self.gate.is_paused,
-                "in_flight": self.gate.in_flight}
+                "in_flight": self.gate.in_flight, "broken": self.engine.broken}
+
+    def check_health(self):
+        """Serve's health check: a replica with mixed weights is replaced."""
+        if self.engine.broken:
+            raise RuntimeError(self.engine.broken)
 
     @api.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -175,12 +183,18 @@ class PolicyServer:
     async def run(self, operation: str, prompts: list[list[int]], params: SamplingParams, n: int, stop: list[str],
                   trace: tuple[str | None, str | None], attrs: dict):
         """Generate every choice (held while a weight update is in progress), then record one span per choice."""
+        if self.engine.broken:
+            raise ApiError(503, f"this replica is being replaced: {self.engine.broken}", type="server_error",
+                           code="replica_unhealthy")
         start, choices, error = time.time(), {}, None
         try:
-            async with self.gate.admit():
-                async for d in generate_choices(self.engine, choice_jobs(prompts, params, n), stop):
-                    collect(choices, d)
-                    yield d
+            try:
+                async with self.gate.admit():
+                    async for d in generate_choices(self.engine, choice_jobs(prompts, params, n), stop):
+                        collect(choices, d)
+                        yield d
+            except DrainTimeout as e:
+                raise ApiError(503, str(e), type="server_error", code="drain_timeout") from None
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
             raise
@@ -208,27 +222,38 @@ class PolicyServer:
                 await self.store.add_spans_async(spans, origin="server")
 
     async def _follow_weights(self) -> None:
-        """Pull every newly published policy version; load it with admission paused; acknowledge it."""
+        """Load every newly published policy version (a version that failed to load is not retried: the trainer
+        hears of it, and the next version is awaited)."""
         while True:
             try:
-                version, refs = await self.registry.wait_newer.remote(self.engine.policy_version, timeout_s=30.0)
-                if version > self.engine.policy_version:
-                    state = await refs[0]
-                    async with self.gate.paused():
-                        await self.engine.load_weights(state, version)
-                    await self.registry.ack.remote(self.replica_id, version)
+                version, refs = await self.registry.wait_newer.remote(self.seen_version, timeout_s=30.0)
+                if version > self.seen_version:
+                    await self._load(refs, version)
             except asyncio.CancelledError:
                 raise
             except Exception:
-                logger.exception("weight follower: retrying in 1 s")
+                logger.exception("weight follower: going on with the next version")
                 await asyncio.sleep(1.0)
+
+    async def _load(self, refs: list, version: int) -> None:
+        """Check and stage the weights while serving goes on, swap them in with admission paused, acknowledge; a
+        failure is reported to the registry (the trainer's barrier raises it) and raised."""
+        self.seen_version = version
+        try:
+            await self.engine.stage_weights(await refs[0])
+            async with self.gate.paused():
+                await self.engine.swap_weights(version)
+        except Exception as e:
+            await self.registry.fail.remote(self.replica_id, version, f"{type(e).__name__}: {e}")
+            raise
+        await self.registry.ack.remote(self.replica_id, version)
 
 
 def deploy_policy(model_path: str, model_name: str, store, registry, host: str = "127.0.0.1", port: int = 8000,
                   num_replicas: int = 1, autoscaling: dict | None = None, engine: str = "hf",
                   engine_options: dict | None = None, max_model_len: int = 512, defaults: dict | None = None,
                   api_key: str | None = None, seed: int = 0, env: dict[str, str] | None = None,
-                  chat_template: str | None = None) -> str:
+                  chat_template: str | None = None, drain_timeout_s: float = 60.0) -> str:
     """Start the policy app on Ray Serve and return its base URL (without /v1). `autoscaling` is Serve's
     autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...) and replaces num_replicas."""
     serve.start(http_options={"host": host, "port": port})
@@ -237,6 +262,7 @@ def deploy_policy(model_path: str, model_name: str, store, registry, host: str =
         options["ray_actor_options"] = {"runtime_env": {"env_vars": env}}
     app = PolicyServer.options(**options).bind(
         model_path, model_name, store, registry, engine=engine, engine_options=engine_options,
-        max_model_len=max_model_len, defaults=defaults, api_key=api_key, seed=seed, chat_template=chat_template)
+        max_model_len=max_model_len, defaults=defaults, api_key=api_key, seed=seed, chat_template=chat_template,
+        drain_timeout_s=drain_timeout_s)
     serve.run(app, name=APP_NAME, route_prefix="/")
     return f"http://{host}:{port}"

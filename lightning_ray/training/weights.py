@@ -17,6 +17,7 @@ class WeightRegistry:
     def __init__(self):
         self.version, self.refs = 0, None
         self.acked: dict[str, int] = {}
+        self.failed: dict[str, tuple[int, str]] = {}  # replica id -> the version it could not load, and why
         self.handles: dict[str, object] = {}  # replica id -> actor handle, to tell a slow replica from a dead one
         self._changed: asyncio.Condition | None = None
 
@@ -37,8 +38,9 @@ class WeightRegistry:
             except asyncio.TimeoutError:
                 return False
 
-    async def register_replica(self, replica_id: str, handle=None, version: int = 0) -> None:
-        self.acked[replica_id] = version
+    async def register_replica(self, replica_id: str, handle=None) -> None:
+        """A starting replica, before it looks for the latest version: every publish from now on waits for it."""
+        self.acked[replica_id] = 0
         if handle is not None:
             self.handles[replica_id] = handle
         await self._notify()
@@ -54,15 +56,27 @@ class WeightRegistry:
 
     async def ack(self, replica_id: str, version: int) -> None:
         self.acked[replica_id] = version
+        self.failed.pop(replica_id, None)
+        await self._notify()
+
+    async def fail(self, replica_id: str, version: int, error: str) -> None:
+        self.failed[replica_id] = (version, error)
         await self._notify()
 
     async def wait_synced(self, version: int, timeout_s: float) -> None:
+        """Until every live replica serves `version`; raises at once if one could not load it."""
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while not await self._wait(lambda: self.acked and min(self.acked.values()) >= version, 1.0):
+        synced = lambda: (self.acked and min(self.acked.values()) >= version) or self._failures(version)  # noqa: E731
+        while not await self._wait(synced, 1.0):
             await self._forget_dead([r for r, v in self.acked.items() if v < version])
             if asyncio.get_running_loop().time() > deadline:
                 behind = {r: v for r, v in self.acked.items() if v < version}
                 raise TimeoutError(f"replicas still behind policy version {version} after {timeout_s}s: {behind}")
+        if failures := self._failures(version):
+            raise RuntimeError(f"policy version {version} could not be loaded: {failures}")
+
+    def _failures(self, version: int) -> dict[str, str]:
+        return {r: error for r, (v, error) in self.failed.items() if v == version and r in self.acked}
 
     async def _forget_dead(self, replica_ids: list[str]) -> None:
         for r in replica_ids:
@@ -73,6 +87,7 @@ class WeightRegistry:
                     pass  # alive but busy (a long weight load): keep waiting for it
                 except ray.exceptions.RayActorError:
                     del self.acked[r], self.handles[r]
+                    self.failed.pop(r, None)
 
     async def served_versions(self) -> dict[str, int]:
         return dict(self.acked)

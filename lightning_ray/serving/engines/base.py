@@ -56,10 +56,41 @@ class Generation(BaseModel):
 class Engine(Protocol):
     tokenizer: object
     policy_version: int
+    broken: str | None  # why the served weights are no longer one policy version (a load failed part way)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]: ...
 
+    async def stage_weights(self, state_dict: dict) -> None:
+        """Check a new state dict and get it ready to swap in, while serving goes on (a bad one raises here, with
+        the served weights untouched)."""
+
+    async def swap_weights(self, version: int) -> None:
+        """Make the staged weights the served ones; called with admission paused. A failure part way sets
+        `broken`: the replica then reports itself unhealthy and Serve replaces it."""
+
     async def load_weights(self, state_dict: dict, version: int) -> None: ...
+
+
+class WeightLoading:
+    """`load_weights` for an engine with `stage_weights` and `swap_weights` (what tests and tools call)."""
+
+    broken: str | None = None
+
+    async def load_weights(self, state_dict: dict, version: int) -> None:
+        await self.stage_weights(state_dict)
+        await self.swap_weights(version)
+
+
+def check_weights(state_dict: dict, expected: dict[str, tuple[int, ...]]) -> None:
+    """The served model's tensors, name for name and shape for shape, or a ValueError naming what differs: checked
+    before anything is loaded, so a wrong publish (another model, a config mismatch) changes nothing."""
+    problems = [f"missing {n}" for n in expected if n not in state_dict]
+    problems += [f"unexpected {n}" for n in state_dict if n not in expected]
+    problems += [f"{n} has shape {tuple(t.shape)}, the served model's is {expected[n]}" for n, t in state_dict.items()
+                 if n in expected and tuple(getattr(t, "shape", ())) != expected[n]]
+    if problems:
+        raise ValueError(f"the published weights do not fit the served model: {'; '.join(problems[:5])}"
+                         + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
 
 
 async def generate(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> Generation:

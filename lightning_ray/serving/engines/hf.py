@@ -18,11 +18,11 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from lightning_ray.serving.engines.base import SamplingParams, TokenDelta
+from lightning_ray.serving.engines.base import SamplingParams, TokenDelta, WeightLoading, check_weights
 from lightning_ray.serving.engines.grammar import JsonGrammars, apply_bitmask
 
 
-class HFEngine:
+class HFEngine(WeightLoading):
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0):
         transformers.logging.disable_progress_bar()
         torch.manual_seed(seed)  # requests without a seed of their own draw from the process's generator
@@ -35,6 +35,8 @@ class HFEngine:
                                                                     else [configured])] if i is not None}
         self.lock = threading.Lock()
         self.policy_version = 0
+        self._shapes = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
+        self._staged: dict | None = None
 
     @cached_property
     def grammars(self) -> JsonGrammars:
@@ -96,13 +98,21 @@ class HFEngine:
                     return
                 inputs = torch.tensor([[token]])
 
-    async def load_weights(self, state_dict: dict, version: int) -> None:
-        def load():
-            with self.lock:
-                self.model.load_state_dict(state_dict)
-                self.policy_version = version
+    async def stage_weights(self, state_dict: dict) -> None:
+        check_weights(state_dict, self._shapes)
+        self._staged = state_dict
 
-        await asyncio.to_thread(load)
+    async def swap_weights(self, version: int) -> None:
+        def swap():
+            with self.lock:  # between generations
+                try:  # load_state_dict goes on past a tensor it cannot copy: the rest are new, that one old
+                    self.model.load_state_dict(self._staged)
+                except Exception as e:
+                    self.broken = f"loading policy version {version} failed part way: {e}"
+                    raise RuntimeError(self.broken) from e
+                self.policy_version, self.broken, self._staged = version, None, None
+
+        await asyncio.to_thread(swap)
 
 
 GREEDY_BELOW = 1e-5  # as vLLM: a smaller temperature would overflow logits / T (found by the fuzz test)

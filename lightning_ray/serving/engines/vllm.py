@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from pathlib import Path
 from typing import AsyncIterator
 
 # vLLM-CPU settings (GPU builds ignore them), read from the environment when vLLM starts its processes.
@@ -36,10 +37,12 @@ from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # n
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 
 from lightning_ray.serving.engines import grammar  # noqa: E402
-from lightning_ray.serving.engines.base import SamplingParams, TokenDelta  # noqa: E402
+from lightning_ray.serving.engines.base import SamplingParams, TokenDelta, WeightLoading, check_weights  # noqa: E402
+
+WEIGHTS_DIR_PREFIX = "lightning-ray-vllm-weights-"  # + the owner's pid: a dead owner's directory is swept
 
 
-class VLLMEngine:
+class VLLMEngine(WeightLoading):
     def __init__(self, model_path: str, dtype: str = "float32", gpu_memory_utilization: float = 0.1,
                  seed: int = 0, **engine_args):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -53,7 +56,12 @@ class VLLMEngine:
             disable_log_stats=True, **engine_args))
         self.tied = getattr(self.engine.model_config.hf_config, "tie_word_embeddings", False)
         self.policy_version = 0
-        self._weights_dir = tempfile.mkdtemp(prefix="lightning-ray-vllm-weights-")
+        self._shapes = {n: shape for n, shape in _checkpoint_shapes(model_path).items()
+                        if not (self.tied and n == "lm_head.weight")}
+        # A replica is usually killed, not shut down (Serve replacing it, the job ending): its directory stays
+        # behind, so each new engine removes those of processes that are gone.
+        sweep_weight_dirs(tempfile.gettempdir())
+        self._weights_dir = tempfile.mkdtemp(prefix=f"{WEIGHTS_DIR_PREFIX}{os.getpid()}-")
         self._open = asyncio.Event()  # cleared while weights load: new requests wait here
         self._open.set()
         self._admitting = 0  # streams past the gate that vLLM may not count as unfinished yet
@@ -100,39 +108,65 @@ class VLLMEngine:
             structured_outputs=None if params.json_schema is None else StructuredOutputsParams(json=params.json_schema),
             detokenize=False)  # the server decodes; we want ids
 
-    async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Load a full HF-named state dict, between generations: every request runs on one set of weights.
+    async def stage_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Written to local disk (vLLM's reload reads safetensors) while serving goes on."""
+        tensors = {name: t for name, t in state_dict.items()
+                   if not (self.tied and name == "lm_head.weight")}  # tied: it is the embedding (shared memory)
+        check_weights(tensors, self._shapes)
+        await asyncio.to_thread(self._write, tensors)
+
+    async def swap_weights(self, version: int) -> None:
+        """Between generations: every request runs on one set of weights.
 
         vLLM runs the reload RPC between engine steps, so no step sees half-loaded weights; but a request in
         flight would go on with new weights over a KV cache built by the old ones. So new requests wait at the
         gate and the running ones finish first (a drain, as the HF engine does with its lock), then the weights
-        are copied in place (vLLM's `reload_weights`, from safetensors on local disk) and the prefix cache,
-        which holds the old weights' keys and values, is dropped.
+        are copied in place (vLLM's `reload_weights`, from the staged safetensors) and the prefix cache, which
+        holds the old weights' keys and values, is dropped.
         """
         async with self._load_lock:
-            await asyncio.to_thread(self._write, state_dict)  # while serving goes on
             self._open.clear()
             try:
                 while self._admitting or self.engine.get_num_unfinished_requests():
                     await asyncio.sleep(0.005)
-                await self.engine.collective_rpc("load_checkpoint", args=(self._weights_dir,))
-                if not await self.engine.reset_prefix_cache():
-                    raise RuntimeError("vLLM could not reset its prefix cache")
-                self.policy_version = version
+                try:
+                    await self.engine.collective_rpc("load_checkpoint", args=(self._weights_dir,))
+                    if not await self.engine.reset_prefix_cache():
+                        raise RuntimeError("vLLM could not reset its prefix cache")
+                except Exception as e:
+                    self.broken = f"loading policy version {version} failed part way: {e}"
+                    raise RuntimeError(self.broken) from e
+                self.policy_version, self.broken = version, None
             finally:
                 self._open.set()
 
-    def _write(self, state_dict: dict[str, torch.Tensor]) -> None:
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()
-                   if not (self.tied and name == "lm_head.weight")}  # tied: it is the embedding (shared memory)
+    def _write(self, tensors: dict[str, torch.Tensor]) -> None:
         tmp = os.path.join(self._weights_dir, "weights.tmp")
-        save_file(tensors, tmp)
+        save_file({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}, tmp)
         os.replace(tmp, os.path.join(self._weights_dir, "model.safetensors"))
 
     def shutdown(self) -> None:
         self.engine.shutdown()
         del self.engine  # AsyncLLM.__del__ shuts down again: let it run now, not at interpreter exit (noisy)
         shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+
+def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of the served checkpoint, read from the safetensors headers (no tensor data)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in Path(model_path).glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            shapes.update({name: tuple(st.get_slice(name).get_shape()) for name in st.keys()})
+    return shapes
+
+
+def sweep_weight_dirs(root: str) -> None:
+    for d in Path(root).glob(f"{WEIGHTS_DIR_PREFIX}*"):
+        pid = d.name[len(WEIGHTS_DIR_PREFIX):].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 class WorkerExtension:
