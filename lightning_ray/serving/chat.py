@@ -10,7 +10,7 @@ from typing import Any
 
 from lightning_ray.serving.decoding import ChoiceDelta, collect_all
 from lightning_ray.serving.http import ApiError
-from lightning_ray.serving.schemas import ChatCompletionRequest, ChatMessage
+from lightning_ray.serving.schemas import ChatCompletionRequest, ChatMessage, check_schema
 from lightning_ray.serving.sse import sse_response
 from lightning_ray.serving.tools import ToolCallStreamParser, parse_tool_calls, resolve_tool_choice
 
@@ -37,6 +37,7 @@ def template_messages(messages: list[ChatMessage | dict]) -> list[dict]:
 async def create_chat_completion(server, body: ChatCompletionRequest, trace: tuple[str | None, str | None]):
     server.check_model(body.model)
     server.check_unsupported(body)
+    await check_schema(body.response_format and body.response_format.json_schema, "response_format.json_schema.schema")
     offered = resolve_tool_choice(body.tool_choice, [t.model_dump(exclude_none=True) for t in body.tools or []])
     use_tools = bool(offered)  # tools rendered into the prompt, and tool calls parsed from the answer
     prompt_ids = server.encode_chat(template_messages(body.messages), offered)

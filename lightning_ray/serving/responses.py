@@ -17,7 +17,7 @@ from lightning_ray.serving.chat import template_messages
 from lightning_ray.serving.decoding import collect_all
 from lightning_ray.serving.engines import SamplingParams
 from lightning_ray.serving.http import ApiError
-from lightning_ray.serving.schemas import TextFormat
+from lightning_ray.serving.schemas import TextFormat, check_schema
 from lightning_ray.serving.sse import sse_response
 from lightning_ray.serving.tools import ToolCallStreamParser, ToolStreamDelta, parse_tool_calls, resolve_tool_choice
 
@@ -328,6 +328,7 @@ class ResponseEventStream:
 async def create_response(server, req: ResponsesRequest, trace: tuple[str | None, str | None]):
     server.check_model(req.model)
     server.check_unsupported(req)
+    await check_schema(req.text and req.text.format, "text.format.schema")
     messages, tools, tool_choice = to_chat(req)
     offered = resolve_tool_choice(tool_choice, tools)
     prompt_ids = server.encode_chat(template_messages(messages), offered)

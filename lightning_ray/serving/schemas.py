@@ -1,17 +1,20 @@
 """OpenAI request schemas for /v1/chat/completions and /v1/completions, field for field.
 
 Unknown fields are ignored (frameworks send metadata, user, store, ...). Fields we accept but cannot honour get a
-clear 422 from the endpoint rather than being silently dropped. A JSON schema in a response format is checked here
-(valid, and wholly enforceable by constrained decoding), so a bad one is a 400 naming it before anything runs.
+clear 422 from the endpoint rather than being silently dropped. A JSON schema in a response format is checked by
+the endpoint (check_schema: valid, and wholly enforceable by constrained decoding), so a bad one is a 400 naming it
+before anything runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lightning_ray.serving.engines.grammar import check_json_schema
+from lightning_ray.serving.http import ApiError
 
 
 class _Request(BaseModel):
@@ -71,12 +74,15 @@ class JsonSchemaFormat(_Request):
     schema_: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow BaseModel.schema
     strict: bool | None = None
 
-    @field_validator("schema_")
-    @classmethod
-    def _enforceable(cls, schema):
-        if schema is not None:
-            check_json_schema(schema)
-        return schema
+
+async def check_schema(spec: JsonSchemaFormat | None, param: str) -> None:
+    """400 naming `param` unless the format's schema (if any) can be enforced. Run in a thread, not in request
+    parsing: compiling a new schema can take long, and the replica's event loop serves every stream meanwhile."""
+    if spec is not None and spec.schema_ is not None:
+        try:
+            await asyncio.to_thread(check_json_schema, spec.schema_)
+        except ValueError as e:
+            raise ApiError(400, f"{param}: {e}", param=param) from None
 
 
 FormatType = Literal["text", "json_object", "json_schema"]

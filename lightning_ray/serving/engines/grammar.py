@@ -28,7 +28,17 @@ SUBSCHEMAS = {"items", "prefixItems", "additionalItems", "additionalProperties",
 
 def check_json_schema(schema: dict) -> None:
     """Raise ValueError unless `schema` is a valid JSON schema (per its metaschema) that constrained decoding
-    enforces whole: xgrammar compiles it and no keyword would be left unchecked."""
+    enforces whole: xgrammar compiles it and no keyword would be left unchecked. Compiling can take long, so each
+    distinct schema is checked once (an agent sends the same one on every call) and callers serving requests run
+    this off their event loop."""
+    if error := schema_error(json.dumps(schema, sort_keys=True)):  # key order does not change validity
+        raise ValueError(error)
+
+
+@lru_cache(maxsize=256)
+def schema_error(text: str) -> str | None:
+    """Why the schema, given as canonical JSON text, cannot be enforced; None if it can."""
+    schema = json.loads(text)
     draft = schema.get("$schema")  # validator_for fails on a $schema that is not a string
     cls = validators.validator_for(schema, default=validators.Draft202012Validator) if isinstance(draft, str) \
         else validators.Draft202012Validator
@@ -36,14 +46,15 @@ def check_json_schema(schema: dict) -> None:
         cls.check_schema(schema)
     except SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path)
-        raise ValueError(f"invalid JSON schema{f' at {where}' if where else ''}: {e.message}") from None
+        return f"invalid JSON schema{f' at {where}' if where else ''}: {e.message}"
     if where := _unenforced(schema, ""):
-        raise ValueError(f"JSON schema keyword {where} cannot be enforced by constrained decoding")
+        return f"JSON schema keyword {where} cannot be enforced by constrained decoding"
     try:
-        xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=ANY_WHITESPACE, separators=SEPARATORS)
+        xgr.Grammar.from_json_schema(text, any_whitespace=ANY_WHITESPACE, separators=SEPARATORS)
     except RuntimeError as e:
         reason = re.sub(r"^\[.*?\] \S+: ", "", str(e)).strip()  # drop xgrammar's "[time] file.cc:line: "
-        raise ValueError(f"JSON schema not supported for constrained decoding: {reason}") from None
+        return f"JSON schema not supported for constrained decoding: {reason}"
+    return None
 
 
 def _unenforced(schema, path: str) -> str | None:
