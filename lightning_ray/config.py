@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 # How token losses add up to the batch loss (the choice changes what a long answer weighs):
 #   token_mean     every response token of the batch counts the same (DAPO's token-level mean)
@@ -81,13 +81,25 @@ class StoreConfig(_Strict):
 
 
 class AlgorithmConfig(_Strict):
-    name: Literal["grpo"] = "grpo"
-    clip_eps: float = Field(0.2, gt=0)
-    normalize_std: bool = True  # GRPO's std scaling; False gives Dr. GRPO-style mean-centred advantages
+    # credit assignment and advantages, each option explained in algorithm/advantages.py
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    credit: Literal["terminal", "per_step", "discounted"] = "terminal"
+    gamma: float = Field(1.0, ge=0, le=1)  # discount per step (credit: discounted)
+    baseline: Literal["group", "turn"] = "group"
+    clip_eps: float = Field(0.2, gt=0)  # PPO clip: the ratio is kept within [1 - clip_eps, 1 + clip_eps_high]
+    clip_eps_high: float | None = Field(None, gt=0)  # clip-higher (DAPO); null: clip_eps
+    overlong_filter: bool = False  # leave out of the loss the calls cut off at max_tokens (DAPO)
     loss_aggregation: LossAggregation = "token_mean"  # how token losses add up (algorithm/grpo.py)
     # One sample per policy call, or a rollout's calls merged into one sequence where each prompt extends the last
     # call's context token for token (tool results masked out of the loss): the same gradient, far fewer tokens.
     level: Literal["transition", "trajectory"] = "transition"
+
+    @model_validator(mode="after")
+    def _one_return_per_sequence(self):
+        if self.level == "trajectory" and (self.credit != "terminal" or self.baseline != "group"):
+            raise ValueError("algorithm.credit and algorithm.baseline other than terminal / group give each call "
+                             "its own advantage: they need algorithm.level=transition")
+        return self
 
 
 class TrainerConfig(_Strict):

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import ray
 from openai import OpenAI
 
-from lightning_ray.algorithm.grpo import group_advantages
+from lightning_ray.algorithm.advantages import compute_advantages
 from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, scored_faithfully
 from lightning_ray.config import TrainConfig
 from lightning_ray.evaluation import evaluate
@@ -24,7 +24,7 @@ PROBE = [{"role": "user", "content": "What is 3 + 4?"}]  # a fixed prompt whose 
 
 
 def train(cfg: TrainConfig) -> list[dict]:
-    run, t = cfg.run_path, cfg.trainer
+    run, t, alg = cfg.run_path, cfg.trainer, cfg.algorithm
     with Services(cfg) as services:
         train_tasks, held_out = load_splits(cfg.task)
         print("starting the learner ...", flush=True)
@@ -47,7 +47,9 @@ def train(cfg: TrainConfig) -> list[dict]:
                     spans = services.store.query_spans([r.rollout_id for r in rollouts])
                     transitions, adapted = adapt(rollouts, spans, cfg.model.name, cfg.algorithm.level,
                                                  cfg.task.agent_rewards)
-                    transitions = group_advantages(transitions, cfg.algorithm.normalize_std)
+                    transitions = compute_advantages(transitions, alg.estimator, alg.credit, alg.gamma, alg.baseline)
+                    if alg.overlong_filter:  # a cut-off answer's reward says little about it: left out of the loss
+                        transitions = [tr for tr in transitions if tr.finish_reason != "length"]
                 # a group whose rollouts all scored the same gives zero advantages: no learning signal
                 signal = len({tr.group_id for tr in transitions if tr.advantage != 0})
                 results = []
@@ -99,7 +101,7 @@ def _record(iteration, rollouts, spans, transitions, adapted, signal, version, r
         "failed_rollouts": sum(r.status == "failed" for r in rollouts),
         "infra_failed_rollouts": sum(r.reward is None for r in rollouts),  # left out of training
         "transitions": len(transitions),
-        **adapted,  # policy_calls; prefix_break_rate: re-tokenization drift between an episode's calls
+        **adapted,  # policy_calls, truncation_rate; prefix_break_rate: re-tokenization drift between calls
         "groups_with_signal": signal,
         "llm_spans": len(llm_spans),
         "unfaithfully_scored_calls": sum(not scored_faithfully(s) for s in llm_spans),

@@ -107,7 +107,10 @@ class Transition(BaseModel):
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]
-    reward: float
+    reward: float  # the episode's final reward
+    step: int = 0  # which of the rollout's policy calls (0, 1, ...)
+    step_reward: float = 0.0  # intermediate rewards credited to this call (recorded after it, before the next)
+    finish_reason: str | None = None  # "length": cut off at max_tokens
     advantage: float = 0.0
     policy_version: int
     temperature: float = 1.0

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ray.algorithm.grpo import group_advantages, policy_loss, token_weights
+from lightning_ray.algorithm.advantages import compute_advantages, step_returns
+from lightning_ray.algorithm.grpo import policy_loss, token_weights
 from lightning_ray.algorithm.lightningrl import adapt, merge_calls, scored_faithfully, transitions_from_spans
 from lightning_ray.training.learner import micro_batches
 from lightning_ray.tracing import semconv
@@ -52,19 +53,71 @@ def test_training_data_comes_only_from_what_the_server_recorded():
     assert [(t.response_ids, t.reward) for t in opted_in] == [([2], 1.0)]  # the last well-formed one
 
 
-def transition(rollout, group, reward):
-    return Transition(rollout_id=rollout, group_id=group, span_id=rollout, prompt_ids=[1], response_ids=[2],
-                      logprobs=[-1.0], reward=reward, policy_version=0)
+def transition(rollout, group, reward, step=0, step_reward=0.0):
+    return Transition(rollout_id=rollout, group_id=group, span_id=f"{rollout}{step}", prompt_ids=[1],
+                      response_ids=[2], logprobs=[-1.0], reward=reward, step=step, step_reward=step_reward,
+                      policy_version=0)
+
+
+def advantages(ts, **options):
+    return [t.advantage for t in compute_advantages(ts, **options)]
 
 
 def test_group_advantages_are_relative_within_each_group():
-    ts = [transition("a", "g1", 1.0), transition("a", "g1", 1.0), transition("b", "g1", 0.0),
+    ts = [transition("a", "g1", 1.0), transition("a", "g1", 1.0, step=1), transition("b", "g1", 0.0),
           transition("c", "g2", 0.5), transition("d", "g2", 0.5)]
-    adv = [t.advantage for t in group_advantages(ts)]
+    adv = advantages(ts)
     # g1 holds rollouts a (1.0) and b (0.0): ±1 after std scaling; both transitions of a share its advantage
     assert adv[:3] == pytest.approx([1.0, 1.0, -1.0], abs=1e-4)
     assert adv[3:] == [0.0, 0.0]  # equal rewards: no signal
-    assert [t.advantage for t in group_advantages(ts[:3], normalize_std=False)] == [0.5, 0.5, -0.5]
+    assert advantages(ts[:3], estimator="dr_grpo") == [0.5, 0.5, -0.5]
+
+
+def test_estimators_by_hand():
+    """One group of three rollouts, final rewards 1, 0, 0.5: mean 0.5, population std sqrt(1/6) = 0.4082."""
+    ts = [transition("a", "g", 1.0), transition("b", "g", 0.0), transition("c", "g", 0.5)]
+    assert advantages(ts, estimator="grpo") == pytest.approx([0.5 / 0.408248, -0.5 / 0.408248, 0.0], abs=1e-4)
+    assert advantages(ts, estimator="dr_grpo") == [0.5, -0.5, 0.0]
+    # leave-one-out: a against mean(0, 0.5) = 0.25, b against 0.75, c against 0.5
+    assert advantages(ts, estimator="rloo") == [0.75, -0.75, 0.0]
+    # group-centred (0.5, -0.5, 0), then scaled by the batch's std of those: sqrt(1/6)
+    assert advantages(ts, estimator="reinforce_pp") == pytest.approx([1.224745, -1.224745, 0.0], abs=1e-4)
+    assert advantages(ts[:1], estimator="rloo") == [0.0]  # nobody to compare with: no signal
+
+
+def test_step_returns_by_hand():
+    """A three-step episode: intermediate rewards 0.1, 0, -0.2 after its calls, final reward 1."""
+    steps = [transition("a", "g", 1.0, step=i, step_reward=r) for i, r in enumerate([0.1, 0.0, -0.2])]
+    assert step_returns(steps, "terminal") == [1.0, 1.0, 1.0]
+    assert step_returns(steps, "per_step") == pytest.approx([0.1, 0.0, 0.8])
+    # G2 = 0.8; G1 = 0 + 0.5 * 0.8 = 0.4; G0 = 0.1 + 0.5 * 0.4 = 0.3
+    assert step_returns(steps, "discounted", gamma=0.5) == pytest.approx([0.3, 0.4, 0.8])
+    assert step_returns(steps, "discounted", gamma=1.0) == pytest.approx([0.9, 0.8, 0.8])
+
+
+def test_turn_level_baseline_compares_each_step_with_the_same_step_of_the_others():
+    """Rollout a: steps earn 1 then 0; rollout b: 0 then 0, plus a third step nobody else reached (reward 1).
+    Per-step credit, Dr. GRPO (no std) so the numbers stay readable."""
+    a = [transition("a", "g", 0.0, step=0, step_reward=1.0), transition("a", "g", 0.0, step=1)]
+    b = [transition("b", "g", 1.0, step=0), transition("b", "g", 1.0, step=1),
+         transition("b", "g", 1.0, step=2)]  # final reward 1 lands on b's last step
+    turn = advantages(a + b, estimator="dr_grpo", credit="per_step", baseline="turn")
+    # step 0: a 1 vs b 0 (mean 0.5); step 1: a 0 vs b 0; b's step 2 (return 1) falls back to the group baseline:
+    # the rollouts' average returns, a (1 + 0) / 2 = 0.5 and b (0 + 0 + 1) / 3 = 1/3, mean 5/12
+    assert turn == pytest.approx([0.5, 0.0, -0.5, 0.0, 1 - 5 / 12])
+    group = advantages(a + b, estimator="dr_grpo", credit="per_step", baseline="group")
+    assert group == pytest.approx([1 - 5 / 12, -5 / 12, -5 / 12, -5 / 12, 1 - 5 / 12])
+
+
+def test_agent_rewards_before_the_last_become_the_step_rewards_of_the_calls_they_follow():
+    rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}), attempt_id="at-1", reward=0.0)
+    spans = [llm_span("ro-1", "policy", 1.0, [1], [2]), llm_span("ro-1", "policy", 3.0, [1], [3])]
+    rewards = [(0.5, 0.2), (2.0, 0.3), (2.5, -0.1), (4.0, 1.0)]  # (time, value): the last is the final reward
+    spans += [reward_span(v).model_copy(update={"start_time": when}) for when, v in rewards]
+    out = transitions_from_spans(rollout, spans, "policy", agent_rewards=True)
+    assert [(t.step, t.step_reward, t.reward) for t in out] == [(0, pytest.approx(0.4), 1.0), (1, 0.0, 1.0)]
+    # not opted in: the task's own reward, and nothing intermediate (an agent's rewards are not trusted)
+    assert [(t.step_reward, t.reward) for t in transitions_from_spans(rollout, spans, "policy")] == [(0.0, 0.0)] * 2
 
 
 def test_policy_loss_pushes_up_positive_advantages_and_clips():
@@ -78,6 +131,29 @@ def test_policy_loss_pushes_up_positive_advantages_and_clips():
     loss, stats = policy_loss(far, torch.zeros(2), torch.tensor([1.0, 1.0]), weights, clip_eps=0.2)
     loss.backward()
     assert stats["clip_frac"] == 1.0 and far.grad.abs().sum() == 0
+
+
+def test_clip_higher_leaves_more_room_above_than_below():
+    weights = torch.tensor([0.5, 0.5])
+    ratios = torch.log(torch.tensor([1.25, 0.75])).requires_grad_()  # one above 1 + 0.2, one below 1 - 0.2
+    loss, stats = policy_loss(ratios, torch.zeros(2), torch.tensor([1.0, -1.0]), weights, clip_eps=0.2,
+                              clip_eps_high=0.28)
+    loss.backward()
+    assert stats["clip_frac"] == 0.5  # 1.25 is inside [0.8, 1.28]; 0.75 is below 0.8
+    assert ratios.grad[0] != 0 and ratios.grad[1] == 0
+    symmetric = torch.log(torch.tensor([1.25, 0.75])).requires_grad_()
+    policy_loss(symmetric, torch.zeros(2), torch.tensor([1.0, -1.0]), weights, clip_eps=0.2)[0].backward()
+    assert symmetric.grad.abs().sum() == 0  # both outside [0.8, 1.2]: no gradient
+
+
+def test_calls_cut_off_at_max_tokens_are_counted():
+    rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}), attempt_id="at-1", reward=1.0)
+    spans = [llm_span("ro-1", "policy", float(i), [1], [2]) for i in range(4)]
+    for s, reason in zip(spans, ["stop", "length", "stop", "length"]):
+        s.attributes["gen_ai.response.finish_reasons"] = [reason]
+    out, stats = adapt([rollout], spans, "policy")
+    assert [t.finish_reason for t in out] == ["stop", "length", "stop", "length"]
+    assert stats["truncation_rate"] == 0.5
 
 
 def sized(response_len, advantage=1.0, prompt_len=4):
@@ -162,6 +238,6 @@ def test_adapt_reports_calls_and_drift():
     spans = [llm_span("ro-1", "policy", 1.0, [1, 2], [3]), llm_span("ro-1", "policy", 2.0, [1, 2, 3, 7], [4])]
     transitions, stats = adapt([rollout], spans, "policy", "trajectory")
     assert len(transitions) == 1 and transitions[0].response_ids == [3, 7, 4]
-    assert stats == {"policy_calls": 2, "prefix_break_rate": 0.0}
+    assert stats == {"policy_calls": 2, "truncation_rate": 0.0, "prefix_break_rate": 0.0}
     transitions, stats = adapt([rollout], spans, "policy", "transition")
     assert len(transitions) == 2

@@ -19,7 +19,8 @@ def run_job(*overrides: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("override, named", [
     ("rollout.group_size=0", "rollout.group_size"),
-    ("algorithm.name=ppo2", "algorithm.name"),
+    ("algorithm.estimator=ppo2", "algorithm.estimator"),
+    ("algorithm.credit=per_step", "algorithm.credit"),  # per-call advantages on the default trajectory level
     ("serve.port=99999", "serve.port"),
 ])
 def test_bad_values_name_the_key(override, named, tmp_path):

@@ -1,30 +1,12 @@
-"""GRPO: group-relative advantages, how the loss is aggregated over tokens, and the clipped policy-gradient loss."""
+"""The policy-gradient loss: how it is aggregated over tokens, and the clipped surrogate (advantages come from
+algorithm/advantages.py)."""
 
 from __future__ import annotations
-
-from collections import defaultdict
-from statistics import mean, pstdev
 
 import torch
 
 from lightning_ray.config import LossAggregation
 from lightning_ray.types import Transition
-
-
-def group_advantages(transitions: list[Transition], normalize_std: bool = True, eps: float = 1e-6) -> list[Transition]:
-    """Each rollout's reward relative to the other rollouts of its task; every transition of a rollout shares it."""
-    rollout_reward = {t.rollout_id: (t.group_id, t.reward) for t in transitions}
-    groups: dict[str, list[float]] = defaultdict(list)
-    for group_id, reward in rollout_reward.values():
-        groups[group_id].append(reward)
-    out = []
-    for t in transitions:
-        rewards = groups[t.group_id]
-        adv = t.reward - mean(rewards)
-        if normalize_std:
-            adv /= pstdev(rewards) + eps
-        out.append(t.model_copy(update={"advantage": adv}))
-    return out
 
 
 def token_weights(transitions: list[Transition], aggregation: LossAggregation, max_tokens: int) -> list[float]:
@@ -42,13 +24,15 @@ def token_weights(transitions: list[Transition], aggregation: LossAggregation, m
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
-                clip_eps: float) -> tuple[torch.Tensor, dict]:
-    """PPO-clip surrogate, summed over tokens with their weights. All tensors are flat, one entry per token."""
+                clip_eps: float, clip_eps_high: float | None = None) -> tuple[torch.Tensor, dict]:
+    """PPO-clip surrogate, summed over tokens with their weights. All tensors are flat, one entry per token.
+    clip_eps_high > clip_eps (clip-higher) leaves more room to raise unlikely tokens, against entropy collapse."""
+    low, high = 1 - clip_eps, 1 + (clip_eps if clip_eps_high is None else clip_eps_high)
     ratio = torch.exp(logprobs - old_logprobs)
-    surrogate = torch.minimum(ratio * advantages, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages)
+    surrogate = torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
     loss = -(surrogate * weights).sum()
     with torch.no_grad():
         n = max(len(ratio), 1)
-        stats = {"clip_frac": ((ratio - 1).abs() > clip_eps).float().sum().item() / n,
+        stats = {"clip_frac": ((ratio < low) | (ratio > high)).float().sum().item() / n,
                  "ratio_mean": ratio.sum().item() / n}
     return loss, stats

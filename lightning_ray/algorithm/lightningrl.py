@@ -2,9 +2,9 @@
 
 Only the policy model's calls become transitions (an agent may call other models too), ordered by time, and only
 as the policy server recorded them (origin "server"): spans sent through the store's API cannot make training data.
-Credit assignment, in the paper's simplest form: every transition of an episode receives the episode's reward, the
-task's reward function's verdict — or, where a task opts in (`task.agent_rewards`), the last reward its agent
-emitted.
+Each transition carries the episode's final reward — the task's reward function's verdict, or, where a task opts in
+(`task.agent_rewards`), the last reward its agent emitted — and, as its step reward, the agent's earlier rewards
+recorded after that call and before the next; algorithm/advantages.py assigns the credit.
 """
 
 from __future__ import annotations
@@ -20,12 +20,19 @@ def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: st
     """A rollout without a reward failed for the platform's reasons (a timeout, a lost worker, a server error),
     not the policy's: it gives no transitions, rather than teaching the policy that it scored 0."""
     spans = [s for s in spans if s.attempt_id == rollout.attempt_id]  # the attempt that ended the rollout
-    reward = rollout.reward
-    if agent_rewards and (emitted := [s for s in spans if s.name == semconv.REWARD and _number(s)]):
-        reward = emitted[-1].attributes[semconv.REWARD_VALUE]
+    reward, intermediate = rollout.reward, []
+    if agent_rewards and (emitted := sorted((s for s in spans if s.name == semconv.REWARD and _number(s)),
+                                            key=lambda s: s.start_time)):
+        reward, intermediate = emitted[-1].attributes[semconv.REWARD_VALUE], emitted[:-1]
     if reward is None:
         return []
-    calls = [s for s in recorded_calls(spans) if s.attributes.get(semconv.MODEL) == policy_model]
+    calls = sorted((s for s in recorded_calls(spans) if s.attributes.get(semconv.MODEL) == policy_model),
+                   key=lambda s: s.start_time)
+    step_rewards = [0.0] * len(calls)
+    for r in intermediate:  # to the last call that started before it (one before any call: to the first)
+        step = max(sum(c.start_time <= r.start_time for c in calls) - 1, 0)
+        if calls:
+            step_rewards[step] += r.attributes[semconv.REWARD_VALUE]
     return [
         Transition(
             rollout_id=rollout.rollout_id,
@@ -35,10 +42,13 @@ def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: st
             response_ids=s.attributes[semconv.COMPLETION_TOKEN_IDS],
             logprobs=s.attributes[semconv.LOGPROBS],
             reward=reward,
+            step=i,
+            step_reward=step_rewards[i],
+            finish_reason=(s.attributes.get("gen_ai.response.finish_reasons") or [None])[0],
             policy_version=s.attributes[semconv.POLICY_VERSION],
             temperature=_temperature(s),
         )
-        for s in sorted(calls, key=lambda s: s.start_time)
+        for i, s in enumerate(calls)
     ]
 
 
@@ -50,20 +60,23 @@ def recorded_calls(spans: list[Span]) -> list[Span]:
 def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str, level: str = "transition",
           agent_rewards: bool = False) -> tuple[list[Transition], dict]:
     """Every rollout's spans to transitions (or, at the trajectory level, to one sequence per episode where the
-    tokens allow). Stats: policy calls, and how often a call's prompt did not extend the previous call's context."""
+    tokens allow). Stats: policy calls, how many were cut off at max_tokens, and how often a call's prompt did not
+    extend the previous call's context."""
     by_rollout: dict[str, list[Span]] = {}
     for s in spans:
         by_rollout.setdefault(s.rollout_id, []).append(s)
-    out, calls, joins, breaks = [], 0, 0, 0
+    out, calls, truncated, joins, breaks = [], 0, 0, 0, 0
     for r in rollouts:
         transitions = transitions_from_spans(r, by_rollout.get(r.rollout_id, []), policy_model, agent_rewards)
         calls += len(transitions)
+        truncated += sum(t.finish_reason == "length" for t in transitions)
         joins += max(len(transitions) - 1, 0)
         if level == "trajectory":
             transitions, broken = merge_calls(transitions)
             breaks += broken
         out += transitions
-    return out, {"policy_calls": calls, "prefix_break_rate": breaks / joins if joins else 0.0}
+    return out, {"policy_calls": calls, "truncation_rate": truncated / calls if calls else 0.0,
+                 "prefix_break_rate": breaks / joins if joins else 0.0}
 
 
 def merge_calls(transitions: list[Transition]) -> tuple[list[Transition], int]:
@@ -84,7 +97,8 @@ def merge_calls(transitions: list[Transition]) -> tuple[list[Transition], int]:
                 out[-1] = prev.model_copy(update={
                     "response_ids": prev.response_ids + between + t.response_ids,
                     "logprobs": prev.logprobs + [0.0] * len(between) + t.logprobs,
-                    "loss_mask": prev.action_mask + [0] * len(between) + [1] * len(t.response_ids)})
+                    "loss_mask": prev.action_mask + [0] * len(between) + [1] * len(t.response_ids),
+                    "finish_reason": "length" if "length" in (prev.finish_reason, t.finish_reason) else t.finish_reason})
                 continue
             breaks += 1
         out.append(t)

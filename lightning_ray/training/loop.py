@@ -59,7 +59,7 @@ def train_loop_per_worker(cfg: dict) -> None:
             outbox.put({"rank": rank, "saved": msg["path"]})
             continue
         started = time.perf_counter()
-        stats = train_step(engine, msg["micro_batches"], pad_id, cfg["clip_eps"], world)
+        stats = train_step(engine, msg["micro_batches"], pad_id, cfg["clip_eps"], world, cfg["clip_eps_high"])
         trained = time.perf_counter()
         with whole_weights(engine) as module:
             if rank == 0:
@@ -85,7 +85,8 @@ def whole_weights(engine):
         yield engine.module
 
 
-def train_step(engine, micro_batches: list[MicroBatch], pad_id: int, clip_eps: float, world_size: int) -> dict:
+def train_step(engine, micro_batches: list[MicroBatch], pad_id: int, clip_eps: float, world_size: int,
+               clip_eps_high: float | None = None) -> dict:
     """One optimizer step over this rank's micro-batches, gradients accumulated. Every rank gets the same number
     of micro-batches (some may be empty): ZeRO reduces gradients inside backward, and all ranks must join.
 
@@ -97,7 +98,7 @@ def train_step(engine, micro_batches: list[MicroBatch], pad_id: int, clip_eps: f
         logprobs, untempered = score(engine.module, batch)
         # DeepSpeed averages gradients over ranks; the weights already normalize over the whole batch.
         loss, stats = policy_loss(logprobs, logprobs.detach(), batch["advantages"], batch["weights"] * world_size,
-                                  clip_eps)
+                                  clip_eps, clip_eps_high)
         engine.backward(loss, scale_wrt_gas=False)
         n = len(logprobs)
         totals["loss"] += loss.item() / world_size

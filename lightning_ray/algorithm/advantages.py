@@ -1,0 +1,92 @@
+"""Credit assignment and advantage estimators: from rewards to one advantage per policy call.
+
+Credit assignment gives each step t of an episode (its t-th policy call) a return G_t from the episode's final
+reward R and the intermediate rewards r_t credited to that step (rewards recorded after call t, before call t+1):
+  terminal    G_t = R for every step (the paper's simplest form: the final reward, broadcast)
+  per_step    G_t = r_t, plus R at the last step (each step judged by what it alone earned)
+  discounted  G_t = r_t + γ G_{t+1}, R added to the last step's r (later rewards flow back, shrunk by γ)
+
+A group method compares each return with a baseline from the other rollouts of the same task:
+  group   the rollouts' average returns (with terminal credit: their final rewards, as GRPO does)
+  turn    the returns of the same step t in the other rollouts (step-level GRPO); a step only one rollout reached
+          falls back to the group baseline
+
+and the estimator turns return and baseline into an advantage:
+  grpo          (G - mean) / (std + eps)
+  dr_grpo       G - mean (Dr. GRPO: no std scaling, which over-weights groups that nearly agree)
+  rloo          G - mean of the other rollouts (leave-one-out)
+  reinforce_pp  G - mean, scaled by the std of the whole batch (REINFORCE++ with a group baseline); rescaling
+                only, so a group whose rollouts agree still gives no signal
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from statistics import mean, pstdev
+
+from lightning_ray.types import Transition
+
+
+def step_returns(steps: list[Transition], credit: str, gamma: float = 1.0) -> list[float]:
+    """The returns of one rollout's transitions, given in step order."""
+    rewards = [t.step_reward for t in steps]
+    if not rewards:
+        return []
+    rewards[-1] += steps[-1].reward
+    if credit == "terminal":
+        return [steps[-1].reward] * len(steps)
+    if credit == "per_step":
+        return rewards
+    if credit == "discounted":
+        out, g = [], 0.0
+        for r in reversed(rewards):
+            g = r + gamma * g
+            out.append(g)
+        return out[::-1]
+    raise ValueError(f"unknown credit assignment {credit!r}: expected terminal, per_step or discounted")
+
+
+def compute_advantages(transitions: list[Transition], estimator: str = "grpo", credit: str = "terminal",
+                       gamma: float = 1.0, baseline: str = "group", eps: float = 1e-6) -> list[Transition]:
+    """Every transition with its advantage (input: any order; each rollout's steps numbered by `step`)."""
+    by_rollout: dict[str, list[Transition]] = defaultdict(list)
+    for t in transitions:
+        by_rollout[t.rollout_id].append(t)
+    returns: dict[tuple[str, int], float] = {}
+    for rollout_id, steps in by_rollout.items():
+        steps.sort(key=lambda t: t.step)
+        returns.update({(rollout_id, t.step): g for t, g in zip(steps, step_returns(steps, credit, gamma))})
+    # baseline pools: per group, each rollout's average return; per (group, step), each rollout's return there
+    group_pool: dict[str, dict[str, float]] = defaultdict(dict)
+    turn_pool: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
+    for rollout_id, steps in by_rollout.items():
+        group = steps[0].group_id
+        group_pool[group][rollout_id] = mean(returns[rollout_id, t.step] for t in steps)
+        for t in steps:
+            turn_pool[group, t.step][rollout_id] = returns[rollout_id, t.step]
+
+    def pool(t: Transition) -> dict[str, float]:
+        if baseline == "turn" and len(turn_pool[t.group_id, t.step]) > 1:
+            return turn_pool[t.group_id, t.step]
+        if baseline in ("group", "turn"):
+            return group_pool[t.group_id]
+        raise ValueError(f"unknown baseline {baseline!r}: expected group or turn")
+
+    advantages = [_advantage(returns[t.rollout_id, t.step], pool(t), t.rollout_id, estimator, eps)
+                  for t in transitions]
+    if estimator == "reinforce_pp" and len(advantages) > 1:
+        scale = pstdev(advantages) + eps
+        advantages = [a / scale for a in advantages]
+    return [t.model_copy(update={"advantage": a}) for t, a in zip(transitions, advantages)]
+
+
+def _advantage(g: float, pool: dict[str, float], own: str, estimator: str, eps: float) -> float:
+    values = list(pool.values())
+    if estimator == "grpo":
+        return (g - mean(values)) / (pstdev(values) + eps)
+    if estimator in ("dr_grpo", "reinforce_pp"):
+        return g - mean(values)
+    if estimator == "rloo":
+        others = [v for r, v in pool.items() if r != own]
+        return g - mean(others) if others else 0.0
+    raise ValueError(f"unknown advantage estimator {estimator!r}: expected grpo, dr_grpo, rloo or reinforce_pp")
