@@ -67,7 +67,7 @@ def bare_steps(model_path, batch, steps: int, token_budget: int, threads: int) -
         start = time.perf_counter()
         for mb in micro_batches(weighted, token_budget):
             b = collate(mb, pad_id=0)
-            logprobs, _ = score(model, b)
+            logprobs, *_ = score(model, b)
             loss, _ = policy_loss(logprobs, logprobs.detach(), b["advantages"], b["weights"], 0.2)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -89,6 +89,10 @@ class AlgorithmConfig(_Strict):
     clip_eps: float = Field(0.2, gt=0)  # PPO clip: the ratio is kept within [1 - clip_eps, 1 + clip_eps_high]
     clip_eps_high: float | None = Field(None, gt=0)  # clip-higher (DAPO); null: clip_eps
     overlong_filter: bool = False  # leave out of the loss the calls cut off at max_tokens (DAPO)
+    entropy_coef: float = Field(0.0, ge=0)  # entropy bonus in the loss (entropy is reported whatever its value)
+    # KL to the frozen initial policy as a loss term; > 0 keeps a reference copy on every rank (and reports kl_ref)
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k3"] = "k3"
     loss_aggregation: LossAggregation = "token_mean"  # how token losses add up (algorithm/grpo.py)
     # One sample per policy call, or a rollout's calls merged into one sequence where each prompt extends the last
     # call's context token for token (tool results masked out of the loss): the same gradient, far fewer tokens.

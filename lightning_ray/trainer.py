@@ -107,6 +107,7 @@ def _record(iteration, rollouts, spans, transitions, adapted, signal, version, r
         "unfaithfully_scored_calls": sum(not scored_faithfully(s) for s in llm_spans),
         # the policy's own tokens per rollout (what the response-length curve shows)
         "action_tokens_mean": sum(tr.action_tokens for tr in transitions) / len(rollouts),
+        "response_diversity": response_diversity(transitions),
         "rollout_policy_versions": sorted({tr.policy_version for tr in transitions}),
         "policy_version": version,
         "updated": bool(results),
@@ -117,6 +118,11 @@ def _record(iteration, rollouts, spans, transitions, adapted, signal, version, r
             "loss": sum(r["loss"] for r in results),
             "clip_frac": sum(r["clip_frac"] for r in results) / len(results),
             "logprob_abs_diff": sum(r["logprob_abs_diff"] for r in results) / len(results),
+            # training health: the sampling distribution's entropy and the KL to the initial policy (kl_coef > 0)
+            # per trained token, the gradient norm before clipping
+            "entropy": sum(r["entropy"] for r in results) / len(results),
+            "kl_ref": sum(r["kl_ref"] for r in results) / len(results),
+            "grad_norm": results[0]["grad_norm"],
             "trained_tokens": sum(r["tokens"] for r in results),
             "micro_batches": sum(r["micro_batches"] for r in results),
             "worker_digests": [r["digest"] for r in results],
@@ -125,6 +131,17 @@ def _record(iteration, rollouts, spans, transitions, adapted, signal, version, r
                                                                      "digest_s")},
         })
     return record
+
+
+def response_diversity(transitions) -> float:
+    """Distinct responses per rollout within a task's group, averaged over groups: 1 when every rollout of a group
+    answered differently; it falls towards 1 / group size as exploration collapses."""
+    by_group: dict[str, dict[str, tuple]] = {}
+    for tr in transitions:
+        episode = by_group.setdefault(tr.group_id, {})
+        episode[tr.rollout_id] = episode.get(tr.rollout_id, ()) + tuple(tr.response_ids)
+    ratios = [len(set(episodes.values())) / len(episodes) for episodes in by_group.values()]
+    return sum(ratios) / len(ratios) if ratios else 0.0
 
 
 def _summary(r: dict) -> str:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_ray.algorithm.advantages import compute_advantages, step_returns
-from lightning_ray.algorithm.grpo import policy_loss, token_weights
+from lightning_ray.algorithm.grpo import kl_to_reference, policy_loss, token_weights
 from lightning_ray.algorithm.lightningrl import adapt, merge_calls, scored_faithfully, transitions_from_spans
 from lightning_ray.training.learner import micro_batches
 from lightning_ray.tracing import semconv
@@ -144,6 +144,26 @@ def test_clip_higher_leaves_more_room_above_than_below():
     symmetric = torch.log(torch.tensor([1.25, 0.75])).requires_grad_()
     policy_loss(symmetric, torch.zeros(2), torch.tensor([1.0, -1.0]), weights, clip_eps=0.2)[0].backward()
     assert symmetric.grad.abs().sum() == 0  # both outside [0.8, 1.2]: no gradient
+
+
+def test_response_diversity_counts_distinct_episodes_per_group():
+    from lightning_ray.trainer import response_diversity
+
+    def call(rollout, group, step, ids):
+        return transition(rollout, group, 1.0, step=step).model_copy(update={"response_ids": ids})
+
+    # g1: a and b answer alike call for call, c differs in its second call -> 2 distinct of 3; g2: 2 of 2
+    ts = [call("a", "g1", 0, [1]), call("a", "g1", 1, [2]), call("b", "g1", 0, [1]), call("b", "g1", 1, [2]),
+          call("c", "g1", 0, [1]), call("c", "g1", 1, [3]), call("d", "g2", 0, [1]), call("e", "g2", 0, [4])]
+    assert response_diversity(ts) == pytest.approx((2 / 3 + 1) / 2)
+
+
+def test_kl_estimators_by_hand():
+    logprobs, ref = torch.log(torch.tensor([0.5, 0.2])), torch.log(torch.tensor([0.25, 0.4]))
+    # k1 = log(p / p_ref): log 2, log 0.5; k3 = r - log r - 1 with r = p_ref / p: 0.5 + log 2 - 1, 2 - log 2 - 1
+    assert kl_to_reference(logprobs, ref, "k1").tolist() == pytest.approx([0.693147, -0.693147], abs=1e-5)
+    assert kl_to_reference(logprobs, ref, "k3").tolist() == pytest.approx([0.193147, 0.306853], abs=1e-5)
+    assert kl_to_reference(logprobs, logprobs, "k3").tolist() == [0.0, 0.0]
 
 
 def test_calls_cut_off_at_max_tokens_are_counted():

@@ -39,16 +39,19 @@ def batch_of(n: int, seed: int = 0) -> list[Transition]:
 def test_score_is_the_tempered_softmax_of_the_full_forward_pass(model):
     transitions = batch_of(6)
     batch = collate([(t, 1.0) for t in transitions], pad_id=0)
-    tempered, untempered = score(model, batch)
-    expected_t, expected_u = [], []
+    tempered, untempered, entropy = score(model, batch)
+    expected_t, expected_u, expected_h = [], [], []
     with torch.no_grad():
         for t in transitions:  # one unpadded row at a time, the whole vocabulary, the textbook way
             logits = model(torch.tensor([t.prompt_ids + t.response_ids])).logits[0, len(t.prompt_ids) - 1 : -1]
             target = torch.tensor(t.response_ids)[:, None]
             expected_t += torch.log_softmax(logits / t.temperature, -1).gather(-1, target).squeeze(-1).tolist()
             expected_u += torch.log_softmax(logits, -1).gather(-1, target).squeeze(-1).tolist()
+            expected_h += torch.distributions.Categorical(logits=logits / t.temperature).entropy().tolist()
     assert torch.allclose(tempered.detach(), torch.tensor(expected_t), atol=1e-5)
     assert torch.allclose(untempered, torch.tensor(expected_u), atol=1e-5)
+    assert torch.allclose(entropy, torch.tensor(expected_h), atol=1e-4)
+    assert not entropy.requires_grad and score(model, batch, entropy_grad=True)[2].requires_grad
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "token_sum"])
@@ -61,7 +64,7 @@ def test_micro_batches_accumulate_the_gradient_of_the_whole_batch(model, aggrega
         packed = micro_batches(weighted, token_budget)
         for mb in packed:
             batch = collate(mb, pad_id=0)
-            logprobs, _ = score(model, batch)
+            logprobs, *_ = score(model, batch)
             loss, _ = policy_loss(logprobs, logprobs.detach(), batch["advantages"], batch["weights"], 0.2)
             loss.backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()]), len(packed)
@@ -84,7 +87,7 @@ def test_a_merged_episode_gets_the_gradient_of_its_separate_calls(model):
     def gradient(transitions):
         model.zero_grad()
         batch = collate(list(zip(transitions, token_weights(transitions, "token_mean", 10))), pad_id=0)
-        logprobs, _ = score(model, batch)
+        logprobs, *_ = score(model, batch)
         loss, _ = policy_loss(logprobs, logprobs.detach(), batch["advantages"], batch["weights"], 0.2)
         loss.backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()]), logprobs.detach()

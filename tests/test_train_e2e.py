@@ -28,6 +28,8 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
         "trainer": {"iterations": 2, "num_workers": 2, "threads_per_worker": 1, "zero_stage": 2,
                     "micro_batch_tokens": 512, "eval_every": 2, "lr": 1e-3},
         "task": {"generator": EASY, "eval_size": 8},
+        # the reference-model and entropy-bonus paths of the loss, small enough not to change what is learned
+        "algorithm": {"kl_coef": 0.01, "entropy_coef": 0.001},
         # 16 GRPO groups: an iteration where every group scores uniformly (no signal, no update) is then
         # vanishingly rare, so the assertions below about parameters moving hold.
         "rollout": {"tasks_per_iteration": 16, "group_size": 4, "agents_per_worker": 4},
@@ -62,6 +64,14 @@ def test_one_transition_per_policy_call(run):
         assert h["trained_tokens"] > 0 and h["micro_batches"] > 2  # each rank accumulated over several
         # every call was sampled at the rollout temperature (1.0), which the learner scores at
         assert h["unfaithfully_scored_calls"] == 0
+
+
+def test_training_health_is_logged(run):
+    first, second = run["history"]
+    for h in (first, second):
+        assert h["entropy"] > 0 and h["grad_norm"] > 0 and 0 < h["response_diversity"] <= 1
+        assert 0 <= h["truncation_rate"] <= 1
+    assert first["kl_ref"] < 1e-6 < second["kl_ref"]  # the first step starts at the reference; then it moved
 
 
 def test_held_out_evaluation_is_greedy_and_logged(run):

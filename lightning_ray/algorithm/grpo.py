@@ -36,3 +36,15 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         stats = {"clip_frac": ((ratio < low) | (ratio > high)).float().sum().item() / n,
                  "ratio_mean": ratio.sum().item() / n}
     return loss, stats
+
+
+def kl_to_reference(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' logprobs under both (Schulman's
+    estimators): k1 = log π − log π_ref, unbiased but can go negative; k3 = r − log r − 1 with r = π_ref / π,
+    always ≥ 0 and lower-variance."""
+    log_ratio = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k3":
+        return torch.exp(log_ratio) - log_ratio - 1
+    raise ValueError(f"unknown KL estimator {estimator!r}: expected k1 or k3")

@@ -30,7 +30,8 @@ class Learner:
                 "model_path": str(model_path), "inboxes": self.inboxes, "outbox": self.outbox, "registry": registry,
                 "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "zero_stage": zero_stage(t),
                 "threads_per_worker": t.threads_per_worker, "clip_eps": cfg.algorithm.clip_eps,
-                "clip_eps_high": cfg.algorithm.clip_eps_high,
+                "clip_eps_high": cfg.algorithm.clip_eps_high, "entropy_coef": cfg.algorithm.entropy_coef,
+                "kl_coef": cfg.algorithm.kl_coef, "kl_estimator": cfg.algorithm.kl_estimator,
                 "extensions_dir": str(Path("~/.cache/lightning_ray/torch_extensions").expanduser()),
             },
             # One logical CPU per worker whatever its threads: phases alternate, so the learner's threads use the

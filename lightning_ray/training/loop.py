@@ -12,7 +12,7 @@ import ray
 import ray.train
 import torch
 
-from lightning_ray.algorithm.grpo import policy_loss
+from lightning_ray.algorithm.grpo import kl_to_reference, policy_loss
 from lightning_ray.types import Transition
 
 MicroBatch = list[tuple[Transition, float]]  # transitions with the weight of each of their tokens in the loss
@@ -45,6 +45,9 @@ def train_loop_per_worker(cfg: dict) -> None:
     model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # padding is masked out anyway
+    # the frozen initial policy, kept only when the loss pulls towards it
+    reference = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32).eval().requires_grad_(False) \
+        if cfg["kl_coef"] > 0 else None
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=deepspeed_config(cfg), dist_init_required=False)
     inbox, outbox, registry = cfg["inboxes"][rank], cfg["outbox"], cfg["registry"]
@@ -59,7 +62,7 @@ def train_loop_per_worker(cfg: dict) -> None:
             outbox.put({"rank": rank, "saved": msg["path"]})
             continue
         started = time.perf_counter()
-        stats = train_step(engine, msg["micro_batches"], pad_id, cfg["clip_eps"], world, cfg["clip_eps_high"])
+        stats = train_step(engine, msg["micro_batches"], pad_id, cfg, world, reference)
         trained = time.perf_counter()
         with whole_weights(engine) as module:
             if rank == 0:
@@ -85,40 +88,52 @@ def whole_weights(engine):
         yield engine.module
 
 
-def train_step(engine, micro_batches: list[MicroBatch], pad_id: int, clip_eps: float, world_size: int,
-               clip_eps_high: float | None = None) -> dict:
+def train_step(engine, micro_batches: list[MicroBatch], pad_id: int, cfg: dict, world_size: int,
+               reference: torch.nn.Module | None = None) -> dict:
     """One optimizer step over this rank's micro-batches, gradients accumulated. Every rank gets the same number
     of micro-batches (some may be empty): ZeRO reduces gradients inside backward, and all ranks must join.
 
     The batch is on-policy (sampled by exactly these weights) and takes one step, so the behaviour policy's
     logprobs are the ones computed here, detached: the ratio starts at 1, as PPO's first step does."""
-    totals = {"loss": 0.0, "tokens": 0, "clip_frac": 0.0, "logprob_abs_diff": 0.0}
+    totals = {"loss": 0.0, "tokens": 0, "clip_frac": 0.0, "logprob_abs_diff": 0.0, "entropy": 0.0, "kl_ref": 0.0}
     for micro_batch in micro_batches:
         batch = collate(micro_batch, pad_id)
-        logprobs, untempered = score(engine.module, batch)
+        logprobs, untempered, entropy = score(engine.module, batch, entropy_grad=cfg["entropy_coef"] > 0)
         # DeepSpeed averages gradients over ranks; the weights already normalize over the whole batch.
-        loss, stats = policy_loss(logprobs, logprobs.detach(), batch["advantages"], batch["weights"] * world_size,
-                                  clip_eps, clip_eps_high)
+        weights = batch["weights"] * world_size
+        loss, stats = policy_loss(logprobs, logprobs.detach(), batch["advantages"], weights, cfg["clip_eps"],
+                                  cfg["clip_eps_high"])
+        loss = loss - cfg["entropy_coef"] * (entropy * weights).sum()
+        if reference is not None:
+            with torch.no_grad():
+                ref_logprobs = score(reference, batch)[0]
+            kl = kl_to_reference(logprobs, ref_logprobs, cfg["kl_estimator"])
+            loss = loss + cfg["kl_coef"] * (kl * weights).sum()
+            totals["kl_ref"] += kl.detach().sum().item()
         engine.backward(loss, scale_wrt_gas=False)
         n = len(logprobs)
         totals["loss"] += loss.item() / world_size
         totals["tokens"] += n
         totals["clip_frac"] += stats["clip_frac"] * n
+        totals["entropy"] += entropy.detach().sum().item()
         # how far the trainer is from the server on the same tokens (both untempered): ~1e-7 when they agree
         totals["logprob_abs_diff"] += (untempered - batch["served_logprobs"]).abs().sum().item()
     stepped = time.perf_counter()
     engine.step()
     optimizer_s = time.perf_counter() - stepped
     tokens = max(totals["tokens"], 1)
+    grad_norm = engine.get_global_grad_norm()  # before clipping (DeepSpeed computes it to clip)
     return {"optimizer_s": optimizer_s, "loss": totals["loss"], "tokens": totals["tokens"],
-            "micro_batches": len(micro_batches),
-            "clip_frac": totals["clip_frac"] / tokens, "logprob_abs_diff": totals["logprob_abs_diff"] / tokens}
+            "micro_batches": len(micro_batches), "grad_norm": None if grad_norm is None else float(grad_norm),
+            **{k: totals[k] / tokens for k in ("clip_frac", "logprob_abs_diff", "entropy", "kl_ref")}}
 
 
-def score(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def score(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+          entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprobs of the response tokens, flat in row order: under each call's sampling temperature (with gradient),
-    and untempered (to compare with the engine's). Only the positions that predict a response token go through
-    the LM head, so the [rows, width, vocabulary] logits of the whole micro-batch never exist."""
+    and untempered (to compare with the engine's); and the entropy of each position's sampling distribution (with
+    gradient for an entropy bonus). Only the positions that predict a response token go through the LM head, so
+    the [rows, width, vocabulary] logits of the whole micro-batch never exist."""
     hidden = model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
     predicts = batch["mask"].bool()
     logits = model.get_output_embeddings()(hidden[:, :-1][predicts]).float()  # [response tokens, vocabulary]
@@ -128,7 +143,10 @@ def score(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch
     tempered = picked / temperature - torch.logsumexp(logits / temperature[:, None], -1)
     with torch.no_grad():
         untempered = picked - torch.logsumexp(logits, -1)
-    return tempered, untempered
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        log_p = torch.log_softmax(logits / temperature[:, None], -1)
+        entropy = -(log_p.exp() * log_p).sum(-1)
+    return tempered, untempered, entropy
 
 
 def collate(micro_batch: MicroBatch, pad_id: int) -> dict[str, torch.Tensor]:
