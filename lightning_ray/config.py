@@ -3,6 +3,7 @@ value fails before anything starts, with the key's dotted name in the message.""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +27,33 @@ class ModelConfig(_Strict):
     cache_dir: str = "~/.cache/lightning_ray/models"
 
 
+class AIRConfig(_Strict):
+    """Automatic intermediate rewards (algorithm/air.py): the reward each runtime signal gives the policy call it
+    follows; 0 turns a rule off (all off by default). They reach training through algorithm.credit per_step or
+    discounted (terminal credit uses the final reward only)."""
+
+    tool_ok: float = 0.0  # a tool call that succeeded
+    tool_error: float = 0.0  # a tool call that raised
+    tool_timeout: float = 0.0  # a tool call that timed out
+    malformed_tool_call: float = 0.0  # a <tool_call> block in the answer that could not be parsed
+    format_pattern: str | None = None  # a regex every policy answer should contain (re.search)
+    format_ok: float = 0.0
+    format_mismatch: float = 0.0
+
+    @model_validator(mode="after")
+    def _pattern_compiles(self):
+        if self.format_pattern is not None:
+            try:
+                re.compile(self.format_pattern)
+            except re.error as e:
+                raise ValueError(f"format_pattern is not a valid regex: {e}") from None
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return any(v for k, v in self.model_dump().items() if k != "format_pattern")
+
+
 class TaskConfig(_Strict):
     name: Literal["calc"] = "calc"
     dataset: Literal["basic_arithmetic", "gsm_symbolic"] = "basic_arithmetic"  # the reasoning-gym generator
@@ -36,6 +64,7 @@ class TaskConfig(_Strict):
     eval_size: int = Field(100, gt=0)  # the held-out split: another seed, no question shared with training
     eval_seed: int = 1
     agent_rewards: bool = False  # true: the last reward the agent emitted (a reward span) overrides the task's
+    air: AIRConfig = AIRConfig()  # automatic intermediate rewards from tool status and answer format
 
 
 class EngineConfig(_Strict):

@@ -12,6 +12,7 @@ import ray
 from openai import OpenAI
 
 from lightning_ray.algorithm.advantages import compute_advantages
+from lightning_ray.algorithm.air import air_spans
 from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, scored_faithfully
 from lightning_ray.config import TrainConfig
 from lightning_ray.evaluation import evaluate
@@ -45,6 +46,10 @@ def train(cfg: TrainConfig) -> list[dict]:
                     rollouts = services.run_rollouts(groups, f"iter {iteration} rollouts")
                 with phase("adapt"):
                     spans = services.store.query_spans([r.rollout_id for r in rollouts])
+                    if cfg.task.air.enabled:  # stored with the trace, where each sits beside the call it judges
+                        air = air_spans(spans, cfg.task.air, recorded_calls)
+                        services.store.add_spans(air, origin="server")
+                        spans += air
                     transitions, adapted = adapt(rollouts, spans, cfg.model.name, cfg.algorithm.level,
                                                  cfg.task.agent_rewards)
                     transitions = compute_advantages(transitions, alg.estimator, alg.credit, alg.gamma, alg.baseline)

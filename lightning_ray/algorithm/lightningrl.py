@@ -3,8 +3,9 @@
 Only the policy model's calls become transitions (an agent may call other models too), ordered by time, and only
 as the policy server recorded them (origin "server"): spans sent through the store's API cannot make training data.
 Each transition carries the episode's final reward — the task's reward function's verdict, or, where a task opts in
-(`task.agent_rewards`), the last reward its agent emitted — and, as its step reward, the agent's earlier rewards
-recorded after that call and before the next; algorithm/advantages.py assigns the credit.
+(`task.agent_rewards`), the last reward its agent emitted — and, as its step reward, the intermediate rewards
+recorded after that call and before the next: automatic ones (AIR, algorithm/air.py, stored by the platform) and,
+where the task opts in, the agent's earlier ones; algorithm/advantages.py assigns the credit.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: st
     """A rollout without a reward failed for the platform's reasons (a timeout, a lost worker, a server error),
     not the policy's: it gives no transitions, rather than teaching the policy that it scored 0."""
     spans = [s for s in spans if s.attempt_id == rollout.attempt_id]  # the attempt that ended the rollout
-    reward, intermediate = rollout.reward, []
-    if agent_rewards and (emitted := sorted((s for s in spans if s.name == semconv.REWARD and _number(s)),
-                                            key=lambda s: s.start_time)):
-        reward, intermediate = emitted[-1].attributes[semconv.REWARD_VALUE], emitted[:-1]
+    rewards = sorted((s for s in spans if s.name == semconv.REWARD and _number(s)), key=lambda s: s.start_time)
+    reward, intermediate = rollout.reward, [s for s in rewards if s.origin == "server"]  # AIR's
+    if agent_rewards and (emitted := [s for s in rewards if s.origin == "client"]):
+        reward, intermediate = emitted[-1].attributes[semconv.REWARD_VALUE], intermediate + emitted[:-1]
     if reward is None:
         return []
     calls = sorted((s for s in recorded_calls(spans) if s.attributes.get(semconv.MODEL) == policy_model),
@@ -98,7 +99,8 @@ def merge_calls(transitions: list[Transition]) -> tuple[list[Transition], int]:
                     "response_ids": prev.response_ids + between + t.response_ids,
                     "logprobs": prev.logprobs + [0.0] * len(between) + t.logprobs,
                     "loss_mask": prev.action_mask + [0] * len(between) + [1] * len(t.response_ids),
-                    "finish_reason": "length" if "length" in (prev.finish_reason, t.finish_reason) else t.finish_reason})
+                    "finish_reason": "length" if "length" in (prev.finish_reason, t.finish_reason)
+                    else t.finish_reason})
                 continue
             breaks += 1
         out.append(t)

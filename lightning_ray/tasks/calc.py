@@ -18,6 +18,7 @@ from functools import cache
 import reasoning_gym
 from openai import OpenAI
 
+from lightning_ray.tracing import emit_tool
 from lightning_ray.types import Task
 
 # Options given to make_tasks are laid over these, so `{max_digits: 1}` changes one thing, not all of them.
@@ -144,15 +145,16 @@ def agent(task: dict, base_url: str, model: str, api_key: str = "EMPTY") -> str 
                 {"id": c.id, "type": "function", "function": {"name": c.function.name,
                                                               "arguments": c.function.arguments}}
                 for c in message.tool_calls]})
-            messages += [{"role": "tool", "tool_call_id": c.id, "content": _run_tool(c.function.name,
-                                                                                     c.function.arguments)}
-                         for c in message.tool_calls]
+            messages += [{"role": "tool", "tool_call_id": c.id, "content": _traced(
+                c.function.name, c.function.arguments, _run_tool(c.function.name, c.function.arguments))}
+                for c in message.tool_calls]
             continue
         messages.append({"role": "assistant", "content": text})
         if answer := _ANSWER.search(text):
             return _canonical(answer.group(1))
         if not tools and (call := _CALC.search(text)):
-            messages.append({"role": "user", "content": f"RESULT {_evaluate(call.group(1))}"})
+            result = _traced("calculator", call.group(1), _evaluate(call.group(1)))
+            messages.append({"role": "user", "content": f"RESULT {result}"})
             continue
         # A final reply without the ANSWER marker: take its last number. The score is about the number, not the
         # marker, and the last number of a reply is its conclusion ("5 - 3 = 2", "the answer is 2"); the first
@@ -175,6 +177,13 @@ def _evaluate(expression: str) -> str:
         return str(calculate(expression))
     except (ValueError, SyntaxError) as e:
         return f"error: {e}"
+
+
+def _traced(name: str, arguments: str, result: str) -> str:
+    """The one line of tracing this agent has: each calculator call as a tool span, whose status AIR can reward
+    (a no-op outside a traced rollout)."""
+    emit_tool(name, arguments, result, error=result.removeprefix("error: ") if result.startswith("error: ") else None)
+    return result
 
 
 def _run_tool(name: str, arguments: str) -> str:

@@ -46,8 +46,10 @@ def train_loop_per_worker(cfg: dict) -> None:
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # padding is masked out anyway
     # the frozen initial policy, kept only when the loss pulls towards it
-    reference = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32).eval().requires_grad_(False) \
-        if cfg["kl_coef"] > 0 else None
+    reference = None
+    if cfg["kl_coef"] > 0:
+        reference = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32).eval()
+        reference.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=deepspeed_config(cfg), dist_init_required=False)
     inbox, outbox, registry = cfg["inboxes"][rank], cfg["outbox"], cfg["registry"]
