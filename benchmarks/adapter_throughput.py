@@ -1,7 +1,7 @@
 """Adapter throughput: transitions per second from stored spans to training data, ours vs Agent Lightning 0.3.0's
 trace-to-triplet adapter, on the same synthetic multi-agent traces (adapter_workload.py), in one run.
 
-    .venv/bin/python benchmarks/adapter_throughput.py [--rollouts 64] [--calls 4] [--repeats 5] [--no-peer]
+    .venv/bin/python benchmarks/adapter_throughput.py [--rollouts 64] [--calls 4] [--repeats 5] [--no-peer] [--out F]
 
 Ours: the spans as our stack stores them (the policy server's LLM-call spans with origin "server" and the attributes
 serving/app.py records; agent, tool and reward spans from the client) in a SQLite trace store in a temporary run
@@ -10,15 +10,16 @@ rewards. Timed as the trainer's adapt phase does it: "read+adapt" = `query_spans
 `adapt` (transition level); "adapt" = `adapt` alone on the spans already read; "adapt[trajectory]" = adapt with
 each agent's calls merged where the tokens allow. Theirs (agl_adapter.py in .venvs/agentlightning, built by
 envs/agentlightning/build.sh): per rollout, their store's `query_spans` + `TracerTraceToTriplet().adapt`, as their
-verl daemon does, and the adapter alone. Each measurement: one warm-up pass, then the median of `repeats` passes.
-Prints one JSON line per measurement, then one with both rates and the ratio ours / theirs.
+verl daemon does, and the adapter alone. Each measurement: one warm-up pass, then the median of `repeats` passes, in wall-clock
+and in CPU time (adapter_workload.timed, shared by both sides). Prints one JSON line per measurement, then one with both rates and the ratio ours / theirs (and the load average
+before and after: the figures are only as quiet as the machine); `--out` also writes all of them to a JSON file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import subprocess
 import sys
 import tempfile
@@ -27,7 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from adapter_workload import MODEL, llm_calls, make_rollouts  # noqa: E402
+from adapter_workload import MODEL, llm_calls, make_rollouts, timed  # noqa: E402
 
 from lightning_ray.algorithm.lightningrl import adapt  # noqa: E402
 from lightning_ray.store.sqlite import SQLiteBackend, span_row  # noqa: E402
@@ -35,6 +36,7 @@ from lightning_ray.tracing import semconv  # noqa: E402
 from lightning_ray.types import Rollout, Span, Task  # noqa: E402
 
 PEER_PYTHON = HERE.parent / ".venvs/agentlightning/bin/python"
+SIDE = "lightning_ray"
 
 
 def our_span(s: dict, rollout_id: str, attempt_id: str) -> tuple[Span, str]:
@@ -82,21 +84,6 @@ def stored(backend: SQLiteBackend, rollouts: list[dict]) -> list[Rollout]:
     return finished
 
 
-def measure(name: str, run, expected: int, repeats: int) -> dict:
-    seconds = []
-    for i in range(repeats + 1):  # the first pass warms up
-        t = time.perf_counter()
-        n = run()
-        if i:
-            seconds.append(time.perf_counter() - t)
-    assert n == expected, f"{n} transitions from {expected} LLM calls"
-    line = {"side": "lightning_ray", "measure": name, "transitions": n,
-            "per_s": round(n / statistics.median(seconds), 1), "best_per_s": round(n / min(seconds), 1),
-            "median_s": round(statistics.median(seconds), 4), "repeats": repeats}
-    print(json.dumps(line), flush=True)
-    return line
-
-
 def ours(args, rollouts: list[dict]) -> list[dict]:
     expected = llm_calls(rollouts)
     with tempfile.TemporaryDirectory() as run_dir:
@@ -105,9 +92,9 @@ def ours(args, rollouts: list[dict]) -> list[dict]:
         ids = [r.rollout_id for r in finished]
         spans = backend.query_spans(ids)
         out = [
-            measure("read+adapt", lambda: len(adapt(finished, backend.query_spans(ids), MODEL)[0]), expected,
-                    args.repeats),
-            measure("adapt", lambda: len(adapt(finished, spans, MODEL)[0]), expected, args.repeats),
+            timed(SIDE, "read+adapt", lambda: len(adapt(finished, backend.query_spans(ids), MODEL)[0]), expected,
+                  args.repeats),
+            timed(SIDE, "adapt", lambda: len(adapt(finished, spans, MODEL)[0]), expected, args.repeats),
         ]
         # trajectory level: counted in calls taken in; the calls of one agent extend each other's tokens, and every
         # agent starts a new conversation, so each agent's calls become one sequence
@@ -118,7 +105,7 @@ def ours(args, rollouts: list[dict]) -> list[dict]:
             assert len(merged) == sequences, f"{len(merged)} sequences, expected {sequences}"
             return stats["policy_calls"]
 
-        out.append(measure("adapt[trajectory]", trajectory, expected, args.repeats))
+        out.append(timed(SIDE, "adapt[trajectory]", trajectory, expected, args.repeats))
         backend.db.close()
     return out
 
@@ -141,21 +128,29 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=4, help="LLM calls per agent (3 agents per rollout)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-peer", action="store_true", help="skip Agent Lightning")
+    p.add_argument("--out", help="also write every measurement and the summary to this JSON file")
     args = p.parse_args()
 
+    load = os.getloadavg()[0]
     rollouts = make_rollouts(args.rollouts, args.calls)
-    mine = {line["measure"]: line["per_s"] for line in ours(args, rollouts)}
+    lines = ours(args, rollouts)
     if args.no_peer:
         return
-    theirs = {line["measure"]: line["per_s"] for line in peer(args)}
-    print(json.dumps({
-        "benchmark": "adapter_throughput", "rollouts": args.rollouts, "transitions": llm_calls(rollouts),
-        "repeats": args.repeats,
-        "ours_per_s": mine["read+adapt"], "theirs_per_s": theirs["read+adapt"],
-        "ratio": round(mine["read+adapt"] / theirs["read+adapt"], 2),
-        "adapt_only": {"ours_per_s": mine["adapt"], "theirs_per_s": theirs["adapt"],
-                       "ratio": round(mine["adapt"] / theirs["adapt"], 2)},
-    }), flush=True)
+    lines += peer(args)
+    by = {(line["side"], line["measure"]): line for line in lines}
+
+    def versus(measure: str) -> dict:
+        mine, theirs = by[SIDE, measure], by["agentlightning", measure]
+        return {"ours_per_s": mine["per_s"], "theirs_per_s": theirs["per_s"],
+                "ratio": round(mine["per_s"] / theirs["per_s"], 2),
+                "cpu_ratio": round(mine["cpu_per_s"] / theirs["cpu_per_s"], 2)}
+
+    summary = {"benchmark": "adapter_throughput", "rollouts": args.rollouts, "transitions": llm_calls(rollouts),
+               "repeats": args.repeats, **versus("read+adapt"), "adapt_only": versus("adapt"),
+               "load_avg": [round(load, 2), round(os.getloadavg()[0], 2)]}
+    print(json.dumps(summary), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"summary": summary, "measurements": lines}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
+import time
 
 AGENTS = ("planner", "coder", "reviewer")
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -86,9 +88,27 @@ def llm_calls(rollouts: list[dict]) -> int:
     return sum(s["kind"] == "llm" for r in rollouts for s in r["spans"])
 
 
-if __name__ == "__main__":
-    import time
+def timed(side: str, measure: str, run, expected: int, repeats: int) -> dict:
+    """Time `run()` (returns how many LLM calls it turned into training data) as both sides are timed: one warm-up
+    pass, then `repeats` passes. Rates of the median pass, in wall-clock time and in this process's CPU time (the
+    machine is shared: CPU time leaves out the time other processes held the core), and of the fastest pass.
+    Prints and returns the JSON line."""
+    wall, cpu = [], []
+    for i in range(repeats + 1):
+        t, c = time.perf_counter(), time.process_time()
+        n = run()
+        if i:
+            wall.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
+    assert n == expected, f"{side} {measure}: {n} transitions from {expected} LLM calls"
+    line = {"side": side, "measure": measure, "transitions": n, "per_s": round(n / statistics.median(wall), 1),
+            "cpu_per_s": round(n / statistics.median(cpu), 1), "best_per_s": round(n / min(wall), 1),
+            "median_s": round(statistics.median(wall), 4), "repeats": repeats}
+    print(json.dumps(line), flush=True)
+    return line
 
+
+if __name__ == "__main__":
     t0 = time.perf_counter()
     rs = make_rollouts()
     calls = [s for r in rs for s in r["spans"] if s["kind"] == "llm"]

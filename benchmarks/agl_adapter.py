@@ -10,7 +10,7 @@ flattened into gen_ai.prompt.N.* / gen_ai.completion.0.*; the agent's span with 
 `emit_reward` writes it. They go into an InMemoryLightningStore (untimed). Timed, as their verl daemon does it per
 finished rollout (`_validate_data_v1`): `query_spans(rollout_id, attempt_id="latest")` then
 `TracerTraceToTriplet().adapt(spans)` (the daemon's default adapter); "adapt" times the adapter alone on spans
-already read. One warm-up pass, then `repeats` timed passes; prints one JSON line per measurement.
+already read. Timed by adapter_workload.timed, as our side is; prints one JSON line per measurement.
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm (imported by agentlightning) must not fetch
@@ -31,7 +29,9 @@ from agentlightning.emitter.reward import emit_reward  # noqa: E402
 from agentlightning.store import InMemoryLightningStore  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from adapter_workload import MODEL, WORDS, llm_calls, make_rollouts  # noqa: E402
+from adapter_workload import MODEL, WORDS, llm_calls, make_rollouts, timed  # noqa: E402
+
+SIDE = "agentlightning"
 
 
 def llm_attributes(s: dict) -> dict:
@@ -85,7 +85,7 @@ async def stored(rollouts: list[dict]) -> tuple[InMemoryLightningStore, list[str
     return store, ids
 
 
-async def main() -> None:
+def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rollouts", type=int, default=64)
     p.add_argument("--calls", type=int, default=4, help="LLM calls per agent")
@@ -93,34 +93,18 @@ async def main() -> None:
     args = p.parse_args()
 
     rollouts = make_rollouts(args.rollouts, args.calls)
-    store, ids = await stored(rollouts)
+    loop = asyncio.new_event_loop()  # the store is async; each timed pass runs to completion on this loop
+    store, ids = loop.run_until_complete(stored(rollouts))
     adapter = TracerTraceToTriplet()
 
     async def read_and_adapt() -> int:
-        n = 0
-        for rid in ids:
-            triplets = adapter.adapt(await store.query_spans(rid, attempt_id="latest"))
-            n += len(triplets)
-        return n
+        return sum([len(adapter.adapt(await store.query_spans(rid, attempt_id="latest"))) for rid in ids])
 
-    spans = [await store.query_spans(rid, attempt_id="latest") for rid in ids]
-
-    async def adapt_only() -> int:
-        return sum(len(adapter.adapt(s)) for s in spans)
-
+    spans = [loop.run_until_complete(store.query_spans(rid, attempt_id="latest")) for rid in ids]
     expected = llm_calls(rollouts)
-    for name, run in (("read+adapt", read_and_adapt), ("adapt", adapt_only)):
-        seconds = []
-        for i in range(args.repeats + 1):  # the first pass warms up
-            t = time.perf_counter()
-            n = await run()
-            if i:
-                seconds.append(time.perf_counter() - t)
-        assert n == expected, f"{n} triplets from {expected} LLM calls"
-        print(json.dumps({"side": "agentlightning", "measure": name, "transitions": n,
-                          "per_s": round(n / statistics.median(seconds), 1), "best_per_s": round(n / min(seconds), 1),
-                          "median_s": round(statistics.median(seconds), 4), "repeats": args.repeats}), flush=True)
+    timed(SIDE, "read+adapt", lambda: loop.run_until_complete(read_and_adapt()), expected, args.repeats)
+    timed(SIDE, "adapt", lambda: sum(len(adapter.adapt(s)) for s in spans), expected, args.repeats)
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()
