@@ -10,9 +10,10 @@ rewards. Timed as the trainer's adapt phase does it: "read+adapt" = `query_spans
 `adapt` (transition level); "adapt" = `adapt` alone on the spans already read; "adapt[trajectory]" = adapt with
 each agent's calls merged where the tokens allow. Theirs (agl_adapter.py in .venvs/agentlightning, built by
 envs/agentlightning/build.sh): per rollout, their store's `query_spans` + `TracerTraceToTriplet().adapt`, as their
-verl daemon does, and the adapter alone. Each measurement: one warm-up pass, then the median of `repeats` passes, in wall-clock
-and in CPU time (adapter_workload.timed, shared by both sides). Prints one JSON line per measurement, then one with both rates and the ratio ours / theirs (and the load average
-before and after: the figures are only as quiet as the machine); `--out` also writes all of them to a JSON file.
+verl daemon does, and the adapter alone. Each measurement: one warm-up pass, then the median of `repeats` passes,
+in wall-clock and in CPU time (adapter_workload.timed, shared by both sides). Prints one JSON line per measurement,
+then one with both rates and the ratios ours / theirs, and the load average before and after (the figures are only
+as quiet as the machine); `--out` also writes them all to a JSON file.
 """
 
 from __future__ import annotations
