@@ -93,6 +93,22 @@ def test_headers_attribute_a_call_like_the_rollout_path(server):
     assert span.attempt_id == "at-h"
 
 
+def test_a_w3c_traceparent_nests_the_llm_span_under_the_callers_span(server):
+    """What OpenTelemetry's HTTP instrumentation sends; a malformed one is ignored (W3C), never an error."""
+    rid = server["new_rollout"]()
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    agent = client(server, f"/rollouts/{rid}/attempts/at-1/v1")
+    agent.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                  extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-01"})
+    agent.responses.create(model=MODEL, input="What is 3 + 4?", max_output_tokens=4,
+                           extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-00"})  # unsampled: still ours
+    for malformed in ("00-xyz", f"ff-{trace_id}-{parent_id}-01", f"00-{'0' * 32}-{parent_id}-01"):
+        agent.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                      extra_headers={"traceparent": malformed})
+    spans = sorted(spans_of(server, rid), key=lambda s: s.start_time)
+    assert [(s.trace_id, s.parent_id) for s in spans] == [(trace_id, parent_id)] * 2 + [(None, None)] * 3
+
+
 def test_calls_for_an_unknown_rollout_get_404_and_nothing_is_recorded(server):
     spans = server["store"].stats()["spans"]
     with pytest.raises(openai.NotFoundError, match="no rollout 'ro-nobody'") as error:

@@ -23,7 +23,7 @@ from lightning_ray.serving.chat import create_chat_completion
 from lightning_ray.serving.completions import create_completion
 from lightning_ray.serving.decoding import choice_jobs, collect, generate_choices
 from lightning_ray.serving.engines import SamplingParams, make_engine
-from lightning_ray.serving.http import ApiError, trace_ids
+from lightning_ray.serving.http import ApiError, CallTrace, trace_ids
 from lightning_ray.serving.gate import DrainTimeout, Gate
 from lightning_ray.serving.responses import ResponsesRequest, create_response
 from lightning_ray.serving.routing import RolloutAffinityRouter
@@ -113,10 +113,12 @@ class PolicyServer:
                 raise ApiError(422, f"{field} is not supported (a penalty would change the policy's "
                                     f"distribution away from the one trained)", param=field, code="unsupported")
 
-    async def trace(self, request: Request) -> tuple[str | None, str | None]:
-        """The rollout and attempt a call belongs to. An unknown rollout is the agent's misconfiguration: 404 before
-        any generation (each rollout is looked up once per replica, with its task's sampling defaults)."""
-        rollout_id, attempt_id = trace_ids(request)
+    async def trace(self, request: Request) -> CallTrace:
+        """The rollout and attempt a call belongs to, and the client span it was made under. An unknown rollout is
+        the agent's misconfiguration: 404 before any generation (each rollout is looked up once per replica, with
+        its task's sampling defaults)."""
+        trace = trace_ids(request)
+        rollout_id = trace.rollout_id
         if rollout_id and rollout_id not in self.rollout_sampling:
             if (rollout := await self.store.get_rollout(rollout_id)) is None:
                 raise ApiError(404, f"no rollout {rollout_id!r} in the trace store", param="rollout_id",
@@ -124,7 +126,7 @@ class PolicyServer:
             if len(self.rollout_sampling) > 100_000:
                 self.rollout_sampling.clear()
             self.rollout_sampling[rollout_id] = rollout.task.sampling
-        return rollout_id, attempt_id
+        return trace
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         try:
@@ -156,11 +158,11 @@ class PolicyServer:
                            param="messages", code="context_length_exceeded")
         return params
 
-    def sampling(self, body, max_tokens: int | None, trace: tuple[str | None, str | None], top_logprobs: int = 0,
+    def sampling(self, body, max_tokens: int | None, trace: CallTrace, top_logprobs: int = 0,
                  fmt=None) -> SamplingParams:
         """What the request sets, else its rollout's sampling defaults, else the server's. `fmt`: the request's
         response format (chat's response_format, responses' text.format), if any."""
-        d = {**self.defaults, **self.rollout_sampling.get(trace[0], {})}
+        d = {**self.defaults, **self.rollout_sampling.get(trace.rollout_id, {})}
         return SamplingParams(
             max_tokens=max_tokens or d.get("max_tokens", 256),
             temperature=d.get("temperature", 1.0) if body.temperature is None else body.temperature,
@@ -181,7 +183,7 @@ class PolicyServer:
                 for i, (t, lp) in enumerate(zip(ids, lps))]
 
     async def run(self, operation: str, prompts: list[list[int]], params: SamplingParams, n: int, stop: list[str],
-                  trace: tuple[str | None, str | None], attrs: dict):
+                  trace: CallTrace, attrs: dict):
         """Generate every choice (held while a weight update is in progress), then record one span per choice."""
         if self.engine.broken:
             raise ApiError(503, f"this replica is being replaced: {self.engine.broken}", type="server_error",
@@ -199,7 +201,8 @@ class PolicyServer:
             error = f"{type(e).__name__}: {e}"
             raise
         finally:
-            spans = [Span(rollout_id=trace[0], attempt_id=trace[1], name=semconv.LLM_CALL, start_time=start,
+            spans = [Span(rollout_id=trace.rollout_id, attempt_id=trace.attempt_id, trace_id=trace.trace_id,
+                          parent_id=trace.parent_id, name=semconv.LLM_CALL, start_time=start,
                           end_time=time.time(), attributes={
                               **attrs,
                               "gen_ai.operation.name": operation,

@@ -9,7 +9,7 @@ import uuid
 from typing import Any
 
 from lightning_ray.serving.decoding import ChoiceDelta, collect_all
-from lightning_ray.serving.http import ApiError
+from lightning_ray.serving.http import ApiError, CallTrace
 from lightning_ray.serving.schemas import ChatCompletionRequest, ChatMessage, check_schema
 from lightning_ray.serving.sse import sse_response
 from lightning_ray.serving.tools import ToolCallStreamParser, parse_tool_calls, resolve_tool_choice
@@ -34,7 +34,7 @@ def template_messages(messages: list[ChatMessage | dict]) -> list[dict]:
     return out
 
 
-async def create_chat_completion(server, body: ChatCompletionRequest, trace: tuple[str | None, str | None]):
+async def create_chat_completion(server, body: ChatCompletionRequest, trace: CallTrace):
     server.check_model(body.model)
     server.check_unsupported(body)
     await check_schema(body.response_format and body.response_format.json_schema, "response_format.json_schema.schema")

@@ -6,12 +6,12 @@ import time
 import uuid
 
 from lightning_ray.serving.decoding import collect_all
-from lightning_ray.serving.http import ApiError
+from lightning_ray.serving.http import ApiError, CallTrace
 from lightning_ray.serving.schemas import CompletionRequest
 from lightning_ray.serving.sse import sse_response
 
 
-async def create_completion(server, body: CompletionRequest, trace: tuple[str | None, str | None]):
+async def create_completion(server, body: CompletionRequest, trace: CallTrace):
     server.check_model(body.model)
     server.check_unsupported(body)
     if body.suffix:

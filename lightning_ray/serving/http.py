@@ -2,6 +2,8 @@
 
 /rollouts/{rollout_id}/attempts/{attempt_id}/v1/... is rewritten to /v1/... with the ids moved into the
 X-Rollout-Id / X-Attempt-Id headers, so each endpoint is written once and agents may use either form.
+A W3C `traceparent` header (what OpenTelemetry's HTTP client instrumentation sends) names the agent's span the call
+was made under: the server's LLM span takes it as parent, so it nests under the agent's spans in the store.
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ import hmac
 import json
 import logging
 import re
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from opentelemetry.trace import get_current_span
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -39,8 +44,23 @@ def error_response(e: ApiError) -> JSONResponse:
                         headers={"retry-after": "1"} if e.status == 429 else None)
 
 
-def trace_ids(request: Request) -> tuple[str | None, str | None]:
-    return request.headers.get(ROLLOUT_HEADER), request.headers.get(ATTEMPT_HEADER)
+_W3C = TraceContextTextMapPropagator()
+
+
+class CallTrace(NamedTuple):
+    """Where a call belongs: its rollout and attempt, and the client's trace and span it was made under."""
+
+    rollout_id: str | None
+    attempt_id: str | None
+    trace_id: str | None = None
+    parent_id: str | None = None
+
+
+def trace_ids(request: Request) -> CallTrace:
+    # OpenTelemetry's own W3C parser: a malformed traceparent gives an invalid context, ignored as W3C asks
+    parent = get_current_span(_W3C.extract(request.headers)).get_span_context()
+    trace_id, parent_id = (f"{parent.trace_id:032x}", f"{parent.span_id:016x}") if parent.is_valid else (None, None)
+    return CallTrace(request.headers.get(ROLLOUT_HEADER), request.headers.get(ATTEMPT_HEADER), trace_id, parent_id)
 
 
 def rollout_of(scope: dict) -> str | None:

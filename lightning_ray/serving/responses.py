@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from lightning_ray.serving.chat import template_messages
 from lightning_ray.serving.decoding import collect_all
 from lightning_ray.serving.engines import SamplingParams
-from lightning_ray.serving.http import ApiError
+from lightning_ray.serving.http import ApiError, CallTrace
 from lightning_ray.serving.schemas import TextFormat, check_schema
 from lightning_ray.serving.sse import sse_response
 from lightning_ray.serving.tools import ToolCallStreamParser, ToolStreamDelta, parse_tool_calls, resolve_tool_choice
@@ -325,7 +325,7 @@ class ResponseEventStream:
 
 
 # ---- the route: POST /v1/responses -----------------------------------------------------------------------------
-async def create_response(server, req: ResponsesRequest, trace: tuple[str | None, str | None]):
+async def create_response(server, req: ResponsesRequest, trace: CallTrace):
     server.check_model(req.model)
     server.check_unsupported(req)
     await check_schema(req.text and req.text.format, "text.format.schema")
