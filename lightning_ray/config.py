@@ -22,7 +22,7 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    name: str = "policy"  # the model name agents ask for; LightningRL keeps only calls to it
+    name: str = "policy"  # the model name agents ask for; LightningRL trains calls to it (algorithm.select)
     path: str | None = None  # an HF model directory, `smollm2-135m-instruct`, or None: the tiny test model
     cache_dir: str = "~/.cache/lightning_ray/models"
 
@@ -109,7 +109,26 @@ class StoreConfig(_Strict):
     http: bool = True  # serve the store API and the OTLP receiver at {serve}/store for agents outside Ray
 
 
+class SelectConfig(_Strict):
+    """Which recorded LLM calls are the policy's (algorithm/select.py): regexes, each matched against the whole name.
+    A call is kept when its model matches one of `models` and, where `agents` is set, the agent it was made under
+    (the nearest enclosing span that names one) matches one of `agents`."""
+
+    models: list[str] | None = Field(None, min_length=1)  # null: exactly the served model (model.name)
+    agents: list[str] | None = Field(None, min_length=1)  # null: any agent, and calls made under none
+
+    @model_validator(mode="after")
+    def _compiles(self):
+        for pattern in (self.models or []) + (self.agents or []):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"not a regex: {pattern!r} ({e})") from None
+        return self
+
+
 class AlgorithmConfig(_Strict):
+    select: SelectConfig = SelectConfig()  # which calls are trained: by model and by agent name
     # credit assignment and advantages, each option explained in algorithm/advantages.py
     estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
     credit: Literal["terminal", "per_step", "discounted"] = "terminal"

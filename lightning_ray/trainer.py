@@ -14,6 +14,7 @@ from openai import OpenAI
 from lightning_ray.algorithm.advantages import compute_advantages
 from lightning_ray.algorithm.air import air_spans
 from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, scored_faithfully
+from lightning_ray.algorithm.select import Selection
 from lightning_ray.config import TrainConfig
 from lightning_ray.evaluation import evaluate
 from lightning_ray.report import plot_learning_curve
@@ -46,12 +47,13 @@ def train(cfg: TrainConfig) -> list[dict]:
                     rollouts = services.run_rollouts(groups, f"iter {iteration} rollouts")
                 with phase("adapt"):
                     spans = services.store.query_spans([r.rollout_id for r in rollouts])
+                    select = Selection.of(cfg.model.name, alg.select.models, alg.select.agents)
                     if cfg.task.air.enabled:  # stored with the trace, where each sits beside the call it judges
-                        air = air_spans(spans, cfg.task.air, recorded_calls)
+                        air = air_spans(spans, cfg.task.air, lambda sp: select.calls(recorded_calls(sp), sp))
                         services.store.add_spans(air, origin="server")
                         spans += air
                     transitions, adapted = adapt(rollouts, spans, cfg.model.name, cfg.algorithm.level,
-                                                 cfg.task.agent_rewards)
+                                                 cfg.task.agent_rewards, select)
                     transitions = compute_advantages(transitions, alg.estimator, alg.credit, alg.gamma, alg.baseline)
                     if alg.overlong_filter:  # a cut-off answer's reward says little about it: left out of the loss
                         transitions = [tr for tr in transitions if tr.finish_reason != "length"]

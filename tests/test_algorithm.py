@@ -8,6 +8,8 @@ import torch
 from lightning_ray.algorithm.advantages import compute_advantages, step_returns
 from lightning_ray.algorithm.grpo import kl_to_reference, policy_loss, token_weights
 from lightning_ray.algorithm.lightningrl import adapt, merge_calls, scored_faithfully, transitions_from_spans
+from lightning_ray.algorithm.select import Selection
+from lightning_ray.config import SelectConfig
 from lightning_ray.training.learner import micro_batches
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Rollout, Span, Task, Transition
@@ -51,6 +53,74 @@ def test_training_data_comes_only_from_what_the_server_recorded():
     opted_in = transitions_from_spans(rollout, spans + [reward_span("lots"), reward_span(float("nan"))], "policy",
                                       agent_rewards=True)
     assert [(t.response_ids, t.reward) for t in opted_in] == [([2], 1.0)]  # the last well-formed one
+
+
+def agent_span(span_id, parent, attributes, name="invoke_agent"):
+    return Span(span_id=span_id, parent_id=parent, rollout_id="ro-1", attempt_id="at-1", name=name,
+                attributes=attributes)
+
+
+def under(parent, span):
+    return span.model_copy(update={"parent_id": parent})
+
+
+def two_agent_episode():
+    """A workflow of a planner and a coder (GenAI's gen_ai.agent.name) and a reviewer (an OpenLLMetry CrewAI agent
+    span), each LLM call nested under its agent's spans by the traceparent it sent, as the server records them."""
+    return [
+        agent_span("wf", None, {}, name="workflow"),
+        agent_span("planner", "wf", {semconv.AGENT_NAME: "planner"}),
+        agent_span("coder", "wf", {semconv.AGENT_NAME: "coder"}),
+        agent_span("run-tests", "coder", {semconv.TOOL_NAME: "pytest"}, name="execute_tool pytest"),
+        agent_span("reviewer", "wf", {"traceloop.span.kind": "agent"}, name="reviewer.agent"),
+        under("planner", llm_span("ro-1", "policy", 1.0, [1], [10])),
+        under("coder", llm_span("ro-1", "policy", 2.0, [1], [20])),
+        under("coder", llm_span("ro-1", "gpt-judge", 2.5, [1], [25])),  # the coder's other model
+        reward_span(0.5).model_copy(update={"start_time": 2.7}),  # the coder's tests passed
+        under("run-tests", llm_span("ro-1", "policy", 3.0, [1], [30])),  # deeper: the nearest agent is the coder
+        under("reviewer", llm_span("ro-1", "policy-v2", 4.0, [1], [40])),
+        llm_span("ro-1", "policy", 5.0, [1], [50]),  # sent without a traceparent: no agent
+        under("elsewhere", llm_span("ro-1", "policy", 6.0, [1], [60])),  # its parent is not in this rollout
+        reward_span(1.0),
+    ]
+
+
+def selected(select=None, agent_rewards=True):
+    rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}), attempt_id="at-1", reward=0.0)
+    return [(t.response_ids[0], t.step, t.step_reward)
+            for t in transitions_from_spans(rollout, two_agent_episode(), "policy", agent_rewards, select)]
+
+
+def test_calls_are_selected_by_model_regex():
+    assert [c for c, _, _ in selected()] == [10, 20, 30, 50, 60]  # default: exactly the served model
+    assert [c for c, _, _ in selected(Selection.of("policy", models=["policy(-v.*)?"]))] == [10, 20, 30, 40, 50, 60]
+    assert [c for c, _, _ in selected(Selection.of("policy", models=["gpt-.*", "policy-v2"]))] == [25, 40]
+    assert selected(Selection.of("policy", models=["polic"])) == []  # a regex matches the whole name
+
+
+def test_calls_are_selected_by_the_agent_they_were_made_under():
+    """Steps are numbered among the selected calls, and an agent reward goes to the last selected call before it."""
+    coder = selected(Selection.of("policy", agents=["coder"]))
+    assert coder == [(20, 0, 0.5), (30, 1, 0.0)]  # the tool's call belongs to the coder too; gpt-judge's does not
+    assert selected(Selection.of("policy", agents=["planner"])) == [(10, 0, 0.5)]
+    both = selected(Selection.of("policy", models=["policy.*"], agents=["plan.*", "reviewer"]))
+    assert both == [(10, 0, 0.5), (40, 1, 0.0)]  # the reviewer named by OpenLLMetry's agent span
+    assert selected(Selection.of("policy", agents=["wf|workflow"])) == []  # a span that names no agent
+
+
+def test_an_agent_lookup_ends_on_a_cycle_of_parents():
+    """Client spans are the agent's to send: parents that loop give no agent, not a hang."""
+    spans = [agent_span("a", "b", {}), agent_span("b", "a", {}), under("a", llm_span("ro-1", "policy", 1.0, [1], [2]))]
+    rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}), attempt_id="at-1", reward=1.0)
+    assert transitions_from_spans(rollout, spans, "policy", select=Selection.of("policy", agents=[".*"])) == []
+    assert len(transitions_from_spans(rollout, spans, "policy")) == 1
+
+
+def test_selection_config_rejects_what_would_select_nothing_by_mistake():
+    assert SelectConfig().models is None and SelectConfig().agents is None
+    for bad in ({"agents": ["coder("]}, {"models": []}, {"agents": []}):
+        with pytest.raises(ValueError):
+            SelectConfig(**bad)
 
 
 def transition(rollout, group, reward, step=0, step_reward=0.0):

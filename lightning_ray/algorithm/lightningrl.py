@@ -1,6 +1,7 @@
 """LightningRL: an agent's trace becomes single-turn RL data.
 
-Only the policy model's calls become transitions (an agent may call other models too), ordered by time, and only
+Only the policy's calls become transitions (an agent may call other models too, and a multi-agent workflow may train
+one of its agents: algorithm/select.py picks them by model and agent name), ordered by time, and only
 as the policy server recorded them (origin "server"): spans sent through the store's API cannot make training data.
 Each transition carries the episode's final reward — the task's reward function's verdict, or, where a task opts in
 (`task.agent_rewards`), the last reward its agent emitted — and, as its step reward, the intermediate rewards
@@ -12,14 +13,16 @@ from __future__ import annotations
 
 import math
 
+from lightning_ray.algorithm.select import Selection
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Rollout, Span, Transition
 
 
 def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: str,
-                           agent_rewards: bool = False) -> list[Transition]:
+                           agent_rewards: bool = False, select: Selection | None = None) -> list[Transition]:
     """A rollout without a reward failed for the platform's reasons (a timeout, a lost worker, a server error),
-    not the policy's: it gives no transitions, rather than teaching the policy that it scored 0."""
+    not the policy's: it gives no transitions, rather than teaching the policy that it scored 0. `select`: which
+    calls are the policy's (default: those to `policy_model`); steps are numbered among the selected calls."""
     spans = [s for s in spans if s.attempt_id == rollout.attempt_id]  # the attempt that ended the rollout
     rewards = sorted((s for s in spans if s.name == semconv.REWARD and _number(s)), key=lambda s: s.start_time)
     reward, intermediate = rollout.reward, [s for s in rewards if s.origin == "server"]  # AIR's
@@ -27,8 +30,8 @@ def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: st
         reward, intermediate = emitted[-1].attributes[semconv.REWARD_VALUE], intermediate + emitted[:-1]
     if reward is None:
         return []
-    calls = sorted((s for s in recorded_calls(spans) if s.attributes.get(semconv.MODEL) == policy_model),
-                   key=lambda s: s.start_time)
+    select = select or Selection.of(policy_model)
+    calls = sorted(select.calls(recorded_calls(spans), spans), key=lambda s: s.start_time)
     step_rewards = [0.0] * len(calls)
     for r in intermediate:  # to the last call that started before it (one before any call: to the first)
         step = max(sum(c.start_time <= r.start_time for c in calls) - 1, 0)
@@ -59,7 +62,7 @@ def recorded_calls(spans: list[Span]) -> list[Span]:
 
 
 def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str, level: str = "transition",
-          agent_rewards: bool = False) -> tuple[list[Transition], dict]:
+          agent_rewards: bool = False, select: Selection | None = None) -> tuple[list[Transition], dict]:
     """Every rollout's spans to transitions (or, at the trajectory level, to one sequence per episode where the
     tokens allow). Stats: policy calls, how many were cut off at max_tokens, and how often a call's prompt did not
     extend the previous call's context."""
@@ -68,7 +71,7 @@ def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str, level: 
         by_rollout.setdefault(s.rollout_id, []).append(s)
     out, calls, truncated, joins, breaks = [], 0, 0, 0, 0
     for r in rollouts:
-        transitions = transitions_from_spans(r, by_rollout.get(r.rollout_id, []), policy_model, agent_rewards)
+        transitions = transitions_from_spans(r, by_rollout.get(r.rollout_id, []), policy_model, agent_rewards, select)
         calls += len(transitions)
         truncated += sum(t.finish_reason == "length" for t in transitions)
         joins += max(len(transitions) - 1, 0)
