@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from lightning_ray.serving.app import PolicyServer
 from lightning_ray.serving.decoding import ChoiceDelta
 from lightning_ray.serving.engines import SamplingParams
-from lightning_ray.serving.http import ApiError, error_response
+from lightning_ray.serving.http import ApiError, CallTrace, error_response
 from lightning_ray.serving.responses import (ResponseEventStream, ResponsesRequest, create_response, to_chat,
                                              to_response)
 from lightning_ray.serving.sse import frame
@@ -358,7 +358,8 @@ def policy(tokenizer, fail_after: int | None = None):
 async def serve(server, http_request: httpx.Request) -> httpx.Response:
     """POST /v1/responses, through the real create_response, as the app's route answers it."""
     try:
-        out = await create_response(server, ResponsesRequest.model_validate_json(http_request.content), (None, None))
+        body = ResponsesRequest.model_validate_json(http_request.content)
+        out = await create_response(server, body, CallTrace(None, None))
     except ApiError as e:
         out = error_response(e)
     if isinstance(out, dict):
