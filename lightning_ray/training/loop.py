@@ -121,10 +121,14 @@ def train_step(engine, micro_batches: list[MicroBatch], pad_id: int, cfg: dict, 
         # how far the trainer is from the server on the same tokens (both untempered): ~1e-7 when they agree
         totals["logprob_abs_diff"] += (untempered - batch["served_logprobs"]).abs().sum().item()
     stepped = time.perf_counter()
+    grad_norm = None
+    if engine.zero_optimization_stage() == 0:  # DeepSpeed reports the norm only from its ZeRO optimizers
+        grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]
+        grad_norm = torch.linalg.vector_norm(torch.stack(grads)).item() if grads else 0.0
     engine.step()
     optimizer_s = time.perf_counter() - stepped
     tokens = max(totals["tokens"], 1)
-    grad_norm = engine.get_global_grad_norm()  # before clipping (DeepSpeed computes it to clip)
+    grad_norm = engine.get_global_grad_norm() or grad_norm  # before clipping (DeepSpeed computes it to clip)
     return {"optimizer_s": optimizer_s, "loss": totals["loss"], "tokens": totals["tokens"],
             "micro_batches": len(micro_batches), "grad_norm": None if grad_norm is None else float(grad_norm),
             **{k: totals[k] / tokens for k in ("clip_frac", "logprob_abs_diff", "entropy", "kl_ref")}}
