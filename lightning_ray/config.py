@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 # How token losses add up to the batch loss (the choice changes what a long answer weighs):
 #   token_mean     every response token of the batch counts the same (DAPO's token-level mean)
@@ -27,6 +27,17 @@ class ModelConfig(_Strict):
     cache_dir: str = "~/.cache/lightning_ray/models"
 
 
+def _regex(pattern: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"not a regex: {pattern!r} ({e})") from None
+    return pattern
+
+
+Regex = Annotated[str, AfterValidator(_regex)]  # a string that compiles as a Python regex
+
+
 class AIRConfig(_Strict):
     """Automatic intermediate rewards (algorithm/air.py): the reward each runtime signal gives the policy call it
     follows; 0 turns a rule off (all off by default). They reach training through algorithm.credit per_step or
@@ -36,18 +47,9 @@ class AIRConfig(_Strict):
     tool_error: float = 0.0  # a tool call that raised
     tool_timeout: float = 0.0  # a tool call that timed out
     malformed_tool_call: float = 0.0  # a <tool_call> block in the answer that could not be parsed
-    format_pattern: str | None = None  # a regex every policy answer should contain (re.search)
+    format_pattern: Regex | None = None  # a regex every policy answer should contain (re.search)
     format_ok: float = 0.0
     format_mismatch: float = 0.0
-
-    @model_validator(mode="after")
-    def _pattern_compiles(self):
-        if self.format_pattern is not None:
-            try:
-                re.compile(self.format_pattern)
-            except re.error as e:
-                raise ValueError(f"format_pattern is not a valid regex: {e}") from None
-        return self
 
     @property
     def enabled(self) -> bool:
@@ -114,17 +116,8 @@ class SelectConfig(_Strict):
     A call is kept when its model matches one of `models` and, where `agents` is set, the agent it was made under
     (the nearest enclosing span that names one) matches one of `agents`."""
 
-    models: list[str] | None = Field(None, min_length=1)  # null: exactly the served model (model.name)
-    agents: list[str] | None = Field(None, min_length=1)  # null: any agent, and calls made under none
-
-    @model_validator(mode="after")
-    def _compiles(self):
-        for pattern in (self.models or []) + (self.agents or []):
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"not a regex: {pattern!r} ({e})") from None
-        return self
+    models: list[Regex] | None = Field(None, min_length=1)  # null: exactly the served model (model.name)
+    agents: list[Regex] | None = Field(None, min_length=1)  # null: any agent, and calls made under none
 
 
 class AlgorithmConfig(_Strict):

@@ -32,6 +32,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         print("starting the learner ...", flush=True)
         learner = Learner(cfg, services.model_path, services.registry)
         rng = random.Random(cfg.seed)
+        select = Selection.of(cfg.model.name, alg.select.models, alg.select.agents)  # which calls are the policy's
         history, evals = [], []
         try:
             if t.eval_every:
@@ -47,7 +48,6 @@ def train(cfg: TrainConfig) -> list[dict]:
                     rollouts = services.run_rollouts(groups, f"iter {iteration} rollouts")
                 with phase("adapt"):
                     spans = services.store.query_spans([r.rollout_id for r in rollouts])
-                    select = Selection.of(cfg.model.name, alg.select.models, alg.select.agents)
                     if cfg.task.air.enabled:  # stored with the trace, where each sits beside the call it judges
                         air = air_spans(spans, cfg.task.air, lambda sp: select.calls(recorded_calls(sp), sp))
                         services.store.add_spans(air, origin="server")

@@ -29,12 +29,12 @@ from lightning_ray.types import Transition
 
 def step_returns(steps: list[Transition], credit: str, gamma: float = 1.0) -> list[float]:
     """The returns of one rollout's transitions, given in step order."""
-    rewards = [t.step_reward for t in steps]
-    if not rewards:
+    if not steps:
         return []
-    rewards[-1] += steps[-1].reward
     if credit == "terminal":
         return [steps[-1].reward] * len(steps)
+    rewards = [t.step_reward for t in steps]
+    rewards[-1] += steps[-1].reward
     if credit == "per_step":
         return rewards
     if credit == "discounted":

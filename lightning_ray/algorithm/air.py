@@ -12,12 +12,11 @@ from __future__ import annotations
 import re
 
 from lightning_ray.config import AIRConfig
-from lightning_ray.serving.tools import parse_tool_calls
+from lightning_ray.serving.tools import TOOL_CALL_FORMATS, parse_tool_calls
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Span
 
 RULE = "lightning_ray.air.rule"  # on an AIR reward span: which rule gave it
-TOOL_CALL_MARKER = "<tool_call>"
 
 
 def air_spans(spans: list[Span], rules: AIRConfig, recorded_calls) -> list[Span]:
@@ -28,9 +27,10 @@ def air_spans(spans: list[Span], rules: AIRConfig, recorded_calls) -> list[Span]
         if s.attributes.get(semconv.OPERATION) == semconv.EXECUTE_TOOL:
             out += _reward(s, _tool_rule(s), rules)
     for call in recorded_calls(spans):
-        text = call.attributes.get("lightning_ray.response") or ""
+        text = call.attributes.get(semconv.RESPONSE_TEXT) or ""
         content, _ = parse_tool_calls(text)
-        if TOOL_CALL_MARKER in (content or ""):  # a well-formed block would have been parsed out of the content
+        # a well-formed block would have been parsed out of the content
+        if TOOL_CALL_FORMATS["hermes"].start in (content or ""):
             out += _reward(call, "malformed_tool_call", rules)
         if rules.format_pattern is not None:
             out += _reward(call, "format_ok" if re.search(rules.format_pattern, text) else "format_mismatch", rules)

@@ -33,10 +33,9 @@ def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: st
     select = select or Selection.of(policy_model)
     calls = sorted(select.calls(recorded_calls(spans), spans), key=lambda s: s.start_time)
     step_rewards = [0.0] * len(calls)
-    for r in intermediate:  # to the last call that started before it (one before any call: to the first)
+    for r in intermediate if calls else []:  # to the last call that started before it (one before any: the first)
         step = max(sum(c.start_time <= r.start_time for c in calls) - 1, 0)
-        if calls:
-            step_rewards[step] += r.attributes[semconv.REWARD_VALUE]
+        step_rewards[step] += r.attributes[semconv.REWARD_VALUE]
     return [
         Transition(
             rollout_id=rollout.rollout_id,
@@ -48,7 +47,7 @@ def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: st
             reward=reward,
             step=i,
             step_reward=step_rewards[i],
-            finish_reason=(s.attributes.get("gen_ai.response.finish_reasons") or [None])[0],
+            finish_reason=(s.attributes.get(semconv.FINISH_REASONS) or [None])[0],
             policy_version=s.attributes[semconv.POLICY_VERSION],
             temperature=_temperature(s),
         )

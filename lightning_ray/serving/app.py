@@ -214,8 +214,8 @@ class PolicyServer:
                               # what the tokens were sampled from: the learner scores them under the same
                               semconv.SAMPLING: {"temperature": params.temperature, "top_p": params.top_p,
                                                  "seed": params.seed, "constrained": params.json_schema is not None},
-                              "gen_ai.response.finish_reasons": [c.finish_reason],
-                              "lightning_ray.response": c.text,
+                              semconv.FINISH_REASONS: [c.finish_reason],
+                              semconv.RESPONSE_TEXT: c.text,
                               "lightning_ray.choice_index": i,
                               "lightning_ray.error": error,
                               "lightning_ray.replica": self.replica_id,

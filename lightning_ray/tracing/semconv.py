@@ -22,6 +22,8 @@ COMPLETION_TOKEN_IDS = "lightning_ray.completion_token_ids"
 LOGPROBS = "lightning_ray.logprobs"
 POLICY_VERSION = "lightning_ray.policy_version"
 SAMPLING = "lightning_ray.sampling"  # {temperature, top_p, seed, constrained}: the distribution tokens came from
+FINISH_REASONS = "gen_ai.response.finish_reasons"
+RESPONSE_TEXT = "lightning_ray.response"  # the text the client was sent
 
 # Rewards: REWARD_VALUE is the scalar LightningRL optimises; a multi-dimensional reward also carries each named
 # dimension as f"{REWARD_VALUE}.{name}".
