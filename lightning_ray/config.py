@@ -123,7 +123,7 @@ class SelectConfig(_Strict):
 class AlgorithmConfig(_Strict):
     select: SelectConfig = SelectConfig()  # which calls are trained: by model and by agent name
     # credit assignment and advantages, each option explained in algorithm/advantages.py
-    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"
     credit: Literal["terminal", "per_step", "discounted"] = "terminal"
     gamma: float = Field(1.0, ge=0, le=1)  # discount per step (credit: discounted)
     baseline: Literal["group", "turn"] = "group"
@@ -131,19 +131,31 @@ class AlgorithmConfig(_Strict):
     clip_eps_high: float | None = Field(None, gt=0)  # clip-higher (DAPO); null: clip_eps
     overlong_filter: bool = False  # leave out of the loss the calls cut off at max_tokens (DAPO)
     entropy_coef: float = Field(0.0, ge=0)  # entropy bonus in the loss (entropy is reported whatever its value)
-    # KL to the frozen initial policy as a loss term; > 0 keeps a reference copy on every rank (and reports kl_ref)
+    # KL to the frozen initial policy; > 0 keeps a reference copy on every rank (and reports kl_ref)
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k3"] = "k3"
+    # where the KL goes: a loss term, or a per-token reward penalty (needs token rewards: estimator ppo)
+    kl_penalty: Literal["loss", "reward"] = "loss"
+    # PPO's critic (estimator ppo): a value head on the policy's last hidden state, GAE over each call's tokens
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+    value_coef: float = Field(0.5, gt=0)  # the value loss's weight against the policy loss
+    value_lr: float | None = Field(1e-4, gt=0)  # the freshly initialized head learns faster; null: trainer.lr
+    # truncated importance sampling: each token's gradient weighted by min(π_learner / π_sampler, tis_cap), for
+    # samples from an older policy version or an engine whose numerics differ from the learner's; null: off
+    tis_cap: float | None = Field(None, gt=0)
     loss_aggregation: LossAggregation = "token_mean"  # how token losses add up (algorithm/grpo.py)
     # One sample per policy call, or a rollout's calls merged into one sequence where each prompt extends the last
     # call's context token for token (tool results masked out of the loss): the same gradient, far fewer tokens.
     level: Literal["transition", "trajectory"] = "transition"
 
     @model_validator(mode="after")
-    def _one_return_per_sequence(self):
+    def _options_fit_together(self):
         if self.level == "trajectory" and (self.credit != "terminal" or self.baseline != "group"):
             raise ValueError("algorithm.credit and algorithm.baseline other than terminal / group give each call "
                              "its own advantage: they need algorithm.level=transition")
+        if self.kl_penalty == "reward" and self.estimator != "ppo":
+            raise ValueError("algorithm.kl_penalty=reward puts the KL in per-token rewards, which only the critic's "
+                             "token-level advantages use: it needs algorithm.estimator=ppo (or kl_penalty=loss)")
         return self
 
 

@@ -1,5 +1,5 @@
 """The LightningRL training loop, top to bottom: tasks → rollouts by the unmodified agent → spans → transitions →
-GRPO update → new weights on every serve replica → next iteration; held-out evaluation along the way."""
+policy update (GRPO, PPO, ...) → new weights on every serve replica → next iteration; held-out evaluation along the way."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import ray
 from openai import OpenAI
 
-from lightning_ray.algorithm.advantages import compute_advantages
+from lightning_ray.algorithm.advantages import compute_advantages, has_signal
 from lightning_ray.algorithm.air import air_spans
 from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, scored_faithfully
 from lightning_ray.algorithm.select import Selection
@@ -57,8 +57,9 @@ def train(cfg: TrainConfig) -> list[dict]:
                     transitions = compute_advantages(transitions, alg.estimator, alg.credit, alg.gamma, alg.baseline)
                     if alg.overlong_filter:  # a cut-off answer's reward says little about it: left out of the loss
                         transitions = [tr for tr in transitions if tr.finish_reason != "length"]
-                # a group whose rollouts all scored the same gives zero advantages: no learning signal
-                signal = len({tr.group_id for tr in transitions if tr.advantage != 0})
+                # a group whose rollouts all scored the same gives zero advantages: no learning signal (a critic
+                # still has one: its baseline is the value head, not the group)
+                signal = len({tr.group_id for tr in transitions if has_signal(tr, alg.estimator)})
                 results = []
                 if signal:  # else the policy stays as it is: no step, no new version
                     with phase("train"):
@@ -129,6 +130,8 @@ def _record(iteration, rollouts, spans, transitions, adapted, signal, version, r
             # per trained token, the gradient norm before clipping
             "entropy": sum(r["entropy"] for r in results) / len(results),
             "kl_ref": sum(r["kl_ref"] for r in results) / len(results),
+            "value_loss": sum(r["value_loss"] for r in results),  # PPO's critic (0 without one)
+            "tis_capped_frac": sum(r["tis_capped"] for r in results) / len(results),  # tokens at algorithm.tis_cap
             "grad_norm": results[0]["grad_norm"],
             "trained_tokens": sum(r["tokens"] for r in results),
             "micro_batches": sum(r["micro_batches"] for r in results),

@@ -111,7 +111,8 @@ class Transition(BaseModel):
     step: int = 0  # which of the rollout's policy calls (0, 1, ...)
     step_reward: float = 0.0  # intermediate rewards credited to this call (recorded after it, before the next)
     finish_reason: str | None = None  # "length": cut off at max_tokens
-    advantage: float = 0.0
+    returns: float = 0.0  # G_t, what credit assignment gave this call (algorithm/advantages.py)
+    advantage: float = 0.0  # with a critic (ppo) the learner computes one per token instead
     policy_version: int
     temperature: float = 1.0
     # Trajectory level (several calls merged into one sequence): 1 for the policy's response tokens, 0 for the

@@ -21,6 +21,7 @@ def run_job(*overrides: str) -> subprocess.CompletedProcess:
     ("rollout.group_size=0", "rollout.group_size"),
     ("algorithm.estimator=ppo2", "algorithm.estimator"),
     ("algorithm.credit=per_step", "algorithm.credit"),  # per-call advantages on the default trajectory level
+    ("algorithm.kl_penalty=reward", "algorithm.kl_penalty"),  # token rewards without a critic to use them
     ("serve.port=99999", "serve.port"),
 ])
 def test_bad_values_name_the_key(override, named, tmp_path):

@@ -39,7 +39,7 @@ def batch_of(n: int, seed: int = 0) -> list[Transition]:
 def test_score_is_the_tempered_softmax_of_the_full_forward_pass(model):
     transitions = batch_of(6)
     batch = collate([(t, 1.0) for t in transitions], pad_id=0)
-    tempered, untempered, entropy = score(model, batch)
+    tempered, untempered, entropy, _ = score(model, batch)
     expected_t, expected_u, expected_h = [], [], []
     with torch.no_grad():
         for t in transitions:  # one unpadded row at a time, the whole vocabulary, the textbook way

@@ -1,5 +1,7 @@
 """Every ZeRO stage the config accepts trains, publishes whole weights a server can load, and saves a checkpoint that
-loads back: two Ray Train ranks on the tiny model. (Stage 2 also runs in test_train_e2e, stage 0 in test_learning.)"""
+loads back: two Ray Train ranks on the tiny model. (Stage 2 also runs in test_train_e2e, stage 0 in test_learning.)
+Stage 3 runs PPO: its value head is partitioned with the policy, its advantages whitened across the ranks, and
+neither the head nor its optimizer state may leak into what a server loads."""
 
 from __future__ import annotations
 
@@ -21,12 +23,15 @@ def transitions(vocab: int, n: int = 8) -> list[Transition]:
     return [Transition(rollout_id=f"r{i}", group_id=f"g{i // 4}", span_id=f"s{i}",
                        prompt_ids=[rng.randrange(vocab) for _ in range(24)],
                        response_ids=[rng.randrange(vocab) for _ in range(8)], logprobs=[-1.0] * 8, reward=i % 2,
-                       advantage=1.0 if i % 2 else -1.0, policy_version=0, temperature=1.0) for i in range(n)]
+                       returns=i % 2, advantage=1.0 if i % 2 else -1.0, policy_version=0, temperature=1.0) for i in range(n)]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 3])
-def test_each_zero_stage_publishes_and_saves_whole_weights(ray_cluster, tiny_model_path, tmp_path, stage):
-    cfg = validate({"run_dir": str(tmp_path), "trainer": {
+PPO = {"estimator": "ppo", "kl_coef": 0.1, "kl_penalty": "reward", "tis_cap": 2.0}
+
+
+@pytest.mark.parametrize("stage, algorithm", [(0, {}), (1, {}), (3, PPO)])
+def test_each_zero_stage_publishes_and_saves_whole_weights(ray_cluster, tiny_model_path, tmp_path, stage, algorithm):
+    cfg = validate({"run_dir": str(tmp_path), "algorithm": algorithm, "trainer": {
         "num_workers": 2, "threads_per_worker": 1, "zero_stage": stage, "lr": 1e-3, "micro_batch_tokens": 96}})
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     registry = WeightRegistry.remote()
@@ -39,6 +44,8 @@ def test_each_zero_stage_publishes_and_saves_whole_weights(ray_cluster, tiny_mod
     finally:
         learner.close()
     assert all(r["grad_norm"] > 0 for r in replies)  # reported whatever the stage (DeepSpeed's own only under ZeRO)
+    if algorithm == PPO:  # the critic trained: V = 0 at first, returns 0 and 1
+        assert sum(r["value_loss"] for r in replies) > 0 and all(r["kl_ref"] < 1e-6 for r in replies)
     [digest] = {r["digest"] for r in replies}  # every rank holds the same weights ...
     assert digest != parameter_digest(initial)  # ... moved by the step
     served = AutoModelForCausalLM.from_pretrained(tiny_model_path)

@@ -13,14 +13,14 @@ from lightning_ray.models.tiny import EASY
 from lightning_ray.trainer import train
 
 
-@pytest.fixture(scope="module")
-def history(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
+@pytest.fixture(scope="module", params=["grpo", "ppo"])
+def history(request, ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     cfg = validate({
         "run_dir": str(tmp_path_factory.mktemp("learning")),
         "model": {"path": str(tiny_model_path)},
         "serve": {"port": serve_port},
         "task": {"generator": EASY},
-        "algorithm": {"level": "trajectory"},
+        "algorithm": {"level": "trajectory", "estimator": request.param},
         # 64 groups per iteration: the reward's iteration-to-iteration noise (~0.03) stays well under the rise
         "rollout": {"tasks_per_iteration": 64, "group_size": 4, "agents_per_worker": 8},
         "trainer": {"iterations": 10, "lr": 1e-3, "eval_every": 0, "checkpoint_every": 10},

@@ -28,8 +28,9 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
         "trainer": {"iterations": 2, "num_workers": 2, "threads_per_worker": 1, "zero_stage": 2,
                     "micro_batch_tokens": 512, "eval_every": 2, "lr": 1e-3},
         "task": {"generator": EASY, "eval_size": 8},
-        # the reference-model and entropy-bonus paths of the loss, small enough not to change what is learned
-        "algorithm": {"kl_coef": 0.01, "entropy_coef": 0.001},
+        # the reference-model, entropy-bonus and importance-weight paths of the loss, small enough not to change
+        # what is learned
+        "algorithm": {"kl_coef": 0.01, "entropy_coef": 0.001, "tis_cap": 1.5},
         # 16 GRPO groups: an iteration where every group scores uniformly (no signal, no update) is then
         # vanishingly rare, so the assertions below about parameters moving hold.
         "rollout": {"tasks_per_iteration": 16, "group_size": 4, "agents_per_worker": 4},
@@ -72,6 +73,8 @@ def test_training_health_is_logged(run):
         assert h["entropy"] > 0 and h["grad_norm"] > 0 and 0 < h["response_diversity"] <= 1
         assert 0 <= h["truncation_rate"] <= 1
     assert first["kl_ref"] < 1e-6 < second["kl_ref"]  # the first step starts at the reference; then it moved
+    # on-policy: the server sampled with the learner's weights (HF engine, same numerics), so no weight hits the cap
+    assert first["tis_capped_frac"] == second["tis_capped_frac"] == 0 and first["value_loss"] == 0
 
 
 def test_held_out_evaluation_is_greedy_and_logged(run):

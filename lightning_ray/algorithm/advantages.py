@@ -17,6 +17,8 @@ and the estimator turns return and baseline into an advantage:
   rloo          G - mean of the other rollouts (leave-one-out)
   reinforce_pp  G - mean, scaled by the std of the whole batch (REINFORCE++ with a group baseline); rescaling
                 only, so a group whose rollouts agree still gives no signal
+  ppo           no group baseline: the learner's value head is the baseline, token by token (GAE, algorithm/ppo.py);
+                each transition carries its return G for it, and every transition has a signal
 """
 
 from __future__ import annotations
@@ -72,12 +74,21 @@ def compute_advantages(transitions: list[Transition], estimator: str = "grpo", c
             return group_pool[t.group_id]
         raise ValueError(f"unknown baseline {baseline!r}: expected group or turn")
 
+    if estimator == "ppo":
+        return [t.model_copy(update={"returns": returns[t.rollout_id, t.step]}) for t in transitions]
     advantages = [_advantage(returns[t.rollout_id, t.step], pool(t), t.rollout_id, estimator, eps)
                   for t in transitions]
     if estimator == "reinforce_pp" and len(advantages) > 1:
         scale = pstdev(advantages) + eps
         advantages = [a / scale for a in advantages]
-    return [t.model_copy(update={"advantage": a}) for t, a in zip(transitions, advantages)]
+    return [t.model_copy(update={"advantage": a, "returns": returns[t.rollout_id, t.step]})
+            for t, a in zip(transitions, advantages)]
+
+
+def has_signal(t: Transition, estimator: str) -> bool:
+    """Whether a transition can move the policy: with a critic (ppo) every one can, its advantages coming from the
+    value head; with a group baseline only one whose return differs from it."""
+    return estimator == "ppo" or t.advantage != 0
 
 
 def _advantage(g: float, pool: dict[str, float], own: str, estimator: str, eps: float) -> float:
@@ -89,4 +100,4 @@ def _advantage(g: float, pool: dict[str, float], own: str, estimator: str, eps: 
     if estimator == "rloo":
         others = [v for r, v in pool.items() if r != own]
         return g - mean(others) if others else 0.0
-    raise ValueError(f"unknown advantage estimator {estimator!r}: expected grpo, dr_grpo, rloo or reinforce_pp")
+    raise ValueError(f"unknown advantage estimator {estimator!r}: expected grpo, dr_grpo, rloo, reinforce_pp or ppo")

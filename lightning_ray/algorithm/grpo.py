@@ -24,18 +24,31 @@ def token_weights(transitions: list[Transition], aggregation: LossAggregation, m
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
-                clip_eps: float, clip_eps_high: float | None = None) -> tuple[torch.Tensor, dict]:
+                clip_eps: float, clip_eps_high: float | None = None,
+                is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """PPO-clip surrogate, summed over tokens with their weights. All tensors are flat, one entry per token.
-    clip_eps_high > clip_eps (clip-higher) leaves more room to raise unlikely tokens, against entropy collapse."""
+    clip_eps_high > clip_eps (clip-higher) leaves more room to raise unlikely tokens, against entropy collapse.
+    is_weights: importance weights of the tokens for the policy that sampled them (truncated_is_weights)."""
     low, high = 1 - clip_eps, 1 + (clip_eps if clip_eps_high is None else clip_eps_high)
     ratio = torch.exp(logprobs - old_logprobs)
     surrogate = torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
+    if is_weights is not None:
+        surrogate = surrogate * is_weights
     loss = -(surrogate * weights).sum()
     with torch.no_grad():
         n = max(len(ratio), 1)
         stats = {"clip_frac": ((ratio < low) | (ratio > high)).float().sum().item() / n,
                  "ratio_mean": ratio.sum().item() / n}
     return loss, stats
+
+
+def truncated_is_weights(learner_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                         cap: float) -> torch.Tensor:
+    """min(π_learner / π_sampler, cap) per token, no gradient: corrects the surrogate's expectation for tokens that
+    another policy sampled (an older version, or the serving engine's slightly different numerics), and the cap
+    bounds the variance a rare token could add. Both logprobs untempered, as the engine reports them: exact at
+    temperature 1, an approximation of the sampled distribution's ratio otherwise."""
+    return torch.exp(learner_logprobs - sampler_logprobs).clamp(max=cap).detach()
 
 
 def kl_to_reference(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:

@@ -10,6 +10,7 @@ from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Empty, Queue
 
+from lightning_ray.algorithm.advantages import has_signal
 from lightning_ray.algorithm.grpo import token_weights
 from lightning_ray.config import TrainConfig, TrainerConfig
 from lightning_ray.training.loop import MicroBatch, train_loop_per_worker
@@ -21,6 +22,7 @@ class Learner:
         t = cfg.trainer
         self.n, self.timeout_s, self.token_budget = t.num_workers, t.step_timeout_s, t.micro_batch_tokens
         self.aggregation, self.max_tokens = cfg.algorithm.loss_aggregation, cfg.rollout.max_tokens
+        self.estimator = cfg.algorithm.estimator
         self.version = 0
         self.inboxes = [Queue(actor_options={"num_cpus": 0}) for _ in range(self.n)]
         self.outbox = Queue(actor_options={"num_cpus": 0})
@@ -32,6 +34,9 @@ class Learner:
                 "threads_per_worker": t.threads_per_worker, "clip_eps": cfg.algorithm.clip_eps,
                 "clip_eps_high": cfg.algorithm.clip_eps_high, "entropy_coef": cfg.algorithm.entropy_coef,
                 "kl_coef": cfg.algorithm.kl_coef, "kl_estimator": cfg.algorithm.kl_estimator,
+                "kl_penalty": cfg.algorithm.kl_penalty, "tis_cap": cfg.algorithm.tis_cap,
+                "critic": cfg.algorithm.estimator == "ppo", "gae_lambda": cfg.algorithm.gae_lambda,
+                "value_coef": cfg.algorithm.value_coef, "value_lr": cfg.algorithm.value_lr,
                 "extensions_dir": str(Path("~/.cache/lightning_ray/torch_extensions").expanduser()),
             },
             # One logical CPU per worker whatever its threads: phases alternate, so the learner's threads use the
@@ -66,12 +71,12 @@ class Learner:
         return sorted(replies, key=lambda r: r["rank"])
 
     def step(self, transitions: list[Transition]) -> list[dict]:
-        """One optimizer step over the transitions that carry a learning signal (a nonzero advantage), publishing
-        policy version v+1. The caller skips batches without any: an empty step would still move the weights
-        (Adam's momentum) and bump the version for nothing."""
-        batch = [t for t in transitions if t.advantage != 0]
+        """One optimizer step over the transitions that carry a learning signal (a nonzero advantage, or any with
+        a critic), publishing policy version v+1. The caller skips batches without any: an empty step would still
+        move the weights (Adam's momentum) and bump the version for nothing."""
+        batch = [t for t in transitions if has_signal(t, self.estimator)]
         if not batch:
-            raise ValueError("no transition with a nonzero advantage: nothing to learn from")
+            raise ValueError("no transition with a learning signal: nothing to learn from")
         weighted = list(zip(batch, token_weights(batch, self.aggregation, self.max_tokens)))
         per_rank: list[list[MicroBatch]] = [[] for _ in range(self.n)]
         for i, micro_batch in enumerate(micro_batches(weighted, self.token_budget)):

@@ -7,12 +7,14 @@ import hashlib
 import os
 import time
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import ray
 import ray.train
 import torch
 
-from lightning_ray.algorithm.grpo import kl_to_reference, policy_loss
+from lightning_ray.algorithm.grpo import kl_to_reference, policy_loss, truncated_is_weights
+from lightning_ray.algorithm.ppo import gae, token_rewards, value_loss, whiten
 from lightning_ray.types import Transition
 
 MicroBatch = list[tuple[Transition, float]]  # transitions with the weight of each of their tokens in the loss
@@ -50,7 +52,11 @@ def train_loop_per_worker(cfg: dict) -> None:
     if cfg["kl_coef"] > 0:
         reference = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32).eval()
         reference.requires_grad_(False)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+    parameters = [{"params": list(model.parameters())}]
+    if cfg["critic"]:
+        model = WithValueHead(model)
+        parameters.append({"params": list(model.value_head.parameters()), "lr": cfg["value_lr"] or cfg["lr"]})
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters,
                                       config=deepspeed_config(cfg), dist_init_required=False)
     inbox, outbox, registry = cfg["inboxes"][rank], cfg["outbox"], cfg["registry"]
     with whole_weights(engine) as module:
@@ -59,7 +65,7 @@ def train_loop_per_worker(cfg: dict) -> None:
         if msg["kind"] == "save":
             with whole_weights(engine) as module:
                 if rank == 0:
-                    module.save_pretrained(msg["path"])
+                    module.save_pretrained(msg["path"])  # the policy (a critic's value head is the run's own)
                     tokenizer.save_pretrained(msg["path"])
             outbox.put({"rank": rank, "saved": msg["path"]})
             continue
@@ -79,15 +85,31 @@ def train_loop_per_worker(cfg: dict) -> None:
         outbox.put({"rank": rank, "version": msg["version"], "digest": digest, **stats})
 
 
+class WithValueHead(torch.nn.Module):
+    """PPO's actor and critic as one module, so one DeepSpeed engine and optimizer step both: the policy, and a
+    linear value head on its last hidden state (sharing the policy's trunk). Only the policy is published."""
+
+    def __init__(self, policy: torch.nn.Module):
+        super().__init__()
+        self.policy = policy
+        self.value_head = torch.nn.Linear(policy.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)  # V = 0 at first: the first advantages are the rewards' own
+        torch.nn.init.zeros_(self.value_head.bias)
+
+
+def policy_of(module: torch.nn.Module) -> torch.nn.Module:
+    return module.policy if isinstance(module, WithValueHead) else module
+
+
 @contextmanager
 def whole_weights(engine):
-    """The module with all its parameters whole for the block: ZeRO-3 keeps a shard of each on every rank, and
+    """The policy with all its parameters whole for the block: ZeRO-3 keeps a shard of each on every rank, and
     gathering them is a collective (every rank enters). Other stages keep them whole: nothing to do."""
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
                                            enabled=engine.zero_optimization_partition_weights()):
-        yield engine.module
+        yield policy_of(engine.module)
 
 
 def train_step(engine, micro_batches: list[MicroBatch], pad_id: int, cfg: dict, world_size: int,
@@ -96,30 +118,42 @@ def train_step(engine, micro_batches: list[MicroBatch], pad_id: int, cfg: dict, 
     of micro-batches (some may be empty): ZeRO reduces gradients inside backward, and all ranks must join.
 
     The batch is on-policy (sampled by exactly these weights) and takes one step, so the behaviour policy's
-    logprobs are the ones computed here, detached: the ratio starts at 1, as PPO's first step does."""
-    totals = {"loss": 0.0, "tokens": 0, "clip_frac": 0.0, "logprob_abs_diff": 0.0, "entropy": 0.0, "kl_ref": 0.0}
-    for micro_batch in micro_batches:
-        batch = collate(micro_batch, pad_id)
-        logprobs, untempered, entropy = score(engine.module, batch, entropy_grad=cfg["entropy_coef"] > 0)
+    logprobs are the ones computed here, detached: the ratio starts at 1, as PPO's first step does. Where the
+    sampler differed after all (an older version, the engine's numerics), tis_cap reweighs each token."""
+    batches = [collate(mb, pad_id) for mb in micro_batches]
+    totals = {"loss": 0.0, "tokens": 0, "clip_frac": 0.0, "logprob_abs_diff": 0.0, "entropy": 0.0, "kl_ref": 0.0,
+              "value_loss": 0.0, "tis_capped": 0.0}
+    if cfg["critic"]:  # PPO: every token's advantage from the value head, before any weight moves
+        totals["kl_ref"] += critic_advantages(engine.module, batches, cfg, reference)
+    for batch in batches:
+        scores = score(engine.module, batch, entropy_grad=cfg["entropy_coef"] > 0)
         # DeepSpeed averages gradients over ranks; the weights already normalize over the whole batch.
         weights = batch["weights"] * world_size
-        loss, stats = policy_loss(logprobs, logprobs.detach(), batch["advantages"], weights, cfg["clip_eps"],
-                                  cfg["clip_eps_high"])
-        loss = loss - cfg["entropy_coef"] * (entropy * weights).sum()
-        if reference is not None:
+        is_weights = None
+        if cfg["tis_cap"]:
+            is_weights = truncated_is_weights(scores.untempered, batch["served_logprobs"], cfg["tis_cap"])
+            totals["tis_capped"] += (is_weights >= cfg["tis_cap"]).sum().item()
+        loss, stats = policy_loss(scores.logprobs, scores.logprobs.detach(), batch["advantages"], weights,
+                                  cfg["clip_eps"], cfg["clip_eps_high"], is_weights)
+        loss = loss - cfg["entropy_coef"] * (scores.entropy * weights).sum()
+        if scores.values is not None:
+            critic_loss = value_loss(scores.values, batch["returns"], batch["weights"])
+            loss = loss + cfg["value_coef"] * critic_loss * world_size
+            totals["value_loss"] += critic_loss.item()
+        if reference is not None and cfg["kl_penalty"] == "loss":
             with torch.no_grad():
-                ref_logprobs = score(reference, batch)[0]
-            kl = kl_to_reference(logprobs, ref_logprobs, cfg["kl_estimator"])
+                ref_logprobs = score(reference, batch).logprobs
+            kl = kl_to_reference(scores.logprobs, ref_logprobs, cfg["kl_estimator"])
             loss = loss + cfg["kl_coef"] * (kl * weights).sum()
             totals["kl_ref"] += kl.detach().sum().item()
         engine.backward(loss, scale_wrt_gas=False)
-        n = len(logprobs)
+        n = len(scores.logprobs)
         totals["loss"] += loss.item() / world_size
         totals["tokens"] += n
         totals["clip_frac"] += stats["clip_frac"] * n
-        totals["entropy"] += entropy.detach().sum().item()
+        totals["entropy"] += scores.entropy.detach().sum().item()
         # how far the trainer is from the server on the same tokens (both untempered): ~1e-7 when they agree
-        totals["logprob_abs_diff"] += (untempered - batch["served_logprobs"]).abs().sum().item()
+        totals["logprob_abs_diff"] += (scores.untempered - batch["served_logprobs"]).abs().sum().item()
     stepped = time.perf_counter()
     grad_norm = None
     if engine.zero_optimization_stage() == 0:  # DeepSpeed reports the norm only from its ZeRO optimizers
@@ -129,20 +163,58 @@ def train_step(engine, micro_batches: list[MicroBatch], pad_id: int, cfg: dict, 
     optimizer_s = time.perf_counter() - stepped
     tokens = max(totals["tokens"], 1)
     grad_norm = engine.get_global_grad_norm() or grad_norm  # before clipping (DeepSpeed computes it to clip)
-    return {"optimizer_s": optimizer_s, "loss": totals["loss"], "tokens": totals["tokens"],
-            "micro_batches": len(micro_batches), "grad_norm": None if grad_norm is None else float(grad_norm),
-            **{k: totals[k] / tokens for k in ("clip_frac", "logprob_abs_diff", "entropy", "kl_ref")}}
+    return {"optimizer_s": optimizer_s, "loss": totals["loss"], "value_loss": totals["value_loss"],
+            "tokens": totals["tokens"], "micro_batches": len(micro_batches),
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            **{k: totals[k] / tokens for k in ("clip_frac", "logprob_abs_diff", "entropy", "kl_ref", "tis_capped")}}
 
 
-def score(model: torch.nn.Module, batch: dict[str, torch.Tensor],
-          entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logprobs of the response tokens, flat in row order: under each call's sampling temperature (with gradient),
-    and untempered (to compare with the engine's); and the entropy of each position's sampling distribution (with
-    gradient for an entropy bonus). Only the positions that predict a response token go through the LM head, so
-    the [rows, width, vocabulary] logits of the whole micro-batch never exist."""
+def critic_advantages(module: torch.nn.Module, batches: list[dict], cfg: dict,
+                      reference: torch.nn.Module | None) -> float:
+    """PPO (algorithm/ppo.py): each sample's token rewards, GAE against the value head's estimates, advantages
+    whitened over the whole batch; written into the batches as their `advantages` and `returns` (value targets).
+    Returns the summed KL to the reference where it is a reward penalty (0 otherwise)."""
+    kl_sum = 0.0
+    with torch.no_grad():
+        for batch in batches:
+            scores = score(module, batch)
+            kl = None
+            if reference is not None and cfg["kl_penalty"] == "reward":
+                kl = kl_to_reference(scores.logprobs, score(reference, batch).logprobs, cfg["kl_estimator"])
+                kl_sum += kl.sum().item()
+            advantages, targets, start = [], [], 0
+            for tokens, sample_return in zip(batch["row_tokens"], batch["sample_returns"]):
+                end = start + tokens
+                rewards = token_rewards(sample_return, tokens, None if kl is None else kl[start:end], cfg["kl_coef"])
+                a, r = gae(rewards, scores.values[start:end], cfg["gae_lambda"])
+                advantages.append(a)
+                targets.append(r)
+                start = end
+            batch["advantages"] = torch.cat(advantages) if advantages else torch.zeros(0)
+            batch["returns"] = torch.cat(targets) if targets else torch.zeros(0)
+    whitened = whiten(torch.cat([b["advantages"] for b in batches])).split([len(b["advantages"]) for b in batches])
+    for batch, a in zip(batches, whitened):
+        batch["advantages"] = a
+    return kl_sum
+
+
+class Scores(NamedTuple):
+    logprobs: torch.Tensor  # under each call's sampling temperature (with gradient)
+    untempered: torch.Tensor  # to compare with the engine's
+    entropy: torch.Tensor  # of each position's sampling distribution
+    values: torch.Tensor | None  # the value head's estimate at each position (a critic's module only)
+
+
+def score(module: torch.nn.Module, batch: dict[str, torch.Tensor], entropy_grad: bool = False) -> Scores:
+    """Per response token, flat in row order: its logprob under the call's sampling temperature (with gradient)
+    and untempered; the entropy of the position's sampling distribution (with gradient for an entropy bonus); a
+    critic's value estimate. Only the positions that predict a response token go through the LM head, so the
+    [rows, width, vocabulary] logits of the whole micro-batch never exist."""
+    model = policy_of(module)
     hidden = model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
     predicts = batch["mask"].bool()
-    logits = model.get_output_embeddings()(hidden[:, :-1][predicts]).float()  # [response tokens, vocabulary]
+    states = hidden[:, :-1][predicts]  # [response tokens, hidden]: the context each action was taken in
+    logits = model.get_output_embeddings()(states).float()  # [response tokens, vocabulary]
     targets = batch["input_ids"][:, 1:][predicts]
     temperature = batch["temperature"][:, None].expand_as(predicts)[predicts]
     picked = logits.gather(-1, targets[:, None]).squeeze(-1)
@@ -152,13 +224,14 @@ def score(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         log_p = torch.log_softmax(logits / temperature[:, None], -1)
         entropy = -(log_p.exp() * log_p).sum(-1)
-    return tempered, untempered, entropy
+    values = module.value_head(states).squeeze(-1).float() if isinstance(module, WithValueHead) else None
+    return Scores(tempered, untempered, entropy, values)
 
 
 def collate(micro_batch: MicroBatch, pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded prompt+response rows. Position i of `mask` predicts token i+1, and is 1 where that token is
     the policy's action; the flat per-token tensors (advantages, weights, served_logprobs) follow the actions in row
-    order, as `score` returns them."""
+    order, as `score` returns them; `row_tokens` and `sample_returns` give each row's share and return."""
     rows = micro_batch or []
     width = max([len(t.prompt_ids) + len(t.response_ids) for t, _ in rows] + [2])
     n = max(len(rows), 1)  # an empty micro-batch is one row of padding: no tokens, zero loss, still a backward
@@ -178,7 +251,8 @@ def collate(micro_batch: MicroBatch, pad_id: int) -> dict[str, torch.Tensor]:
         served += [lp for lp, m in zip(t.logprobs, t.action_mask) if m]
     return {"input_ids": input_ids, "attention_mask": attention_mask, "mask": mask, "temperature": temperature,
             "advantages": torch.tensor(advantages), "weights": torch.tensor(weights),
-            "served_logprobs": torch.tensor(served)}
+            "served_logprobs": torch.tensor(served), "row_tokens": [t.action_tokens for t, _ in rows],
+            "sample_returns": [t.returns for t, _ in rows]}
 
 
 def parameter_digest(module: torch.nn.Module) -> str:
