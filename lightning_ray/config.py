@@ -67,6 +67,18 @@ class TaskConfig(_Strict):
     eval_seed: int = 1
     agent_rewards: bool = False  # true: the last reward the agent emitted (a reward span) overrides the task's
     air: AIRConfig = AIRConfig()  # automatic intermediate rewards from tool status and answer format
+    # Your own agent instead of the task's (rollout/agents.py): an entry point "package.module:function" called as
+    # function(task_input, base_url=..., model=..., api_key=...) -> answer, or a command in any language that reads
+    # OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL and the task (JSON on stdin) and prints its answer.
+    agent: str | None = Field(None, pattern=r"^[\w.]+:[\w.]+$")
+    command: list[str] | None = Field(None, min_length=1)
+    runtime_env: dict[str, Any] | None = None  # the rollout workers' Ray runtime_env (pip, env_vars, working_dir, ...)
+
+    @model_validator(mode="after")
+    def _one_agent(self):
+        if self.agent and self.command:
+            raise ValueError("task.agent and task.command both name the agent: set one")
+        return self
 
 
 class EngineConfig(_Strict):

@@ -48,10 +48,13 @@ class Services:
         if cfg.store.http:
             store_url = deploy_store_api(self.store, cfg.serve.host, cfg.serve.port, cfg.serve.api_key)
             print(f"trace store at {store_url} (OTLP/HTTP: {store_url}/v1/traces)", flush=True)
-        # Each worker runs agents_per_worker agents at once (threads): the engine batches their calls.
-        self.workers = [RolloutWorker.options(max_concurrency=cfg.rollout.agents_per_worker).remote(
-            cfg.task.name, self.store, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing)
-            for _ in range(cfg.rollout.num_workers)]
+        # Each worker runs agents_per_worker agents at once (threads): the engine batches their calls. A worker
+        # that dies is restarted by Ray, and its attempts retried by the store (rollout.max_attempts).
+        self.workers = [RolloutWorker.options(
+            max_concurrency=cfg.rollout.agents_per_worker, max_restarts=-1, runtime_env=cfg.task.runtime_env,
+        ).remote(cfg.task, self.store, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing,
+                 cfg.rollout.timeout_seconds) for _ in range(cfg.rollout.num_workers)]
+        ray.get([w.__ray_ready__.remote() for w in self.workers])  # an agent that cannot load fails here, named
 
     def __enter__(self) -> Services:
         return self

@@ -23,6 +23,7 @@ def run_job(*overrides: str) -> subprocess.CompletedProcess:
     ("algorithm.credit=per_step", "algorithm.credit"),  # per-call advantages on the default trajectory level
     ("algorithm.kl_penalty=reward", "algorithm.kl_penalty"),  # token rewards without a critic to use them
     ("serve.port=99999", "serve.port"),
+    ("task.agent=my_agent.py", "task.agent"),  # an entry point is module:function
 ])
 def test_bad_values_name_the_key(override, named, tmp_path):
     r = run_job(override, f"hydra.run.dir={tmp_path}")

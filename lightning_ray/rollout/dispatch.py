@@ -2,28 +2,63 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 from tqdm import tqdm
 
 from lightning_ray.types import Rollout
+
+logger = logging.getLogger(__name__)
+RESTART_TIMEOUT_S = 120  # how long a dead worker may take to come back (Ray restarts it) before the run stops
 
 
 def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[str], desc: str) -> list[Rollout]:
     """Each worker runs `slots_per_worker` work() calls at once; each takes rollouts from the queue until it finds
     it empty. A slot that stopped is sent again as soon as a rollout waits in the queue, so an attempt the store
     requeued (it failed, timed out or its worker went silent) is taken by the next free slot, not after the slowest
-    rollout of the set. A worker's crash is raised here."""
-    slots = {w.work.remote(): w for w in workers for _ in range(slots_per_worker)}  # call -> its worker
+    rollout of the set. A worker that died (Ray restarts it) loses its attempts to their leases, and the store
+    retries them elsewhere; an error raised by work() itself is raised here."""
+    running = {w.work.remote(): w for w in workers for _ in range(slots_per_worker)}  # call -> its worker
+    free: list = []  # a worker per slot whose call has returned
+
+    def collect(calls: list) -> None:
+        for call in calls:
+            worker = running.pop(call)
+            try:
+                ray.get(call)
+            except RayActorError as e:
+                logger.warning("a rollout worker died; its attempts are retried when their leases run out: %s", e)
+                wait_restarted(worker)
+            free.append(worker)
+
     with tqdm(total=len(rollout_ids), desc=desc, leave=False) as bar:
         while True:
             ended = len(store.wait_for_rollouts(rollout_ids, timeout=0.5))
             bar.update(ended - bar.n)
-            idle, _ = ray.wait(list(slots), num_returns=len(slots), timeout=0)
-            ray.get(idle)
+            if running:
+                collect(ray.wait(list(running), num_returns=len(running), timeout=0)[0])
             if ended == len(rollout_ids):
-                ray.get(list(slots))
+                collect(list(running))  # every slot finds the queue empty and returns
                 return store.get_rollouts(rollout_ids)
-            counts = store.count_rollouts(rollout_ids) if idle else {}
-            for call in idle[:counts.get("queued", 0) + counts.get("requeued", 0)]:
-                worker = slots.pop(call)
-                slots[worker.work.remote()] = worker
+            counts = store.count_rollouts(rollout_ids) if free else {}
+            waiting = counts.get("queued", 0) + counts.get("requeued", 0)
+            for worker in free[:waiting]:
+                running[worker.work.remote()] = worker
+            del free[:waiting]
+
+
+def wait_restarted(worker) -> None:
+    """Return once Ray has restarted a dead worker; one that cannot come back stops the run."""
+    deadline = time.monotonic() + RESTART_TIMEOUT_S
+    while True:
+        try:
+            return ray.get(worker.__ray_ready__.remote(), timeout=max(deadline - time.monotonic(), 0))
+        except ActorUnavailableError:  # still restarting
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+        except (ActorDiedError, GetTimeoutError) as e:
+            raise RuntimeError("a rollout worker died and did not come back") from e

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import ray
 
+from lightning_ray.config import TaskConfig
+from lightning_ray.rollout.agents import resolve_agent
 from lightning_ray.rollout.runner import work
 from lightning_ray.tasks import load_task
 
 
 @ray.remote(num_cpus=0)
 class RolloutWorker:
-    def __init__(self, task_name: str, store, server_url: str, model_name: str, api_key: str | None = None,
-                 tracing_backend: str = "embedded"):
-        self.task = load_task(task_name)
+    def __init__(self, task: TaskConfig, store, server_url: str, model_name: str, api_key: str | None = None,
+                 tracing_backend: str = "embedded", timeout_seconds: float | None = None):
+        self.agent, self.reward = resolve_agent(task, timeout_seconds), load_task(task.name).reward
         self.store, self.server_url, self.model_name = store, server_url, model_name
         self.api_key, self.tracing_backend = api_key or "EMPTY", tracing_backend
         self.worker_id = ray.get_runtime_context().get_actor_id()
 
     def work(self) -> int:
         """Run rollouts until the queue is empty; return how many ran."""
-        return work(self.store, self.task.agent, self.task.reward, self.server_url, self.model_name, self.api_key,
+        return work(self.store, self.agent, self.reward, self.server_url, self.model_name, self.api_key,
                     self.worker_id, self.tracing_backend)

@@ -1,0 +1,103 @@
+"""Rollout workers host any agent: a Python entry point, or a command in any language (a JavaScript agent using the
+official `openai` npm package); and they survive a crash: a worker killed in the middle of a rollout costs an
+attempt, never a lost or duplicated transition. Real Ray, Serve, the HF engine on the tiny model, SQLite, Node."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import ray
+
+from lightning_ray.algorithm.lightningrl import adapt, recorded_calls
+from lightning_ray.config import validate
+from lightning_ray.models.tiny import EASY
+from lightning_ray.rollout.agents import CommandAgent
+from lightning_ray.services import Services
+from lightning_ray.tasks import load_splits
+from lightning_ray.trainer import train
+
+ROOT = Path(__file__).resolve().parents[1]
+NODE_AGENT = ROOT / "examples" / "node_calc"
+
+
+def config(tmp_path, serve_port, tiny_model_path, **overrides) -> dict:
+    return {"run_dir": str(tmp_path), "model": {"path": str(tiny_model_path)}, "serve": {"port": serve_port},
+            "task": {"generator": EASY, "eval_size": 4, **overrides.pop("task", {})}, **overrides}
+
+
+def test_a_worker_killed_mid_rollout_costs_an_attempt_not_a_transition(ray_cluster, tiny_model_path, serve_port,
+                                                                        tmp_path):
+    cfg = validate(config(tmp_path, serve_port, tiny_model_path, task={"agent": "tests.agents.slow_calc:agent"},
+                          rollout={"num_workers": 2, "agents_per_worker": 2, "max_attempts": 2,
+                                   "unresponsive_seconds": 3}))
+    with Services(cfg) as services:
+        tasks = load_splits(cfg.task)[0][:8]
+        result: dict = {}
+        runner = threading.Thread(target=lambda: result.update(rollouts=services.run_rollouts(tasks, "rollouts")))
+        runner.start()
+        victim = None
+        while victim is None:  # the first attempt under way: kill the worker that runs it
+            time.sleep(0.2)
+            running = [a for r in services.store.query_rollouts(status=["running"])
+                       for a in services.store.get_attempts(r.rollout_id) if a.status == "running"]
+            victim = running[0] if running else None
+        worker = next(w for w in services.workers if w._actor_id.hex() == victim.worker_id)
+        ray.kill(worker, no_restart=False)  # a crash: Ray restarts the actor, its attempts are lost with it
+        runner.join(timeout=180)
+        assert not runner.is_alive()
+        rollouts = result["rollouts"]
+        spans = services.store.query_spans([r.rollout_id for r in rollouts])
+    assert all(r.status == "succeeded" and r.reward is not None for r in rollouts)
+    retried = next(r for r in rollouts if r.rollout_id == victim.rollout_id)
+    assert retried.attempts == 2 and retried.attempt_id != victim.attempt_id
+    transitions, _ = adapt(rollouts, spans, cfg.model.name)
+    # every transition is a call of a rollout's final attempt, once; the killed attempt's calls are left out
+    final = {r.attempt_id for r in rollouts}
+    calls = [s for s in recorded_calls(spans) if s.attempt_id in final]
+    assert sorted(t.span_id for t in transitions) == sorted(s.span_id for s in calls)
+    assert max(Counter((t.rollout_id, t.span_id) for t in transitions).values()) == 1
+    assert {t.rollout_id for t in transitions} == {r.rollout_id for r in rollouts}
+
+
+@pytest.fixture(scope="module")
+def node_agent() -> list[str]:
+    """The JavaScript agent's pinned dependencies (package-lock.json), installed from the npm registry once."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("needs Node.js and npm (runs wherever they are installed)")
+    if not (NODE_AGENT / "node_modules" / "openai").exists():
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_AGENT, check=True, timeout=300,
+                       capture_output=True)
+    return ["node", str(NODE_AGENT / "calc.mjs")]
+
+
+def test_a_javascript_agent_trains_like_any_other(node_agent, ray_cluster, tiny_model_path, serve_port, tmp_path):
+    cfg = validate(config(tmp_path, serve_port, tiny_model_path, task={"command": node_agent},
+                          rollout={"tasks_per_iteration": 8, "group_size": 4, "agents_per_worker": 4},
+                          trainer={"iterations": 2, "eval_every": 0, "lr": 1e-3}))
+    history = train(cfg)
+    for h in history:  # its calls were recorded by the server and became transitions; no rollout failed
+        assert h["failed_rollouts"] == 0 and h["transitions"] == h["llm_spans"] > 0
+        assert h["reward_mean"] > 0  # the tiny model solves some of these through the JS agent's calculator
+    assert any(h["updated"] for h in history)
+
+
+def test_a_command_gets_the_endpoint_and_task_and_its_failures_are_the_attempts(tmp_path):
+    script = tmp_path / "agent.py"
+    script.write_text("import json, os, sys\ntask = json.load(sys.stdin)\nprint('log line')\n"
+                      "print(os.environ['OPENAI_BASE_URL'], os.environ['OPENAI_MODEL'], task['question'])\n"
+                      "sys.exit(task.get('exit', 0))\n")
+    agent = CommandAgent(["python3", str(script)], timeout_seconds=30)
+    assert agent({"question": "2+2"}, base_url="http://x/v1", model="policy", api_key="k") == "http://x/v1 policy 2+2"
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        agent({"question": "q", "exit": 3}, base_url="u", model="m", api_key="k")
+    slow = CommandAgent(["python3", "-c", "import time; time.sleep(30)"], timeout_seconds=0.5)
+    started = time.monotonic()
+    with pytest.raises(Exception, match="killed"):
+        slow({}, base_url="u", model="m", api_key="k")
+    assert time.monotonic() - started < 5
