@@ -109,7 +109,10 @@ def _record(iteration, rollouts, spans, transitions, adapted, signal, version, r
         "failed_rollouts": sum(r.status == "failed" for r in rollouts),
         "infra_failed_rollouts": sum(r.reward is None for r in rollouts),  # left out of training
         "transitions": len(transitions),
-        **adapted,  # policy_calls, truncation_rate; prefix_break_rate: re-tokenization drift between calls
+        "policy_calls": adapted["policy_calls"],
+        "truncation_rate": adapted["truncated_calls"] / max(adapted["policy_calls"], 1),
+        # re-tokenization drift between a rollout's consecutive calls
+        "prefix_break_rate": adapted["prefix_breaks"] / max(adapted["call_joins"], 1),
         "groups_with_signal": signal,
         "llm_spans": len(llm_spans),
         "unfaithfully_scored_calls": sum(not scored_faithfully(s) for s in llm_spans),

@@ -243,7 +243,7 @@ def test_calls_cut_off_at_max_tokens_are_counted():
         s.attributes["gen_ai.response.finish_reasons"] = [reason]
     out, stats = adapt([rollout], spans, "policy")
     assert [t.finish_reason for t in out] == ["stop", "length", "stop", "length"]
-    assert stats["truncation_rate"] == 0.5
+    assert stats["truncated_calls"] == 2 and stats["policy_calls"] == 4
 
 
 def sized(response_len, advantage=1.0, prompt_len=4):
@@ -328,6 +328,6 @@ def test_adapt_reports_calls_and_drift():
     spans = [llm_span("ro-1", "policy", 1.0, [1, 2], [3]), llm_span("ro-1", "policy", 2.0, [1, 2, 3, 7], [4])]
     transitions, stats = adapt([rollout], spans, "policy", "trajectory")
     assert len(transitions) == 1 and transitions[0].response_ids == [3, 7, 4]
-    assert stats == {"policy_calls": 2, "truncation_rate": 0.0, "prefix_break_rate": 0.0}
+    assert stats == {"policy_calls": 2, "truncated_calls": 0, "call_joins": 1, "prefix_breaks": 0}
     transitions, stats = adapt([rollout], spans, "policy", "transition")
     assert len(transitions) == 2

@@ -63,8 +63,8 @@ def recorded_calls(spans: list[Span]) -> list[Span]:
 def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str, level: str = "transition",
           agent_rewards: bool = False, select: Selection | None = None) -> tuple[list[Transition], dict]:
     """Every rollout's spans to transitions (or, at the trajectory level, to one sequence per episode where the
-    tokens allow). Stats: policy calls, how many were cut off at max_tokens, and how often a call's prompt did not
-    extend the previous call's context."""
+    tokens allow). Counts (they add up over batches): policy calls, those cut off at max_tokens, and the joins
+    between a rollout's consecutive calls, with those where a call's prompt did not extend the previous context."""
     by_rollout: dict[str, list[Span]] = {}
     for s in spans:
         by_rollout.setdefault(s.rollout_id, []).append(s)
@@ -78,8 +78,7 @@ def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str, level: 
             transitions, broken = merge_calls(transitions)
             breaks += broken
         out += transitions
-    return out, {"policy_calls": calls, "truncation_rate": truncated / calls if calls else 0.0,
-                 "prefix_break_rate": breaks / joins if joins else 0.0}
+    return out, {"policy_calls": calls, "truncated_calls": truncated, "call_joins": joins, "prefix_breaks": breaks}
 
 
 def merge_calls(transitions: list[Transition]) -> tuple[list[Transition], int]:
