@@ -159,6 +159,10 @@ class AlgorithmConfig(_Strict):
     # One sample per policy call, or a rollout's calls merged into one sequence where each prompt extends the last
     # call's context token for token (tool results masked out of the loss): the same gradient, far fewer tokens.
     level: Literal["transition", "trajectory"] = "transition"
+    # Dynamic sampling (DAPO, algorithm/dynamic_sampling.py): groups without a learning signal are dropped and new
+    # tasks rolled out in further rounds, up to max_sampling_rounds, until tasks_per_iteration groups have one.
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = Field(3, ge=1)  # rounds per iteration, the first included (dynamic_sampling)
 
     @model_validator(mode="after")
     def _options_fit_together(self):
@@ -168,6 +172,13 @@ class AlgorithmConfig(_Strict):
         if self.kl_penalty == "reward" and self.estimator != "ppo":
             raise ValueError("algorithm.kl_penalty=reward puts the KL in per-token rewards, which only the critic's "
                              "token-level advantages use: it needs algorithm.estimator=ppo (or kl_penalty=loss)")
+        return self
+
+    @model_validator(mode="after")
+    def _dynamic_sampling_needs_a_group_baseline(self):
+        if self.dynamic_sampling and self.estimator == "ppo":
+            raise ValueError("algorithm.dynamic_sampling refills groups whose rollouts scored alike, which have a "
+                             "signal under algorithm.estimator=ppo (the value head is the baseline): nothing to refill")
         return self
 
 

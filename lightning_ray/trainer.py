@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections import Counter
 from contextlib import contextmanager
 
 import ray
@@ -13,6 +14,7 @@ from openai import OpenAI
 
 from lightning_ray.algorithm.advantages import compute_advantages, has_signal
 from lightning_ray.algorithm.air import air_spans
+from lightning_ray.algorithm.dynamic_sampling import sample_groups
 from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, scored_faithfully
 from lightning_ray.algorithm.select import Selection
 from lightning_ray.config import TrainConfig
@@ -21,6 +23,7 @@ from lightning_ray.report import plot_learning_curve
 from lightning_ray.services import Services
 from lightning_ray.tasks import load_splits
 from lightning_ray.training.learner import Learner
+from lightning_ray.types import Task, Transition
 
 PROBE = [{"role": "user", "content": "What is 3 + 4?"}]  # a fixed prompt whose served logprobs track each update
 
@@ -41,27 +44,39 @@ def train(cfg: TrainConfig) -> list[dict]:
             probe = _probe(services.server_url, cfg)
             for iteration in range(t.iterations):
                 phase = _PhaseTimer()
-                with phase("rollout"):
-                    groups = [task.model_copy(update={"group_id": f"{task.task_id}@{iteration}"})
-                              for task in rng.sample(train_tasks, cfg.rollout.tasks_per_iteration)
-                              for _ in range(cfg.rollout.group_size)]
-                    rollouts = services.run_rollouts(groups, f"iter {iteration} rollouts")
-                with phase("adapt"):
-                    spans = services.store.query_spans([r.rollout_id for r in rollouts])
-                    if cfg.task.air.enabled:  # stored with the trace, where each sits beside the call it judges
-                        air = air_spans(spans, cfg.task.air, lambda sp: select.calls(recorded_calls(sp), sp))
-                        services.store.add_spans(air, origin="server")
-                        spans += air
-                    transitions, adapted = adapt(rollouts, spans, cfg.model.name, cfg.algorithm.level,
-                                                 cfg.task.agent_rewards, select)
-                    transitions = compute_advantages(transitions, alg.estimator, alg.credit, alg.gamma, alg.baseline)
-                    if alg.overlong_filter:  # a cut-off answer's reward says little about it: left out of the loss
-                        transitions = [tr for tr in transitions if tr.finish_reason != "length"]
-                # a group whose rollouts all scored the same gives zero advantages: no learning signal (a critic
-                # still has one: its baseline is the value head, not the group)
-                signal = len({tr.group_id for tr in transitions if has_signal(tr, alg.estimator)})
+                rollouts, spans, adapted = [], [], Counter()  # of every round
+
+                def rollout_round(tasks: list[Task]) -> list[Transition]:  # a group of rollouts per task
+                    with phase("rollout"):
+                        groups = [task.model_copy(update={"group_id": f"{task.task_id}@{iteration}"})
+                                  for task in tasks for _ in range(cfg.rollout.group_size)]
+                        done = services.run_rollouts(groups, f"iter {iteration} rollouts")
+                    with phase("adapt"):
+                        found = services.store.query_spans([r.rollout_id for r in done])
+                        if cfg.task.air.enabled:  # stored with the trace, where each sits beside the call it judges
+                            air = air_spans(found, cfg.task.air, lambda sp: select.calls(recorded_calls(sp), sp))
+                            services.store.add_spans(air, origin="server")
+                            found += air
+                        transitions, counts = adapt(done, found, cfg.model.name, alg.level, cfg.task.agent_rewards,
+                                                    select)
+                        transitions = compute_advantages(transitions, alg.estimator, alg.credit, alg.gamma,
+                                                         alg.baseline)
+                        if alg.overlong_filter:  # a cut-off answer's reward says little about it: left out of the loss
+                            transitions = [tr for tr in transitions if tr.finish_reason != "length"]
+                    rollouts.extend(done)
+                    spans.extend(found)
+                    adapted.update(counts)
+                    return transitions
+
+                # one round of tasks_per_iteration groups; with dynamic sampling, more rounds for the groups whose
+                # rollouts all scored the same (zero advantages: no learning signal; a critic still has one, its
+                # baseline being the value head, not the group)
+                rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
+                tasks = rng.sample(train_tasks, min(cfg.rollout.tasks_per_iteration * rounds, len(train_tasks)))
+                transitions, sampling = sample_groups(tasks, cfg.rollout.tasks_per_iteration, rounds, rollout_round,
+                                                      alg.estimator)
                 results = []
-                if signal:  # else the policy stays as it is: no step, no new version
+                if sampling["groups_with_signal"]:  # else the policy stays as it is: no step, no new version
                     with phase("train"):
                         results = learner.step(transitions)
                     with phase("sync"):
@@ -73,7 +88,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                     with phase("eval"):
                         evals.append({"after": iteration + 1, **evaluate(services, held_out, cfg.eval.pass_k,
                                                                          f"eval after {iteration + 1}")})
-                record = _record(iteration, rollouts, spans, transitions, adapted, signal, learner.version, results,
+                record = _record(iteration, rollouts, spans, transitions, adapted, sampling, learner.version, results,
                                  phase.seconds)
                 if results:
                     served_before, probe = probe, _probe(services.server_url, cfg)
@@ -99,8 +114,9 @@ def train(cfg: TrainConfig) -> list[dict]:
     return history
 
 
-def _record(iteration, rollouts, spans, transitions, adapted, signal, version, results, seconds) -> dict:
-    """One line of metrics.jsonl (the README's table explains each field)."""
+def _record(iteration, rollouts, spans, transitions, adapted, sampling, version, results, seconds) -> dict:
+    """One line of metrics.jsonl (the README's table explains each field); rollouts, spans, transitions: of every
+    sampling round, whether their group was trained on or dropped."""
     llm_spans = recorded_calls(spans)
     record = {
         "iteration": iteration,
@@ -113,7 +129,7 @@ def _record(iteration, rollouts, spans, transitions, adapted, signal, version, r
         "truncation_rate": adapted["truncated_calls"] / max(adapted["policy_calls"], 1),
         # re-tokenization drift between a rollout's consecutive calls
         "prefix_break_rate": adapted["prefix_breaks"] / max(adapted["call_joins"], 1),
-        "groups_with_signal": signal,
+        **sampling,  # groups_with_signal, groups_dropped, sampling_rounds
         "llm_spans": len(llm_spans),
         "unfaithfully_scored_calls": sum(not scored_faithfully(s) for s in llm_spans),
         # the policy's own tokens per rollout (what the response-length curve shows)
@@ -160,8 +176,9 @@ def response_diversity(transitions) -> float:
 def _summary(r: dict) -> str:
     update = f"policy v{r['policy_version']} served" if r["updated"] else "no signal: policy unchanged"
     held_out = f" | held-out {r['eval']['accuracy']:.3f}" if "eval" in r else ""
-    return (f"iter {r['iteration']}: reward {r['reward_mean']:.3f} | groups with signal {r['groups_with_signal']} | "
-            f"{update}{held_out} | " + " ".join(f"{k} {v:.1f}s" for k, v in r["seconds"].items()))
+    rounds = f" ({r['sampling_rounds']} rounds)" if r["sampling_rounds"] > 1 else ""
+    return (f"iter {r['iteration']}: reward {r['reward_mean']:.3f} | groups with signal {r['groups_with_signal']}"
+            f"{rounds} | {update}{held_out} | " + " ".join(f"{k} {v:.1f}s" for k, v in r["seconds"].items()))
 
 
 def _probe(server_url: str, cfg: TrainConfig) -> dict:
@@ -181,4 +198,4 @@ class _PhaseTimer:
     def __call__(self, name: str):
         start = time.perf_counter()
         yield
-        self.seconds[name] = round(time.perf_counter() - start, 3)
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - start, 3)  # over rounds

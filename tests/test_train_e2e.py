@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections import Counter
 
 import pytest
 import torch
@@ -29,8 +30,9 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
                     "micro_batch_tokens": 512, "eval_every": 2, "lr": 1e-3},
         "task": {"generator": EASY, "eval_size": 8},
         # the reference-model, entropy-bonus and importance-weight paths of the loss, small enough not to change
-        # what is learned
-        "algorithm": {"kl_coef": 0.01, "entropy_coef": 0.001, "tis_cap": 1.5},
+        # what is learned; dynamic sampling: a second round of new tasks for the groups the first left without signal
+        "algorithm": {"kl_coef": 0.01, "entropy_coef": 0.001, "tis_cap": 1.5, "dynamic_sampling": True,
+                      "max_sampling_rounds": 2},
         # 16 GRPO groups: an iteration where every group scores uniformly (no signal, no update) is then
         # vanishingly rare, so the assertions below about parameters moving hold.
         "rollout": {"tasks_per_iteration": 16, "group_size": 4, "agents_per_worker": 4},
@@ -41,7 +43,8 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
         {"span_id": r[0], "rollout_id": r[1], "name": r[2], "attributes": json.loads(r[3])}
         for r in db.execute("SELECT span_id, rollout_id, name, attributes FROM spans")
     ]
-    rollouts = [r[0] for r in sqlite3.connect(run_dir / "traces.sqlite").execute("SELECT rollout_id FROM rollouts")]
+    rows = sqlite3.connect(run_dir / "traces.sqlite").execute("SELECT rollout_id, task, reward FROM rollouts")
+    rollouts = [{"rollout_id": r[0], "group_id": json.loads(r[1])["group_id"], "reward": r[2]} for r in rows]
     return {"dir": run_dir, "history": history, "spans": spans, "rollouts": rollouts, "model_path": tiny_model_path}
 
 
@@ -127,7 +130,8 @@ def test_sqlite_file_holds_every_span(run):
     # per rollout, training's and evaluation's: a rollout span and a reward span (worker) + its LLM calls (server)
     assert len(run["rollouts"]) == sum(h["rollouts"] for h in run["history"]) + 2 * 8
     for name in ("rollout", "reward"):
-        assert sorted(s["rollout_id"] for s in run["spans"] if s["name"] == name) == sorted(run["rollouts"])
+        assert sorted(s["rollout_id"] for s in run["spans"] if s["name"] == name) == sorted(
+            r["rollout_id"] for r in run["rollouts"])
     assert sum(s["rollout_id"] is None for s in run["spans"]) == len(run["history"]) + 1  # a probe per sync
     assert len({s["span_id"] for s in run["spans"]}) == len(run["spans"])
 
@@ -136,3 +140,19 @@ def test_metrics_file_has_one_line_per_iteration(run):
     lines = (run["dir"] / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["iteration"] for line in lines] == [0, 1]
     assert {"reward_mean", "transitions", "policy_version", "seconds"} <= json.loads(lines[0]).keys()
+
+
+def test_dynamic_sampling_refills_the_groups_without_signal(run):
+    """16 groups wanted, 2 rounds at most: the second round rolls out one new task per group the first left without
+    a signal, and the metrics cover every rollout of both."""
+    for h in run["history"]:
+        mine = [r for r in run["rollouts"] if (r["group_id"] or "").endswith(f"@{h['iteration']}")]
+        groups = Counter(r["group_id"] for r in mine)
+        assert set(groups.values()) == {4}  # no task rolled out twice in an iteration
+        assert len(groups) == h["groups_with_signal"] + h["groups_dropped"] and h["rollouts"] == len(mine)
+        assert h["groups_with_signal"] <= 16
+        assert h["sampling_rounds"] == (1 if h["groups_dropped"] == 0 else 2) == (1 if len(groups) == 16 else 2)
+        assert h["reward_mean"] == pytest.approx(sum(r["reward"] or 0.0 for r in mine) / len(mine))
+    # the tiny model solves some tasks always and others never (a run saw 9 and 10 of the first round's 16 groups
+    # uniform): a second round is all but certain
+    assert any(h["sampling_rounds"] == 2 for h in run["history"])
