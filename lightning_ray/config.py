@@ -163,6 +163,10 @@ class AlgorithmConfig(_Strict):
     # tasks rolled out in further rounds, up to max_sampling_rounds, until tasks_per_iteration groups have one.
     dynamic_sampling: bool = False
     max_sampling_rounds: int = Field(3, ge=1)  # rounds per iteration, the first included (dynamic_sampling)
+    # rl: the policy gradient on advantages; sft: rejection-sampling fine-tuning, the likelihood of each group's
+    # best rollout(s) if they earned at least sft_min_reward (algorithm/advantages.py: best_rollouts)
+    objective: Literal["rl", "sft"] = "rl"
+    sft_min_reward: float = 1.0
 
     @model_validator(mode="after")
     def _options_fit_together(self):
@@ -179,6 +183,15 @@ class AlgorithmConfig(_Strict):
         if self.dynamic_sampling and self.estimator == "ppo":
             raise ValueError("algorithm.dynamic_sampling refills groups whose rollouts scored alike, which have a "
                              "signal under algorithm.estimator=ppo (the value head is the baseline): nothing to refill")
+        return self
+
+    @model_validator(mode="after")
+    def _sft_uses_final_rewards_only(self):
+        unused = [f"algorithm.{k}={getattr(self, k)}" for k, default in
+                  (("estimator", "grpo"), ("credit", "terminal"), ("baseline", "group")) if getattr(self, k) != default]
+        if self.objective == "sft" and unused:
+            raise ValueError(f"{', '.join(unused)}: algorithm.objective=sft picks rollouts by their final reward, "
+                             "with no advantage estimator, credit assignment or baseline")
         return self
 
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import ray
 from openai import OpenAI
 
-from lightning_ray.algorithm.advantages import compute_advantages, has_signal
+from lightning_ray.algorithm.advantages import best_rollouts, compute_advantages
 from lightning_ray.algorithm.air import air_spans
 from lightning_ray.algorithm.dynamic_sampling import sample_groups
 from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, scored_faithfully
@@ -59,8 +59,9 @@ def train(cfg: TrainConfig) -> list[dict]:
                             found += air
                         transitions, counts = adapt(done, found, cfg.model.name, alg.level, cfg.task.agent_rewards,
                                                     select)
-                        transitions = compute_advantages(transitions, alg.estimator, alg.credit, alg.gamma,
-                                                         alg.baseline)
+                        transitions = (best_rollouts(transitions, alg.sft_min_reward) if alg.objective == "sft" else
+                                       compute_advantages(transitions, alg.estimator, alg.credit, alg.gamma,
+                                                          alg.baseline))
                         if alg.overlong_filter:  # a cut-off answer's reward says little about it: left out of the loss
                             transitions = [tr for tr in transitions if tr.finish_reason != "length"]
                     rollouts.extend(done)

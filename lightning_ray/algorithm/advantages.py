@@ -19,6 +19,8 @@ and the estimator turns return and baseline into an advantage:
                 only, so a group whose rollouts agree still gives no signal
   ppo           no group baseline: the learner's value head is the baseline, token by token (GAE, algorithm/ppo.py);
                 each transition carries its return G for it, and every transition has a signal
+
+With algorithm.objective=sft none of this applies: best_rollouts picks each group's best rollout(s) to imitate.
 """
 
 from __future__ import annotations
@@ -101,3 +103,20 @@ def _advantage(g: float, pool: dict[str, float], own: str, estimator: str, eps: 
         others = [v for r, v in pool.items() if r != own]
         return g - mean(others) if others else 0.0
     raise ValueError(f"unknown advantage estimator {estimator!r}: expected grpo, dr_grpo, rloo, reinforce_pp or ppo")
+
+
+def best_rollouts(transitions: list[Transition], min_reward: float) -> list[Transition]:
+    """Rejection-sampling fine-tuning (algorithm.objective=sft): in each group, the transitions of the rollout(s)
+    with the group's highest final reward, if it is at least `min_reward`, get advantage 1; all others 0, which
+    leaves them out of the batch. At the learner's ratio of 1 (one on-policy step) the PPO-clip surrogate
+    min(r·A, clip(r)·A) with A = 1 has the gradient ∇r = ∇log π: the loss's gradient is exactly that of the
+    negative log-likelihood of the kept tokens, aggregated as algorithm.loss_aggregation says.
+
+    Every transition is scored at temperature 1: SFT maximizes the samples' likelihood under the model itself,
+    softmax(logits), as fine-tuning on any data does; the sampling temperature τ only chose which answers were
+    drawn, and scoring at it would fit softmax(logits / τ) instead."""
+    best: dict[str, float] = {}
+    for t in transitions:
+        best[t.group_id] = max(best.get(t.group_id, t.reward), t.reward)
+    return [t.model_copy(update={"advantage": float(t.reward == best[t.group_id] >= min_reward), "temperature": 1.0})
+            for t in transitions]
