@@ -1,5 +1,5 @@
-"""An AutoGen agent, unchanged, against our endpoint — from AutoGen's own venv (its protobuf pin cannot share ours),
-in a subprocess, as a Ray runtime_env per worker group would run it."""
+"""AutoGen agents, unchanged, against our endpoint. AutoGen's protobuf pin cannot share our environment: the agent
+runs from its own venv in a subprocess, and trains from rollout workers in their own Ray runtime_env."""
 
 from __future__ import annotations
 
@@ -46,3 +46,24 @@ def test_autogen_assistant_agent_runs_through_our_endpoint(autogen_python, serve
     # AutoGen sent its tools (its own schema) and the model's last reply is the agent's last message, unaltered
     assert calls[0].attributes["lightning_ray.request"]["tools"][0]["function"]["name"] == "calculator"
     assert messages[-1]["content"] == calls[-1].attributes["lightning_ray.response"]
+
+
+def test_autogen_calc_trains_from_its_own_runtime_env(ray_cluster, tiny_model_path, serve_port, tmp_path):
+    """configs/task/calc_autogen.yaml as it is, the agent wrapped to fail where protobuf is not AutoGen's 5."""
+    from omegaconf import OmegaConf
+
+    from lightning_ray.config import validate
+    from lightning_ray.models.tiny import EASY
+    from lightning_ray.trainer import train
+
+    task = OmegaConf.to_container(OmegaConf.load(ROOT / "configs/task/calc_autogen.yaml"))
+    task.pop("defaults")
+    task.update(agent="tests.agents.autogen_env:agent", generator=EASY, eval_size=4)
+    task["runtime_env"]["pip"] = str(ROOT / task["runtime_env"]["pip"])
+    cfg = validate({"run_dir": str(tmp_path), "model": {"path": str(tiny_model_path)}, "task": task,
+                    "serve": {"port": serve_port, "chat_template": "hermes"},
+                    "rollout": {"tasks_per_iteration": 4, "group_size": 4, "agents_per_worker": 4},
+                    "trainer": {"iterations": 2, "eval_every": 0, "lr": 1e-3}})
+    history = train(cfg)
+    for h in history:  # every rollout ran AutoGen in its own environment, and its calls became transitions
+        assert h["rollouts"] == 16 and h["failed_rollouts"] == 0 and h["transitions"] == h["llm_spans"] > 0
