@@ -67,6 +67,9 @@ class TaskConfig(_Strict):
     eval_seed: int = 1
     agent_rewards: bool = False  # true: the last reward the agent emitted (a reward span) overrides the task's
     air: AIRConfig = AIRConfig()  # automatic intermediate rewards from tool status and answer format
+    # The agent's system prompt, carried to it in each task's input; null: the task's own (tasks/calc.py PROMPTS).
+    # E.g. the best prompt jobs/apo.py found, to train or evaluate with it.
+    system_prompt: str | None = Field(None, min_length=1)
     # Your own agent instead of the task's (rollout/agents.py): an entry point "package.module:function" called as
     # function(task_input, base_url=..., model=..., api_key=...) -> answer, or a command in any language that reads
     # OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL and the task (JSON on stdin) and prints its answer.

@@ -1,5 +1,6 @@
 """Built-in tasks. Each module offers make_tasks(n, seed, dataset, options, protocol, exclude), agent(task, base_url,
-model, api_key) and reward(task, answer)."""
+model, api_key), reward(task, answer) and system_prompt(task): the prompt its agent opens with, the task's own unless
+task["system_prompt"] gives one (set from task.system_prompt here, or by the prompt optimizer per candidate)."""
 
 import importlib
 from types import ModuleType
@@ -18,4 +19,7 @@ def load_splits(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
     options = {"dataset": cfg.dataset, "options": cfg.generator or None, "protocol": cfg.protocol}
     held_out = task.make_tasks(cfg.eval_size, cfg.eval_seed, **options)
     train = task.make_tasks(cfg.train_size, cfg.seed, exclude={t.input["question"] for t in held_out}, **options)
+    if cfg.system_prompt is not None:
+        train, held_out = ([t.model_copy(update={"input": {**t.input, "system_prompt": cfg.system_prompt}})
+                            for t in split] for split in (train, held_out))
     return train, held_out

@@ -106,7 +106,8 @@ def calculate(expression: str) -> int | float:
 
 
 def system_prompt(task: dict) -> str:
-    return PROMPTS[task["dataset"], task["protocol"]]
+    """The task's own prompt for its dataset and protocol, unless the run gave one (task.system_prompt)."""
+    return task.get("system_prompt") or PROMPTS[task["dataset"], task["protocol"]]
 
 
 # One worked example, as earlier turns of the chat: a 135M model ignores instructions in a system prompt but
