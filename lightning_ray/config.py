@@ -247,23 +247,44 @@ class TrainConfig(_Strict):
         path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
+class APOConfig(_Strict):
+    """Automatic prompt optimization (algorithm/apo.py): the policy critiques and rewrites the task's system prompt;
+    a rewrite is kept only when it scores higher on the validation split than the prompt it would replace."""
+
+    rounds: int = Field(2, gt=0)  # critique → rewrite → measure → keep the best, this many times
+    beam: int = Field(4, gt=0)  # rewrites of the incumbent per round (one request, n=beam)
+    val_size: int = Field(32, gt=0)  # the validation split (the first of the training split): selection only
+    failures: int = Field(4, gt=0)  # the incumbent's worst-scored validation rollouts shown to the critic
+    temperature: float = Field(0.8, ge=0)  # the critic's and the editor's sampling (measurements are greedy)
+    critique_max_tokens: int = Field(128, gt=0)
+    edit_max_tokens: int = Field(128, gt=0)
+    max_prompt_chars: int = Field(600, gt=0)  # a rewrite longer than this is cut at a word boundary
+    reply_chars: int = Field(160, gt=0)  # each of a failure's policy replies, clipped to this in the critic's prompt
+
+
+class APOJobConfig(TrainConfig):
+    """jobs/apo.py's configuration: the main job's keys (the same services run the rollouts) and apo.*."""
+
+    apo: APOConfig = APOConfig()
+
+
 class ConfigError(ValueError):
     """A config key with a bad value; the message names each offending key."""
 
 
-def validate(raw: dict) -> TrainConfig:
+def validate(raw: dict, schema: type[TrainConfig] = TrainConfig) -> TrainConfig:
     try:
-        return TrainConfig.model_validate(raw)
+        return schema.model_validate(raw)
     except ValidationError as e:
         lines = [f"  {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
         raise ConfigError("invalid config:\n" + "\n".join(lines)) from None
 
 
-def from_hydra(raw) -> TrainConfig:
+def from_hydra(raw, schema: type[TrainConfig] = TrainConfig) -> TrainConfig:
     """A job's entry point: the Hydra-composed config validated, or the process exits naming the bad keys."""
     from omegaconf import OmegaConf
 
     try:
-        return validate(OmegaConf.to_container(raw, resolve=True))
+        return validate(OmegaConf.to_container(raw, resolve=True), schema)
     except ConfigError as e:
         raise SystemExit(str(e)) from None
