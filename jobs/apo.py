@@ -18,7 +18,8 @@ def main(raw: DictConfig) -> None:
     cfg = from_hydra(raw, APOJobConfig)
     from lightning_ray.algorithm.apo import optimize  # imported late: `--help` and config errors stay instant
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    for noisy in ("httpx", "httpx2"):  # one line per HTTP request drowns the progress lines
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     result = optimize(cfg)
     initial, best = result["initial"], result["best"]
     print(json.dumps({"initial": initial["held_out"], "best": best["held_out"]}))

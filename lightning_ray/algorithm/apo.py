@@ -20,6 +20,7 @@ which calls wrote which candidate and (by group id `apo-<round>-<candidate>`) ea
 from __future__ import annotations
 
 import json
+import random
 import re
 import secrets
 import time
@@ -120,12 +121,14 @@ class PromptOptimizer:
         result, rollouts = self.measure(c.prompt, tasks, group, desc)
         c.score, c.accuracy, c.rollout_ids = result["reward_mean"], result["accuracy"], [r.rollout_id for r in rollouts]
 
-    def failures(self, c: Candidate) -> list[dict]:
+    def failures(self, c: Candidate, round_no: int) -> list[dict]:
         """The candidate's worst-scored validation rollouts (reward below 1; the platform's failures, which have no
-        reward, say nothing about the prompt) with the policy's replies from their recorded LLM spans, in order."""
-        rollouts = self.services.store.get_rollouts(c.rollout_ids)
-        worst = sorted((r for r in rollouts if r.reward is not None and r.reward < 1.0), key=lambda r: r.reward)
-        worst = worst[:self.apo.failures]
+        reward, say nothing about the prompt) with the policy's replies from their recorded LLM spans, in order.
+        Ties (most failures score 0) are broken at random per round: an incumbent that stays shows the critic other
+        failures next round."""
+        failed = [r for r in self.services.store.get_rollouts(c.rollout_ids) if r.reward is not None and r.reward < 1]
+        random.Random(self.cfg.seed * 1000 + round_no).shuffle(failed)
+        worst = sorted(failed, key=lambda r: r.reward)[:self.apo.failures]
         spans = self.services.store.query_spans([r.rollout_id for r in worst], name=semconv.LLM_CALL)
         return [{"rollout_id": r.rollout_id, "question": r.task.input.get("question", json.dumps(r.task.input)),
                  "answer": r.task.input.get("answer"), "reward": r.reward,
@@ -190,7 +193,7 @@ def optimize(cfg: APOJobConfig) -> dict:
         for r in range(1, apo.rounds + 1):
             round_start = time.time()
             record = {"round": r, "incumbent": {"prompt": incumbent.prompt, "score": incumbent.score}}
-            failures = opt.failures(incumbent)
+            failures = opt.failures(incumbent, r)
             candidates = []
             if failures:  # else the incumbent solved every validation task: nothing to learn from
                 critique = opt.critique(incumbent.prompt, failures, r)
