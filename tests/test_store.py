@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
 
+import msgspec
 import pytest
 import ray
 
@@ -153,6 +155,44 @@ def test_spans_are_idempotent_validated_and_survive_reopening(tmp_path):
     assert reopened.query_spans(["r0"])[3] == spans[3]
     assert [s.start_time for s in reopened.query_spans(since=1, until=3)] == [1, 2]
     assert len(reopened.query_spans(attempt_id="a", limit=2)) == 2
+
+
+def test_numeric_lists_are_packed_and_read_back_exactly(tmp_path):
+    """Lists of plain ints or floats are stored as packed arrays: they come back equal, of the same types, in the
+    same key order; anything else (bools, mixed, too big for int64, nested) stays JSON, as before."""
+    store = SQLiteBackend(tmp_path / "t.sqlite")
+    store.enqueue(rollouts(1))
+    attributes = {"prompt_ids": [151_643, 0, 2**31 - 1, -(2**31)], "big": [2**31, -(2**63)], "huge": [2**64],
+                  "logprobs": [-0.1, -1e-300, 5e-324, -1234.56789012345678, float("-inf"), -0.0],
+                  "flags": [True, False], "mixed": [1, 2.5], "nested": [[1, 2]], "empty": [], "name": "x", "n": 3}
+    row = span_row(Span(rollout_id="r0", name="llm.call", attributes=attributes))
+    assert b'"prompt_ids":null' in row[10] and b'"flags":[true,false]' in row[10]
+    store.add_span_rows([row])
+    [back] = SQLiteBackend(tmp_path / "t.sqlite").query_spans(["r0"])
+    assert back.attributes == attributes and list(back.attributes) == list(attributes)
+    assert [type(v) for v in back.attributes["flags"] + back.attributes["prompt_ids"]] == [bool] * 2 + [int] * 4
+    assert str(back.attributes["logprobs"][-1]) == "-0.0"  # bit for bit, sign of zero included
+    nan = span_row(Span(rollout_id="r0", name="nan", attributes={"logprobs": [float("nan")]}))
+    store.add_span_rows([nan])
+    assert math.isnan(store.query_spans(["r0"], name="nan")[0].attributes["logprobs"][0])  # JSON made it null
+
+
+def test_a_spans_file_from_before_packed_arrays_still_reads(tmp_path):
+    """Its rows have their lists in the JSON and no `arrays` column: the column is added, the rows read as before."""
+    path = tmp_path / "t.sqlite"
+    store = SQLiteBackend(path)
+    store.enqueue(rollouts(1))
+    span = Span(rollout_id="r0", name="llm.call", attributes={"ids": [1, 2, 3], "logprobs": [-0.5]})
+    old_row = (*span_row(span)[:10], msgspec.json.encode(span.attributes), b"[]")  # as the old span_row made it
+    store.db.execute("ALTER TABLE span_db.spans DROP COLUMN arrays")
+    store.db.execute("INSERT INTO span_db.spans (span_id, trace_id, parent_id, rollout_id, attempt_id, name, "
+                     "start_time, end_time, status, status_message, attributes, events) VALUES "
+                     "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", old_row)
+    store.db.close()
+    reopened = SQLiteBackend(path)
+    new = Span(rollout_id="r0", name="llm.call", start_time=span.start_time + 1, attributes={"ids": [4]})
+    assert reopened.add_span_rows([span_row(new)])["accepted"] == 1
+    assert reopened.query_spans(["r0"]) == [span, new]
 
 
 def test_spans_are_keyed_by_rollout_and_span_id():

@@ -1,14 +1,16 @@
 """The store's one backend: SQLite in WAL mode inside the run directory, or ":memory:" for tests.
 
 Every rollout/attempt state change is one transaction checked against lifecycle.py. Spans travel as rows that the
-sender encoded (attributes and events as JSON bytes), so the single store process only validates and inserts;
-they are idempotent on (rollout_id, span_id), so a re-sent batch is never duplicated and two rollouts' spans never
-collide.
+sender encoded (attributes and events as JSON bytes, numeric lists packed: see span_row), so the single store process
+only validates and inserts; they are idempotent on (rollout_id, span_id), so a re-sent batch is never duplicated and
+two rollouts' spans never collide.
 """
 
 from __future__ import annotations
 
 import sqlite3
+import sys
+from array import array
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,7 +36,7 @@ CREATE INDEX IF NOT EXISTS attempts_by_status ON attempts(status);
 CREATE TABLE IF NOT EXISTS span_db.spans (
     span_id TEXT NOT NULL, trace_id TEXT, parent_id TEXT, rollout_id TEXT, attempt_id TEXT, name TEXT NOT NULL,
     start_time REAL NOT NULL, end_time REAL, status TEXT NOT NULL, status_message TEXT,
-    attributes BLOB NOT NULL, events BLOB NOT NULL, origin TEXT NOT NULL DEFAULT 'client');
+    attributes BLOB NOT NULL, events BLOB NOT NULL, origin TEXT NOT NULL DEFAULT 'client', arrays BLOB);
 CREATE UNIQUE INDEX IF NOT EXISTS span_db.spans_key ON spans(IFNULL(rollout_id, ''), span_id);
 CREATE INDEX IF NOT EXISTS span_db.spans_by_rollout ON spans(rollout_id, start_time);
 CREATE INDEX IF NOT EXISTS span_db.spans_by_time ON spans(start_time);
@@ -43,29 +45,64 @@ WAL_SIZE_LIMIT = 16 << 20  # bytes a WAL file keeps after a checkpoint; between 
 _ROLLOUT_COLS = "rollout_id, task, config, status, attempt_id, attempts, reward, error, enqueued_at, ended_at"
 _ATTEMPT_COLS = "attempt_id, rollout_id, sequence, status, worker_id, started_at, last_heartbeat, ended_at, error"
 _SPAN_COLS = ("span_id, trace_id, parent_id, rollout_id, attempt_id, name, start_time, end_time, status, "
-              "status_message, attributes, events, origin")
+              "status_message, attributes, events, arrays, origin")
 _ORIGINS = ("server", "client")
 _SPAN_STATUSES = ("unset", "ok", "error")
 _json = msgspec.json.Encoder()
+_msgpack = msgspec.msgpack.Encoder()
+_decode_arrays = msgspec.msgpack.Decoder(list[tuple[str, str, bytes]]).decode
+_SWAP = sys.byteorder == "big"  # packed arrays are little-endian on disk, so a file reads the same on any machine
+_TYPECODES = {int: ("i", "q"), float: ("d",)}  # int32 if every value fits, else int64; float64
 
 
 def span_row(s: Span) -> tuple:
     """The wire and storage form of a span; built by the sender so the store does not spend its CPU on JSON."""
+    attributes, arrays = _pack(s.attributes)
     return (s.span_id, s.trace_id, s.parent_id, s.rollout_id, s.attempt_id, s.name, s.start_time, s.end_time,
-            s.status, s.status_message, _json.encode(s.attributes),
-            _json.encode([e.model_dump() for e in s.events]) if s.events else b"[]")
+            s.status, s.status_message, _json.encode(attributes),
+            _json.encode([e.model_dump() for e in s.events]) if s.events else b"[]", arrays)
+
+
+def _pack(attributes: dict) -> tuple[dict, bytes | None]:
+    """Attributes that are lists of plain ints or floats (token ids, logprobs: most of an LLM call's bytes) leave the
+    JSON as packed arrays, which read back ~4x faster and exactly; a null keeps the key's place in the JSON."""
+    packed = []
+    for key, value in attributes.items():
+        if type(value) is list and value and len(kinds := set(map(type, value))) == 1:
+            for code in _TYPECODES.get(kinds.pop(), ()):
+                try:
+                    a = array(code, value)
+                except OverflowError:  # an int beyond int32 (then int64: beyond that it stays JSON)
+                    continue
+                if _SWAP:
+                    a.byteswap()
+                packed.append((key, code, a.tobytes()))
+                break
+    if not packed:
+        return attributes, None
+    return {**attributes, **dict.fromkeys(k for k, _, _ in packed)}, _msgpack.encode(packed)
+
+
+def _unpack(code: str, raw: bytes) -> list:
+    a = array(code, raw)  # array.tolist is ~2x faster than memoryview.cast(code).tolist
+    if _SWAP:
+        a.byteswap()
+    return a.tolist()
 
 
 def span_from_row(r: tuple) -> Span:
+    attributes = msgspec.json.decode(r[10])
+    if r[12] is not None:
+        for key, code, raw in _decode_arrays(r[12]):
+            attributes[key] = _unpack(code, raw)
     return Span(span_id=r[0], trace_id=r[1], parent_id=r[2], rollout_id=r[3], attempt_id=r[4], name=r[5],
-                start_time=r[6], end_time=r[7], status=r[8], status_message=r[9],
-                attributes=msgspec.json.decode(r[10]), events=[SpanEvent(**e) for e in msgspec.json.decode(r[11])],
-                origin=r[12])
+                start_time=r[6], end_time=r[7], status=r[8], status_message=r[9], attributes=attributes,
+                events=[SpanEvent(**e) for e in msgspec.json.decode(r[11])], origin=r[13])
 
 
 def row_problem(r) -> str | None:
     """Why a span row cannot be stored, or None. Cheap: only what SQLite and readers rely on."""
-    if not isinstance(r, (tuple, list)) or len(r) != 12:
+    if not isinstance(r, (tuple, list)) or len(r) != 13:
         return "not a span row"
     if not (isinstance(r[0], str) and r[0]) or not (isinstance(r[5], str) and r[5]):
         return "span_id and name must be non-empty strings"
@@ -77,6 +114,8 @@ def row_problem(r) -> str | None:
         return "ids and status_message must be strings"
     if not (isinstance(r[10], bytes) and isinstance(r[11], bytes)):
         return "attributes and events must be encoded JSON"
+    if not (r[12] is None or isinstance(r[12], bytes)):
+        return "packed arrays must be bytes or None"
     return None
 
 
@@ -98,6 +137,8 @@ class SQLiteBackend:
         columns = {c[1] for c in self.db.execute("PRAGMA span_db.table_info(spans)")}
         if columns and "origin" not in columns:  # a spans file from before origins were recorded
             self.db.execute("ALTER TABLE span_db.spans ADD COLUMN origin TEXT NOT NULL DEFAULT 'client'")
+        if columns and "arrays" not in columns:  # from before arrays were packed: its rows read as before (NULL)
+            self.db.execute("ALTER TABLE span_db.spans ADD COLUMN arrays BLOB")
         self.db.executescript(_SCHEMA)
         # A checkpoint (copying the WAL into the file, with an fsync) would stall the write that crosses the
         # threshold; `checkpoint` does them from other connections and another thread instead. This pragma holds
@@ -299,7 +340,7 @@ class SQLiteBackend:
         good = [(*r, origin) for i, r in enumerate(rows) if i not in bad]
         with self._transaction():
             inserted = self.db.executemany(f"INSERT OR IGNORE INTO spans ({_SPAN_COLS}) VALUES "
-                                           "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", good).rowcount if good else 0
+                                           "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", good).rowcount if good else 0
         return {"accepted": inserted, "duplicates": len(good) - inserted, "rejected": len(bad),
                 "errors": [f"span #{i}: {p}" for i, p in sorted(errors)[:10]]}
 
