@@ -8,6 +8,7 @@ two rollouts' spans never collide.
 
 from __future__ import annotations
 
+import operator
 import sqlite3
 import sys
 from array import array
@@ -46,6 +47,7 @@ _ROLLOUT_COLS = "rollout_id, task, config, status, attempt_id, attempts, reward,
 _ATTEMPT_COLS = "attempt_id, rollout_id, sequence, status, worker_id, started_at, last_heartbeat, ended_at, error"
 _SPAN_COLS = ("span_id, trace_id, parent_id, rollout_id, attempt_id, name, start_time, end_time, status, "
               "status_message, attributes, events, arrays, origin")
+_by_time = operator.itemgetter(6, 14)  # start_time, rowid
 _ORIGINS = ("server", "client")
 _SPAN_STATUSES = ("unset", "ok", "error")
 _json = msgspec.json.Encoder()
@@ -349,8 +351,12 @@ class SQLiteBackend:
                     limit: int | None = None) -> list[Span]:
         where, args = _where(("rollout_id", rollout_ids), ("attempt_id = ?", attempt_id), ("name = ?", name),
                              ("start_time >= ?", since), ("start_time < ?", until))
-        rows = self.db.execute(f"SELECT {_SPAN_COLS} FROM spans {where} ORDER BY start_time, rowid LIMIT ?",
-                               (*args, -1 if limit is None else limit)).fetchall()
+        if limit is not None:
+            rows = self.db.execute(f"SELECT {_SPAN_COLS} FROM spans {where} ORDER BY start_time, rowid LIMIT ?",
+                                   (*args, limit)).fetchall()
+        else:  # sorted here: SQLite's sorter would copy every (~10 KB) row once more, ~40% of the fetch
+            rows = self.db.execute(f"SELECT {_SPAN_COLS}, rowid FROM spans {where}", args).fetchall()
+            rows.sort(key=_by_time)
         return [span_from_row(r) for r in rows]
 
     def count_spans(self) -> int:
