@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 import sqlite3
+import struct
 import sys
 from array import array
 from contextlib import contextmanager
@@ -53,8 +54,7 @@ _SPAN_STATUSES = ("unset", "ok", "error")
 _json = msgspec.json.Encoder()
 _msgpack = msgspec.msgpack.Encoder()
 _decode_arrays = msgspec.msgpack.Decoder(list[tuple[str, str, bytes]]).decode
-_SWAP = sys.byteorder == "big"  # packed arrays are little-endian on disk, so a file reads the same on any machine
-_TYPECODES = {int: ("i", "q"), float: ("d",)}  # int32 if every value fits, else int64; float64
+_SWAP = sys.byteorder == "big"  # packed arrays are little-endian, so a file reads the same on any machine
 
 
 def span_row(s: Span) -> tuple:
@@ -70,23 +70,30 @@ def _pack(attributes: dict) -> tuple[dict, bytes | None]:
     JSON as packed arrays, which read back ~4x faster and exactly; a null keeps the key's place in the JSON."""
     packed = []
     for key, value in attributes.items():
-        if type(value) is list and value and len(kinds := set(map(type, value))) == 1:
-            for code in _TYPECODES.get(kinds.pop(), ()):
-                try:
-                    a = array(code, value)
-                except OverflowError:  # an int beyond int32 (then int64: beyond that it stays JSON)
-                    continue
-                if _SWAP:
-                    a.byteswap()
-                packed.append((key, code, a.tobytes()))
+        if type(value) is not list or not value:
+            continue
+        if type(value[0]) is int:
+            try:  # strict: a bool or a float among them is an error, not converted
+                value, codes = msgspec.convert(value, list[int]), ("i", "q")  # int32 if all fit, else int64
+            except msgspec.ValidationError:
+                continue
+        elif set(map(type, value)) == {float}:
+            codes = ("d",)
+        else:
+            continue
+        for code in codes:
+            try:
+                packed.append((key, code, struct.pack(f"<{len(value)}{code}", *value)))  # 3x faster than array's
                 break
+            except struct.error:  # out of range (beyond int64 it stays JSON)
+                pass
     if not packed:
         return attributes, None
     return {**attributes, **dict.fromkeys(k for k, _, _ in packed)}, _msgpack.encode(packed)
 
 
 def _unpack(code: str, raw: bytes) -> list:
-    a = array(code, raw)  # array.tolist is ~2x faster than memoryview.cast(code).tolist
+    a = array(code, raw)  # array.tolist is ~2x faster than memoryview.cast(code).tolist or struct.unpack
     if _SWAP:
         a.byteswap()
     return a.tolist()
