@@ -8,12 +8,13 @@ serving/app.py records; agent, tool and reward spans from the client) in a SQLit
 directory (the store actor's backend, called in this process: no Ray hop), the rollouts finished there with their
 rewards. Timed as the trainer's adapt phase does it: "read+adapt" = `query_spans(rollout ids)` + LightningRL's
 `adapt` (transition level); "adapt" = `adapt` alone on the spans already read; "adapt[trajectory]" = adapt with
-each agent's calls merged where the tokens allow. Theirs (agl_adapter.py in .venvs/agentlightning, built by
-envs/agentlightning/build.sh): per rollout, their store's `query_spans` + `TracerTraceToTriplet().adapt`, as their
-verl daemon does, and the adapter alone. Each measurement: one warm-up pass, then the median of `repeats` passes,
-in wall-clock and in CPU time (adapter_workload.timed, shared by both sides). Prints one JSON line per measurement,
-then one with both rates and the ratios ours / theirs, and the load average before and after (the figures are only
-as quiet as the machine); `--out` also writes them all to a JSON file.
+each agent's calls merged where the tokens allow (ours only). Theirs (agl_adapter.py in .venvs/agentlightning, built
+by envs/agentlightning/build.sh, kept running beside this process): per rollout, their store's `query_spans` +
+`TracerTraceToTriplet().adapt`, as their verl daemon does, and the adapter alone. Each measurement: one warm-up pass
+per side, then `repeats` passes per side taken in turns (the machine's load drifts: both sides see the same drift);
+rates of the median pass in wall-clock and in CPU time (adapter_workload.rates, shared by both sides). Prints one
+JSON line per measurement, then one with both rates and the ratios ours / theirs, and the load average before and
+after; `--out` also writes them all to a JSON file.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from adapter_workload import MODEL, llm_calls, make_rollouts, timed  # noqa: E402
+from adapter_workload import MODEL, llm_calls, make_rollouts, one_pass, rates, timed  # noqa: E402
 
 from lightning_ray.algorithm.lightningrl import adapt  # noqa: E402
 from lightning_ray.store.sqlite import SQLiteBackend, span_row  # noqa: E402
@@ -37,7 +38,7 @@ from lightning_ray.tracing import semconv  # noqa: E402
 from lightning_ray.types import Rollout, Span, Task  # noqa: E402
 
 PEER_PYTHON = HERE.parent / ".venvs/agentlightning/bin/python"
-SIDE = "lightning_ray"
+SIDE, PEER = "lightning_ray", "agentlightning"
 
 
 def our_span(s: dict, rollout_id: str, attempt_id: str) -> tuple[Span, str]:
@@ -85,41 +86,68 @@ def stored(backend: SQLiteBackend, rollouts: list[dict]) -> list[Rollout]:
     return finished
 
 
-def ours(args, rollouts: list[dict]) -> list[dict]:
-    expected = llm_calls(rollouts)
-    with tempfile.TemporaryDirectory() as run_dir:
-        backend = SQLiteBackend(Path(run_dir) / "store.sqlite")
-        finished = stored(backend, rollouts)
-        ids = [r.rollout_id for r in finished]
-        spans = backend.query_spans(ids)
-        out = [
-            timed(SIDE, "read+adapt", lambda: len(adapt(finished, backend.query_spans(ids), MODEL)[0]), expected,
-                  args.repeats),
-            timed(SIDE, "adapt", lambda: len(adapt(finished, spans, MODEL)[0]), expected, args.repeats),
-        ]
-        # trajectory level: counted in calls taken in; the calls of one agent extend each other's tokens, and every
-        # agent starts a new conversation, so each agent's calls become one sequence
-        sequences = len(rollouts) * len({s["agent"] for r in rollouts for s in r["spans"] if s["kind"] == "agent"})
+def ours(backend: SQLiteBackend, rollouts: list[dict], repeats: int) -> tuple[dict, dict]:
+    """The store filled (untimed); our timed runs by measure, and the trajectory-level line (ours only)."""
+    finished = stored(backend, rollouts)
+    ids = [r.rollout_id for r in finished]
+    spans = backend.query_spans(ids)
+    runs = {"read+adapt": lambda: len(adapt(finished, backend.query_spans(ids), MODEL)[0]),
+            "adapt": lambda: len(adapt(finished, spans, MODEL)[0])}
+    # trajectory level: counted in calls taken in; the calls of one agent extend each other's tokens, and every
+    # agent starts a new conversation, so each agent's calls become one sequence
+    sequences = len(rollouts) * len({s["agent"] for r in rollouts for s in r["spans"] if s["kind"] == "agent"})
 
-        def trajectory() -> int:
-            merged, stats = adapt(finished, spans, MODEL, "trajectory")
-            assert len(merged) == sequences, f"{len(merged)} sequences, expected {sequences}"
-            return stats["policy_calls"]
+    def trajectory() -> int:
+        merged, stats = adapt(finished, spans, MODEL, "trajectory")
+        assert len(merged) == sequences, f"{len(merged)} sequences, expected {sequences}"
+        return stats["policy_calls"]
 
-        out.append(timed(SIDE, "adapt[trajectory]", trajectory, expected, args.repeats))
-        backend.db.close()
-    return out
+    return runs, timed(SIDE, "adapt[trajectory]", trajectory, llm_calls(rollouts), repeats)
 
 
-def peer(args) -> list[dict]:
-    # idempotent: builds .venvs/agentlightning (~5 min) unless its .installed stamp is there
-    subprocess.run(["bash", str(HERE.parent / "envs/agentlightning/build.sh")], check=True)
-    run = subprocess.run([str(PEER_PYTHON), str(HERE / "agl_adapter.py"), "--rollouts", str(args.rollouts),
-                          "--calls", str(args.calls), "--repeats", str(args.repeats)], capture_output=True, text=True,
-                         check=True)
-    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    for line in lines:
-        print(json.dumps(line), flush=True)
+class Peer:
+    """Agent Lightning's side in its own venv, one timed pass per request, so that its passes interleave with ours."""
+
+    def __init__(self, args):
+        # idempotent: builds .venvs/agentlightning (~5 min) unless its .installed stamp is there
+        subprocess.run(["bash", str(HERE.parent / "envs/agentlightning/build.sh")], check=True)
+        self.proc = subprocess.Popen([str(PEER_PYTHON), str(HERE / "agl_adapter.py"), "--serve", "--rollouts",
+                                      str(args.rollouts), "--calls", str(args.calls)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._reply()  # its store is filled
+
+    def one_pass(self, measure: str) -> tuple[int, float, float]:
+        self.proc.stdin.write(measure + "\n")
+        self.proc.stdin.flush()
+        r = self._reply()
+        return r["n"], r["wall"], r["cpu"]
+
+    def _reply(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"agl_adapter.py exited ({self.proc.wait()})")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def interleaved(runs: dict, peer: Peer, expected: int, repeats: int) -> list[dict]:
+    """Per measure: one warm-up pass each, then `repeats` passes of each side in turns (ours, theirs, theirs, ours,
+    ...): a change in the machine's load lands on both sides alike."""
+    lines = []
+    for measure, run in runs.items():
+        sides = {SIDE: lambda: one_pass(run), PEER: lambda: peer.one_pass(measure)}
+        passes = {side: [] for side in sides}
+        for side in sides:
+            sides[side]()
+        for i in range(repeats):
+            for side in (SIDE, PEER) if i % 2 == 0 else (PEER, SIDE):
+                passes[side].append(sides[side]())
+        for side in sides:
+            lines.append(rates(side, measure, passes[side], expected))
+            print(json.dumps(lines[-1]), flush=True)
     return lines
 
 
@@ -134,19 +162,29 @@ def main() -> None:
 
     load = os.getloadavg()[0]
     rollouts = make_rollouts(args.rollouts, args.calls)
-    lines = ours(args, rollouts)
-    if args.no_peer:
-        return
-    lines += peer(args)
+    expected = llm_calls(rollouts)
+    with tempfile.TemporaryDirectory() as run_dir:
+        backend = SQLiteBackend(Path(run_dir) / "store.sqlite")
+        runs, trajectory = ours(backend, rollouts, args.repeats)
+        if args.no_peer:
+            for measure, run in runs.items():
+                timed(SIDE, measure, run, expected, args.repeats)
+            return
+        peer = Peer(args)
+        try:
+            lines = [*interleaved(runs, peer, expected, args.repeats), trajectory]
+        finally:
+            peer.close()
+            backend.db.close()
     by = {(line["side"], line["measure"]): line for line in lines}
 
     def versus(measure: str) -> dict:
-        mine, theirs = by[SIDE, measure], by["agentlightning", measure]
+        mine, theirs = by[SIDE, measure], by[PEER, measure]
         return {"ours_per_s": mine["per_s"], "theirs_per_s": theirs["per_s"],
                 "ratio": round(mine["per_s"] / theirs["per_s"], 2),
                 "cpu_ratio": round(mine["cpu_per_s"] / theirs["cpu_per_s"], 2)}
 
-    summary = {"benchmark": "adapter_throughput", "rollouts": args.rollouts, "transitions": llm_calls(rollouts),
+    summary = {"benchmark": "adapter_throughput", "rollouts": args.rollouts, "transitions": expected,
                "repeats": args.repeats, **versus("read+adapt"), "adapt_only": versus("adapt"),
                "load_avg": [round(load, 2), round(os.getloadavg()[0], 2)]}
     print(json.dumps(summary), flush=True)

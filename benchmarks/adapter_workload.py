@@ -88,22 +88,29 @@ def llm_calls(rollouts: list[dict]) -> int:
     return sum(s["kind"] == "llm" for r in rollouts for s in r["spans"])
 
 
+def one_pass(run) -> tuple[int, float, float]:
+    """Time `run()` (returns how many LLM calls it turned into training data) once: (its count, wall-clock seconds,
+    this process's CPU seconds; the machine is shared: CPU time leaves out the time other processes held the core)."""
+    t, c = time.perf_counter(), time.process_time()
+    n = run()
+    return n, time.perf_counter() - t, time.process_time() - c
+
+
+def rates(side: str, measure: str, passes: list[tuple[int, float, float]], expected: int) -> dict:
+    """The JSON line of a measurement from its timed passes: rates of the median pass in wall-clock and in CPU time,
+    and of the fastest pass."""
+    assert all(n == expected for n, _, _ in passes), f"{side} {measure}: {passes[0][0]} transitions, {expected} calls"
+    wall, cpu = [w for _, w, _ in passes], [c for _, _, c in passes]
+    return {"side": side, "measure": measure, "transitions": expected,
+            "per_s": round(expected / statistics.median(wall), 1),
+            "cpu_per_s": round(expected / statistics.median(cpu), 1), "best_per_s": round(expected / min(wall), 1),
+            "median_s": round(statistics.median(wall), 4), "repeats": len(passes)}
+
+
 def timed(side: str, measure: str, run, expected: int, repeats: int) -> dict:
-    """Time `run()` (returns how many LLM calls it turned into training data) as both sides are timed: one warm-up
-    pass, then `repeats` passes. Rates of the median pass, in wall-clock time and in this process's CPU time (the
-    machine is shared: CPU time leaves out the time other processes held the core), and of the fastest pass.
-    Prints and returns the JSON line."""
-    wall, cpu = [], []
-    for i in range(repeats + 1):
-        t, c = time.perf_counter(), time.process_time()
-        n = run()
-        if i:
-            wall.append(time.perf_counter() - t)
-            cpu.append(time.process_time() - c)
-    assert n == expected, f"{side} {measure}: {n} transitions from {expected} LLM calls"
-    line = {"side": side, "measure": measure, "transitions": n, "per_s": round(n / statistics.median(wall), 1),
-            "cpu_per_s": round(n / statistics.median(cpu), 1), "best_per_s": round(n / min(wall), 1),
-            "median_s": round(statistics.median(wall), 4), "repeats": repeats}
+    """One warm-up pass, then `repeats` timed passes of `run` alone; prints and returns the JSON line."""
+    one_pass(run)
+    line = rates(side, measure, [one_pass(run) for _ in range(repeats)], expected)
     print(json.dumps(line), flush=True)
     return line
 

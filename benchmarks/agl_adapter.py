@@ -2,7 +2,7 @@
 adapter benchmark. Runs in Agent Lightning's own venv, not the project's:
 
     bash envs/agentlightning/build.sh
-    .venvs/agentlightning/bin/python benchmarks/agl_adapter.py [--rollouts N] [--calls N] [--repeats N]
+    .venvs/agentlightning/bin/python benchmarks/agl_adapter.py [--rollouts N] [--calls N] [--repeats N] [--serve]
 
 The spans are shaped as their tracer records them: the LLM call as AgentOps' `openai.chat.completion` span with the
 token ids and logprobs their instrumentation adds (prompt_token_ids, response_token_ids, logprobs.content), the chat
@@ -10,7 +10,9 @@ flattened into gen_ai.prompt.N.* / gen_ai.completion.0.*; the agent's span with 
 `emit_reward` writes it. They go into an InMemoryLightningStore (untimed). Timed, as their verl daemon does it per
 finished rollout (`_validate_data_v1`): `query_spans(rollout_id, attempt_id="latest")` then
 `TracerTraceToTriplet().adapt(spans)` (the daemon's default adapter); "adapt" times the adapter alone on spans
-already read. Timed by adapter_workload.timed, as our side is; prints one JSON line per measurement.
+already read. Timed by adapter_workload, as our side is; prints one JSON line per measurement. With --serve (how
+adapter_throughput.py drives it, so that the two sides' passes interleave), it prints {"ready": true}, then times one
+pass per measure named on stdin and answers with a JSON line {"n", "wall", "cpu"}.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from agentlightning.emitter.reward import emit_reward  # noqa: E402
 from agentlightning.store import InMemoryLightningStore  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from adapter_workload import MODEL, WORDS, llm_calls, make_rollouts, timed  # noqa: E402
+from adapter_workload import MODEL, WORDS, llm_calls, make_rollouts, one_pass, timed  # noqa: E402
 
 SIDE = "agentlightning"
 
@@ -90,6 +92,7 @@ def main() -> None:
     p.add_argument("--rollouts", type=int, default=64)
     p.add_argument("--calls", type=int, default=4, help="LLM calls per agent")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--serve", action="store_true", help="one timed pass per measure named on stdin")
     args = p.parse_args()
 
     rollouts = make_rollouts(args.rollouts, args.calls)
@@ -101,9 +104,16 @@ def main() -> None:
         return sum([len(adapter.adapt(await store.query_spans(rid, attempt_id="latest"))) for rid in ids])
 
     spans = [loop.run_until_complete(store.query_spans(rid, attempt_id="latest")) for rid in ids]
-    expected = llm_calls(rollouts)
-    timed(SIDE, "read+adapt", lambda: loop.run_until_complete(read_and_adapt()), expected, args.repeats)
-    timed(SIDE, "adapt", lambda: sum(len(adapter.adapt(s)) for s in spans), expected, args.repeats)
+    runs = {"read+adapt": lambda: loop.run_until_complete(read_and_adapt()),
+            "adapt": lambda: sum(len(adapter.adapt(s)) for s in spans)}
+    if args.serve:
+        print(json.dumps({"ready": True}), flush=True)
+        for measure in sys.stdin:
+            n, wall, cpu = one_pass(runs[measure.strip()])
+            print(json.dumps({"n": n, "wall": wall, "cpu": cpu}), flush=True)
+        return
+    for measure, run in runs.items():
+        timed(SIDE, measure, run, llm_calls(rollouts), args.repeats)
 
 
 if __name__ == "__main__":
