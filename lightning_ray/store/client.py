@@ -1,7 +1,8 @@
 """StoreClient: the one handle every component uses to reach the store, over one or several TraceStore shards.
 
 Rollouts are sharded by a stable hash of their id, so a rollout, its attempts and its spans live on one shard;
-calls that name no rollout fan out and merge. Span rows are encoded here, on the sender's CPU, not the store's.
+calls that name no rollout fan out and merge. Span rows are encoded here, on the sender's CPU, and decoded here, on
+the reader's: not on the store's.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import ray
 
 from lightning_ray.store.errors import InvalidSpans, UnknownRollout
-from lightning_ray.store.sqlite import span_row
+from lightning_ray.store.sqlite import span_from_row, span_row
 from lightning_ray.store.trace_store import TraceStore
 from lightning_ray.types import Attempt, CancelOutcome, Rollout, RolloutConfig, Span, Task, new_id
 
@@ -140,9 +141,10 @@ class StoreClient:
             targets = {i: None for i in range(len(self.shards))}
         else:
             targets = {s: [rollout_ids[i] for i in idx] for s, idx in self._by_shard(rollout_ids).items()}
-        parts = ray.get([self.shards[s].query_spans.remote(ids, attempt_id, name, since, until, limit)
+        parts = ray.get([self.shards[s].query_span_rows.remote(ids, attempt_id, name, since, until, limit)
                          for s, ids in targets.items()])
-        return sorted((s for part in parts for s in part), key=lambda s: s.start_time)[:limit]
+        rows = sorted((r for part in parts for r in part), key=lambda r: r[6])[:limit]  # by start_time
+        return [span_from_row(r) for r in rows]
 
     def stats(self) -> dict:
         parts = ray.get([s.stats.remote() for s in self.shards])

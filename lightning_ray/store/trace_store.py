@@ -151,6 +151,12 @@ class TraceStore:
                           limit: int | None = None) -> list[Span]:
         return await self._call(self.backend.query_spans, rollout_ids, attempt_id, name, since, until, limit)
 
+    async def query_span_rows(self, rollout_ids: list[str] | None = None, attempt_id: str | None = None,
+                              name: str | None = None, since: float | None = None, until: float | None = None,
+                              limit: int | None = None) -> list[tuple]:
+        """query_spans, left to the caller to decode (sqlite.span_from_row): StoreClient reads spans this way."""
+        return await self._call(self.backend.query_span_rows, rollout_ids, attempt_id, name, since, until, limit)
+
     async def count_rollouts(self, rollout_ids: list[str] | None = None) -> dict[str, int]:
         return await self._call(self.backend.count_rollouts, rollout_ids)
 
