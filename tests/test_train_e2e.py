@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from array import array
 from collections import Counter
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -16,6 +18,13 @@ from lightning_ray.trainer import train
 from lightning_ray.training.loop import parameter_digest
 
 from lightning_ray.models.tiny import EASY  # sums and differences of two small numbers, as it was warmed up on
+
+
+def unpacked(attributes: dict, arrays: bytes | None) -> dict:
+    """Numeric lists (token ids, logprobs) are stored beside the JSON: [(key, typecode, little-endian bytes)]."""
+    for key, code, raw in msgspec.msgpack.decode(arrays) if arrays else []:
+        attributes[key] = array(code, raw).tolist()
+    return attributes
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +49,8 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     history = train(cfg)
     db = sqlite3.connect(run_dir / "traces-spans.sqlite")  # reopened after the run, by a plain sqlite3 client
     spans = [
-        {"span_id": r[0], "rollout_id": r[1], "name": r[2], "attributes": json.loads(r[3])}
-        for r in db.execute("SELECT span_id, rollout_id, name, attributes FROM spans")
+        {"span_id": r[0], "rollout_id": r[1], "name": r[2], "attributes": unpacked(json.loads(r[3]), r[4])}
+        for r in db.execute("SELECT span_id, rollout_id, name, attributes, arrays FROM spans")
     ]
     rows = sqlite3.connect(run_dir / "traces.sqlite").execute("SELECT rollout_id, task, reward FROM rollouts")
     rollouts = [{"rollout_id": r[0], "group_id": json.loads(r[1])["group_id"], "reward": r[2]} for r in rows]
