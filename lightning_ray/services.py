@@ -52,7 +52,7 @@ class Services:
         # that dies is restarted by Ray, and its attempts retried by the store (rollout.max_attempts).
         self.workers = [RolloutWorker.options(
             max_concurrency=cfg.rollout.agents_per_worker, max_restarts=-1, runtime_env=cfg.task.runtime_env,
-        ).remote(cfg.task, self.store, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing,
+        ).remote(cfg.task, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing,
                  cfg.rollout.timeout_seconds) for _ in range(cfg.rollout.num_workers)]
         ray.get([w.__ray_ready__.remote() for w in self.workers])  # an agent that cannot load fails here, named
 

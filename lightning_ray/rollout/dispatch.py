@@ -21,7 +21,7 @@ def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[st
     requeued (it failed, timed out or its worker went silent) is taken by the next free slot, not after the slowest
     rollout of the set. A worker that died (Ray restarts it) loses its attempts to their leases, and the store
     retries them elsewhere; an error raised by work() itself is raised here."""
-    running = {w.work.remote(): w for w in workers for _ in range(slots_per_worker)}  # call -> its worker
+    running = {w.work.remote(store): w for w in workers for _ in range(slots_per_worker)}  # call -> its worker
     free: list = []  # a worker per slot whose call has returned
 
     def collect(calls: list) -> None:
@@ -46,7 +46,7 @@ def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[st
             counts = store.count_rollouts(rollout_ids) if free else {}
             waiting = counts.get("queued", 0) + counts.get("requeued", 0)
             for worker in free[:waiting]:
-                running[worker.work.remote()] = worker
+                running[worker.work.remote(store)] = worker
             del free[:waiting]
 
 

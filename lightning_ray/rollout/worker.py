@@ -12,14 +12,17 @@ from lightning_ray.tasks import load_task
 
 @ray.remote(num_cpus=0)
 class RolloutWorker:
-    def __init__(self, task: TaskConfig, store, server_url: str, model_name: str, api_key: str | None = None,
+    """Constructed from plain values only: Ray restarts a dead worker with its constructor's arguments, and those
+    holding actor handles (the store's) would live in the object store, where they may be gone by then."""
+
+    def __init__(self, task: TaskConfig, server_url: str, model_name: str, api_key: str | None = None,
                  tracing_backend: str = "embedded", timeout_seconds: float | None = None):
         self.agent, self.reward = resolve_agent(task, timeout_seconds), load_task(task.name).reward
-        self.store, self.server_url, self.model_name = store, server_url, model_name
+        self.server_url, self.model_name = server_url, model_name
         self.api_key, self.tracing_backend = api_key or "EMPTY", tracing_backend
         self.worker_id = ray.get_runtime_context().get_actor_id()
 
-    def work(self) -> int:
-        """Run rollouts until the queue is empty; return how many ran."""
-        return work(self.store, self.agent, self.reward, self.server_url, self.model_name, self.api_key,
+    def work(self, store) -> int:
+        """Run rollouts from `store`'s queue until it is empty; return how many ran."""
+        return work(store, self.agent, self.reward, self.server_url, self.model_name, self.api_key,
                     self.worker_id, self.tracing_backend)
