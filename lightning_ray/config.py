@@ -57,9 +57,10 @@ class AIRConfig(_Strict):
 
 
 class TaskConfig(_Strict):
-    name: Literal["calc", "sql"] = "calc"  # lightning_ray/tasks/<name>
-    # calc: a reasoning-gym generator; sql: chinook (templated questions) or spider (generator.root: its directory)
-    dataset: Literal["basic_arithmetic", "gsm_symbolic", "chinook", "spider"] = "basic_arithmetic"
+    name: Literal["calc", "sql", "rag"] = "calc"  # lightning_ray/tasks/<name>
+    # calc: a reasoning-gym generator; sql: chinook (templated questions) or spider (generator.root: its directory);
+    # rag: facts (a generated world) or musique (generator.path: a jsonl file)
+    dataset: Literal["basic_arithmetic", "gsm_symbolic", "chinook", "spider", "facts", "musique"] = "basic_arithmetic"
     generator: dict[str, Any] = {}  # the generator's options; {}: the task's defaults
     protocol: Literal["text", "tools"] = "text"  # CALC lines in text, or the calculator by OpenAI function calling
     train_size: int = Field(1000, gt=0)

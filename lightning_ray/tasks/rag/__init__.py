@@ -1,0 +1,177 @@
+"""The rag task: multi-hop question answering by an OpenAI Agents SDK agent with a retrieval tool.
+
+The agent (`agent` below) is ordinary Agents SDK code: an Agent with one function tool, `search`, run by the SDK's
+Runner on its default API, the Responses API, against the base URL it is given. It knows nothing of training.
+`search` ranks the task's corpus by cosine similarity of all-MiniLM-L6-v2 embeddings (retrieval.py, offline).
+
+Datasets (`task.dataset`):
+- `facts`: questions about a generated world of invented people, companies, cities and countries (world.py), so
+  that no answer is in any model's memory: "In which country was Varo Kintell born?" takes two searches, where he
+  was born and then where that city is. Options (`task.generator`): `people` (the world's size, default 500; the
+  questions number people × templates), `world_seed` (default 0), `templates` (default birth_country and
+  employer_city, two hops; employer_country has three). Every question searches the same corpus, the world's facts.
+- `musique`: MuSiQue's jsonl layout (musique.py); option `path`, the file. Each question searches its own
+  paragraphs (MuSiQue's distractor setting).
+The training and held-out splits are drawn from the same pool with different seeds; no held-out question is in
+the training split (`exclude`).
+
+The reward is FORMAT_WEIGHT (0.1) for a reply with an `ANSWER: <answer>` line, plus F1_WEIGHT (0.9) × the token
+F1 of the answer against the gold answer or its best-matching alias, after SQuAD's normalization (lower case, no
+punctuation, no articles). The answer is the last ANSWER line's text, or the whole reply when it has none.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+import threading
+from collections import Counter
+from functools import lru_cache
+
+from lightning_ray.tasks.rag.musique import read_musique
+from lightning_ray.tasks.rag.retrieval import CACHE_DIR, Index
+from lightning_ray.tasks.rag.world import DEFAULT_TEMPLATES, TEMPLATES, make_world
+from lightning_ray.tracing import emit_tool
+from lightning_ray.types import Task
+
+DATASETS = ("facts", "musique")
+_OPTIONS = {"facts": {"people", "world_seed", "templates"}, "musique": {"path"}}
+FORMAT_WEIGHT, F1_WEIGHT = 0.1, 0.9
+TOP_K = 3  # passages per search
+MAX_TURNS = 4  # model calls per episode: a search per hop, the answer, and one spare
+INSTRUCTIONS = ("Answer the question with facts from the search tool. Search for one fact at a time: first about "
+                "the person or thing the question names, then about what you found. Then reply with one line: "
+                "ANSWER: <answer>")
+
+_ANSWER = re.compile(r"^[ \t]*ANSWER:[ \t]*(\S.*?)[ \t]*$", re.M)
+
+
+def make_tasks(n: int, seed: int, dataset: str = "facts", options: dict | None = None, protocol: str = "tools",
+               exclude: set[str] = frozenset()) -> list[Task]:
+    """n questions, none of them in `exclude`, in an order drawn by `seed`. Deterministic for the same arguments."""
+    if dataset not in DATASETS:
+        raise ValueError(f"dataset {dataset!r}: the rag task supports {', '.join(DATASETS)}")
+    if protocol != "tools":
+        raise ValueError(f"protocol {protocol!r}: the rag agent searches through a function tool (task.protocol=tools)")
+    options = dict(options or {})
+    if unknown := set(options) - _OPTIONS[dataset]:
+        raise ValueError(f"unknown option(s) for the rag task's {dataset}: {', '.join(sorted(unknown))} "
+                         f"(expected {', '.join(sorted(_OPTIONS[dataset]))})")
+    if dataset == "facts":
+        pool = _facts(int(options.get("people", 500)), int(options.get("world_seed", 0)),
+                      tuple(options.get("templates", DEFAULT_TEMPLATES)))
+    elif "path" not in options:
+        raise ValueError("the rag task's musique dataset needs task.generator.path: a MuSiQue jsonl file")
+    else:
+        pool = [{**r, "dataset": "musique"} for r in read_musique(options["path"])]
+    order = list(range(len(pool)))
+    random.Random(seed).shuffle(order)
+    tasks: list[Task] = []
+    seen = set(exclude)
+    for i in order:
+        entry = pool[i]
+        if entry["question"] in seen:
+            continue
+        seen.add(entry["question"])
+        tasks.append(Task(task_id=entry.pop("id", None) or f"{dataset}-{seed}-{len(tasks)}", input=entry))
+        if len(tasks) == n:
+            return tasks
+    raise ValueError(f"the rag task's {dataset} has {len(tasks)} questions outside `exclude`; {n} were asked for "
+                     "(a smaller task.train_size / eval_size, or a larger world: task.generator.people)")
+
+
+def _facts(people: int, world_seed: int, templates: tuple[str, ...]) -> list[dict]:
+    if unknown := set(templates) - set(TEMPLATES):
+        raise ValueError(f"unknown template(s): {', '.join(sorted(unknown))} (expected some of {', '.join(TEMPLATES)})")
+    world = make_world(world_seed, people)
+    position = {text: i for i, text in enumerate(world.documents)}
+    return [{"question": q.text, "answers": [q.answer], "dataset": "facts", "template": q.template,
+             "world": {"seed": world_seed, "people": people},
+             "supporting": [position[f.text] for f in q.hops], "decomposition": q.decomposition}
+            for q in world.questions(templates)]
+
+
+def documents(task: dict) -> list[str]:
+    """The corpus the task's questions are answered from: the world's facts, or the question's own paragraphs."""
+    if task["dataset"] == "facts":
+        return make_world(task["world"]["seed"], task["world"]["people"]).documents
+    return [f"{p['title']}: {p['text']}" for p in task["paragraphs"]]
+
+
+_building = threading.Lock()  # agents run in threads: one builds an index while the others wait for it
+
+
+def index(task: dict) -> Index:
+    with _building:
+        if task["dataset"] == "facts":
+            return _world_index(task["world"]["seed"], task["world"]["people"])
+        return _paragraph_index(tuple(documents(task)))
+
+
+@lru_cache(maxsize=4)
+def _world_index(seed: int, people: int) -> Index:
+    return Index.build(make_world(seed, people).documents, cache_dir=CACHE_DIR)  # embedded once per machine
+
+
+@lru_cache(maxsize=64)  # a GRPO group's rollouts of one question run close together
+def _paragraph_index(paragraphs: tuple[str, ...]) -> Index:
+    return Index.build(list(paragraphs))
+
+
+def agent(task: dict, base_url: str, model: str, api_key: str = "EMPTY") -> str | None:
+    """An Agents SDK agent that searches and answers; returns its final reply (None if it ran out of turns)."""
+    from agents import Agent, MaxTurnsExceeded, OpenAIResponsesModel, RunConfig, Runner, function_tool
+    from openai import AsyncOpenAI
+
+    corpus = index(task)
+
+    @function_tool
+    def search(query: str) -> str:
+        """Search the knowledge base. Returns the passages most relevant to the query, one per line."""
+        result = "\n".join(corpus.search(query, TOP_K))
+        emit_tool("search", {"query": query}, result)  # the tool call as a span, for AIR (no-op outside a rollout)
+        return result
+
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    researcher = Agent(name="researcher", instructions=INSTRUCTIONS, tools=[search],
+                       model=OpenAIResponsesModel(model=model, openai_client=client))
+    # offline: no traces to OpenAI's backend; a tool name the model made up is answered as an error, not raised
+    config = RunConfig(tracing_disabled=True, tool_not_found_behavior="return_error_to_model")
+    try:
+        return Runner.run_sync(researcher, task["question"], max_turns=MAX_TURNS, run_config=config).final_output
+    except MaxTurnsExceeded:
+        return None
+
+
+def normalize(text: str) -> str:
+    """SQuAD's answer normalization: lower case, punctuation and the articles a/an/the removed, spaces collapsed."""
+    text = "".join(c for c in text.lower() if c not in string.punctuation)
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+def f1(prediction: str, gold: str) -> float:
+    """Token-level F1 of the normalized strings (1.0 when both normalize to nothing)."""
+    predicted, expected = normalize(prediction).split(), normalize(gold).split()
+    if not predicted or not expected:
+        return float(predicted == expected)
+    same = sum((Counter(predicted) & Counter(expected)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(predicted), same / len(expected)
+    return 2 * precision * recall / (precision + recall)
+
+
+def parse_answer(reply: str) -> str | None:
+    """The text of the reply's last `ANSWER: ...` line, or None if it has none."""
+    found = _ANSWER.findall(reply)
+    return found[-1] if found else None
+
+
+def reward(task: dict, answer: str | None) -> float:
+    """FORMAT_WEIGHT × (an ANSWER line) + F1_WEIGHT × the best F1 against the gold answer and its aliases."""
+    if answer is None:
+        return 0.0
+    parsed = parse_answer(answer)
+    score = max(f1(answer if parsed is None else parsed, gold) for gold in task["answers"])
+    return FORMAT_WEIGHT * (parsed is not None) + F1_WEIGHT * score
