@@ -116,6 +116,7 @@ def test_reward_is_format_plus_answer_f1():
     assert rag.reward(task, "ANSWER: Drolmoia") == 1.0
     assert rag.reward(task, "I searched twice.\nANSWER: drolmoia.") == 1.0  # normalized; the ANSWER line is read
     assert rag.reward(task, "ANSWER: Zenmor\nANSWER: Drolmoia") == 1.0  # the last ANSWER line counts
+    assert rag.reward(task, "ANSWER Drolmoia") == rag.reward(task, "ANSWER:Drolmoia") == 1.0  # colon optional
     assert rag.reward(task, "Drolmoia") == pytest.approx(0.9)  # right, but not in the format
     assert rag.reward(task, "It is Drolmoia") == pytest.approx(0.9 * 0.5)  # the whole reply is the answer
     assert rag.reward(task, "ANSWER: Zenmor") == pytest.approx(0.1)  # the format alone

@@ -15,13 +15,17 @@ Datasets (`task.dataset`):
 The training and held-out splits are drawn from the same pool with different seeds; no held-out question is in
 the training split (`exclude`).
 
-The reward is FORMAT_WEIGHT (0.1) for a reply with an `ANSWER: <answer>` line, plus F1_WEIGHT (0.9) × the token
-F1 of the answer against the gold answer or its best-matching alias, after SQuAD's normalization (lower case, no
-punctuation, no articles). The answer is the last ANSWER line's text, or the whole reply when it has none.
+The agent opens the conversation with one worked example: two searches, then the answer line.
+
+The reward is FORMAT_WEIGHT (0.1) for a reply with an `ANSWER: <answer>` line (the colon may be left out, as the
+calc task writes it), plus F1_WEIGHT (0.9) × the token F1 of the answer against the gold answer or its best-matching
+alias, after SQuAD's normalization (lower case, no punctuation, no articles). The answer is the last ANSWER line's
+text, or the whole reply when it has none.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import string
@@ -44,7 +48,16 @@ INSTRUCTIONS = ("Answer the question with facts from the search tool. Search for
                 "the person or thing the question names, then about what you found. Then reply with one line: "
                 "ANSWER: <answer>")
 
-_ANSWER = re.compile(r"^[ \t]*ANSWER:[ \t]*(\S.*?)[ \t]*$", re.M)
+# One worked example, as earlier turns of the conversation (the calc agent opens the same way: a small model follows
+# a conversation's pattern more readily than its instructions). Its people and places are in no generated world.
+EXAMPLE = ("In which country was Amel Dorn born?",
+           [("Where was Amel Dorn born?",
+             ["Amel Dorn was born in Kestmor.", "Amel Dorn works for Vellin Mills.", "Ravi Dorst was born in Lunheim."]),
+            ("In which country is Kestmor?",
+             ["Kestmor is a city in Zalia.", "Tomas Hale was born in Kestmor.", "Lunheim is a city in Brontara."])],
+           "Zalia")
+# The answer line: ANSWER, a colon (optional, as the calc task writes it: "ANSWER 7"), the answer.
+_ANSWER = re.compile(r"^[ \t]*ANSWER(?::|[ \t])[ \t]*(\S.*?)[ \t]*$", re.M)
 
 
 def make_tasks(n: int, seed: int, dataset: str = "facts", options: dict | None = None, protocol: str = "tools",
@@ -121,10 +134,24 @@ def _paragraph_index(paragraphs: tuple[str, ...]) -> Index:
 
 def agent(task: dict, base_url: str, model: str, api_key: str = "EMPTY") -> str | None:
     """An Agents SDK agent that searches and answers; returns its final reply (None if it ran out of turns)."""
-    from agents import Agent, MaxTurnsExceeded, OpenAIResponsesModel, RunConfig, Runner, function_tool
+    from agents import Agent, MaxTurnsExceeded, OpenAIResponsesModel, RunConfig, Runner
     from openai import AsyncOpenAI
 
-    corpus = index(task)
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    researcher = Agent(name="researcher", instructions=INSTRUCTIONS, tools=[search_tool(index(task))],
+                       model=OpenAIResponsesModel(model=model, openai_client=client))
+    # offline: no traces to OpenAI's backend; a tool name the model made up is answered as an error, not raised
+    config = RunConfig(tracing_disabled=True, tool_not_found_behavior="return_error_to_model")
+    conversation = [*opening(), {"role": "user", "content": task["question"]}]
+    try:
+        return Runner.run_sync(researcher, conversation, max_turns=MAX_TURNS, run_config=config).final_output
+    except MaxTurnsExceeded:
+        return None
+
+
+def search_tool(corpus: Index):
+    """The agent's one tool: an SDK function tool named `search` over the corpus."""
+    from agents import function_tool
 
     @function_tool
     def search(query: str) -> str:
@@ -133,15 +160,34 @@ def agent(task: dict, base_url: str, model: str, api_key: str = "EMPTY") -> str 
         emit_tool("search", {"query": query}, result)  # the tool call as a span, for AIR (no-op outside a rollout)
         return result
 
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    researcher = Agent(name="researcher", instructions=INSTRUCTIONS, tools=[search],
-                       model=OpenAIResponsesModel(model=model, openai_client=client))
-    # offline: no traces to OpenAI's backend; a tool name the model made up is answered as an error, not raised
-    config = RunConfig(tracing_disabled=True, tool_not_found_behavior="return_error_to_model")
-    try:
-        return Runner.run_sync(researcher, task["question"], max_turns=MAX_TURNS, run_config=config).final_output
-    except MaxTurnsExceeded:
-        return None
+    return search
+
+
+def opening() -> list[dict]:
+    """The worked example as Responses input items: the question, each search as a function call and its output,
+    the answer."""
+    question, searches, answer = EXAMPLE
+    items: list[dict] = [{"role": "user", "content": question}]
+    for i, (query, passages) in enumerate(searches):
+        items += _searched(f"call_example_{i}", query, passages)
+    return [*items, {"role": "assistant", "content": f"ANSWER: {answer}"}]
+
+
+def demonstrations(tasks: list[Task]) -> list[list[dict]]:
+    """Correct episodes as the agent's Responses input items: the opening, the question, a search per hop (the
+    question's decomposition, answered by the real index) and the answer line. They warm up the tiny test model."""
+    out = []
+    for t in tasks:
+        corpus, items = index(t.input), [*opening(), {"role": "user", "content": t.input["question"]}]
+        for i, query in enumerate(t.input["decomposition"]):
+            items += _searched(f"call_{i}", query, corpus.search(query, TOP_K))
+        out.append([*items, {"role": "assistant", "content": f"ANSWER: {t.input['answers'][0]}"}])
+    return out
+
+
+def _searched(call_id: str, query: str, passages: list[str]) -> list[dict]:
+    return [{"type": "function_call", "call_id": call_id, "name": "search", "arguments": json.dumps({"query": query})},
+            {"type": "function_call_output", "call_id": call_id, "output": "\n".join(passages)}]
 
 
 def normalize(text: str) -> str:

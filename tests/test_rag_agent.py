@@ -1,0 +1,156 @@
+"""The rag task's Agents SDK agent trains through the whole stack: Ray, Serve with the HF engine, our /v1/responses
+(the SDK's default API), the SQLite trace store, LightningRL and Ray Train + DeepSpeed, on a tiny model.
+
+The shared tiny model was warmed up on calculator transcripts only: given this agent's prompt it answers at once
+("ANSWER 63") and never searches (32 of 32 rollouts, measured). So this test warms it up further, once per machine,
+on correct rag episodes (~1.5 min), until it calls `search` some of the time. Its answers stay poor: the checks
+are of the plumbing, not of the rewards."""
+
+from __future__ import annotations
+
+import json
+import random
+import sqlite3
+from collections import Counter
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_ray.config import ModelConfig, validate
+from lightning_ray.models import _cached
+from lightning_ray.serving.chat import template_messages
+from lightning_ray.serving.responses import ResponsesRequest, to_chat
+from lightning_ray.tasks import rag
+from lightning_ray.trainer import train
+
+WORLD = {"people": 60}  # 120 questions over 131 facts: quick to embed in every rollout worker
+
+
+def warm_up_on_rag(base: Path, out: Path, steps: int = 200, seed: int = 0) -> Path:
+    """The tiny model trained further on correct episodes of the agent (rag.demonstrations), rendered exactly as
+    the server renders the SDK's requests (to_chat, then the chat template with the SDK's own tool schema); the
+    loss on what follows the prompt, i.e. the searches, their results and the answer."""
+    from agents.models.openai_responses import Converter
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    tasks = rag.make_tasks(2 * WORLD["people"], seed=seed, options=WORLD)
+    tools = Converter.convert_tools([rag.search_tool(rag.index(tasks[0].input))], handoffs=[]).tools
+    episodes = []
+    for task, items in zip(tasks, rag.demonstrations(tasks)):
+        messages, chat_tools, _ = to_chat(ResponsesRequest(model="m", input=items, instructions=rag.INSTRUCTIONS,
+                                                           tools=tools))
+        messages = template_messages(messages)
+        asked = len(messages) - 2 * len(task.input["decomposition"]) - 1  # the agent's turns after the question
+        prompt = tokenizer.apply_chat_template(messages[:asked], tools=chat_tools, add_generation_prompt=True)
+        whole = tokenizer.apply_chat_template(messages, tools=chat_tools)
+        episodes.append((whole["input_ids"], len(prompt["input_ids"])))
+    rng, optimizer = random.Random(seed), torch.optim.AdamW(model.parameters(), lr=5e-3)
+    model.train()
+    for _ in range(steps):
+        batch = rng.sample(episodes, 8)
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in batch])
+        mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
+        labels = torch.tensor([[-100] * n + ids[n:] + [-100] * (width - len(ids)) for ids, n in batch])
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def rag_model_path(tiny_model_path) -> Path:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 threads on 2 shared cores wait on each other
+    try:
+        return _cached(Path(ModelConfig().cache_dir).expanduser() / "tiny-rag-v1",
+                       partial(warm_up_on_rag, tiny_model_path))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def run(ray_cluster, rag_model_path, serve_port, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("rag-run")
+    task = {"name": "rag", "dataset": "facts", "protocol": "tools", "generator": WORLD, "train_size": 40,
+            "eval_size": 4}
+    cfg = validate({
+        "run_dir": str(run_dir),
+        "model": {"path": str(rag_model_path)},
+        "serve": {"port": serve_port},
+        # the tools block, the worked example and three searches: ~1,300 of the tiny model's tokens (its BPE was
+        # fitted to arithmetic); its rotary positions run past its 512 all the same
+        "engine": {"max_model_len": 1536},
+        "rollout": {"tasks_per_iteration": 4, "group_size": 4, "agents_per_worker": 4},
+        "trainer": {"iterations": 2, "eval_every": 0, "lr": 1e-3},
+        # Final rewards are nearly all 0 from this model, so AIR gives the signal: +0.1 for each search the SDK
+        # ran (the agent's tool span), -0.1 for a <tool_call> block nobody could parse, each credited to its call
+        "task": {**task, "air": {"tool_ok": 0.1, "malformed_tool_call": -0.1}},
+        "algorithm": {"credit": "per_step"},
+    })
+    history = train(cfg)
+    db = sqlite3.connect(run_dir / "traces-spans.sqlite")
+    spans = [{"rollout_id": r[0], "name": r[1], "attributes": json.loads(r[2])}
+             for r in db.execute("SELECT rollout_id, name, attributes FROM spans WHERE rollout_id IS NOT NULL")]
+    rows = sqlite3.connect(run_dir / "traces.sqlite").execute("SELECT rollout_id, task, reward, status FROM rollouts")
+    rollouts = [{"rollout_id": r[0], "task": json.loads(r[1]), "reward": r[2], "status": r[3]} for r in rows]
+    return {"history": history, "spans": spans, "rollouts": rollouts}
+
+
+def test_every_responses_call_becomes_a_transition(run):
+    for h in run["history"]:
+        assert h["rollouts"] == 16 and h["infra_failed_rollouts"] == 0
+        assert h["transitions"] == h["llm_spans"] >= h["rollouts"]  # at least one model call per rollout
+        assert h["groups_with_signal"] > 0 and h["updated"]
+    calls = [s["attributes"] for s in run["spans"] if s["name"] == "llm.call"]
+    assert {c["gen_ai.operation.name"] for c in calls} == {"responses"}
+    for c in calls:  # the SDK sent the agent's instructions and its one function tool with every call
+        assert c["lightning_ray.request"]["instructions"] == rag.INSTRUCTIONS
+        assert [t["name"] for t in c["lightning_ray.request"]["tools"]] == ["search"]
+
+
+def test_the_model_searches_and_the_sdk_runs_the_tool(run):
+    """A search the model asked for was run by the SDK (the agent's tool span, with the passages it returned), its
+    output went back to the model as a function_call_output in the same rollout's next request, and AIR rewarded
+    the call that asked for it."""
+    searches = [s for s in run["spans"] if s["name"] == "execute_tool search"]
+    assert searches and all(s["attributes"]["gen_ai.tool.call.result"].count("\n") == rag.TOP_K - 1 for s in searches)
+    calls_per_rollout = Counter(s["rollout_id"] for s in run["spans"] if s["name"] == "llm.call")
+    searched = {s["rollout_id"] for s in searches}
+    assert all(calls_per_rollout[r] >= 2 for r in searched)  # the model was called again after each search
+    followed = [s["attributes"]["lightning_ray.request"]["input"] for s in run["spans"]
+                if s["name"] == "llm.call" and s["rollout_id"] in searched]
+    outputs = [item["output"] for items in followed for item in items[len(rag.opening()) + 1:]
+               if item.get("type") == "function_call_output"]
+    assert {s["attributes"]["gen_ai.tool.call.result"] for s in searches} <= set(outputs)
+    air = Counter(s["attributes"]["lightning_ray.air.rule"] for s in run["spans"]
+                  if s["name"] == "reward" and "lightning_ray.air.rule" in s["attributes"])
+    assert air["tool_ok"] == len(searches)
+
+
+def test_the_reward_is_the_tasks_score_of_the_models_last_reply(run):
+    rollouts = {r["rollout_id"]: r for r in run["rollouts"]}
+    assert {r["task"]["input"]["dataset"] for r in rollouts.values()} == {"facts"}
+    last_call, calls = {}, Counter()
+    for s in run["spans"]:  # spans are stored in the order they ended
+        if s["name"] == "llm.call":
+            last_call[s["rollout_id"]] = s["attributes"]
+            calls[s["rollout_id"]] += 1
+    for s in run["spans"]:
+        if s["name"] != "rollout":
+            continue
+        rollout, answer, last = rollouts[s["rollout_id"]], s["attributes"]["answer"], last_call[s["rollout_id"]]
+        assert rollout["reward"] == rag.reward(rollout["task"]["input"], answer)
+        if rollout["status"] == "failed":  # the SDK refuses a reply cut off at max_tokens (response.incomplete)
+            assert last["gen_ai.response.finish_reasons"] == ["length"] and "incomplete" in s["attributes"]["error"]
+        elif answer is None:  # out of turns: the model still searching at the last call the agent allows
+            assert calls[s["rollout_id"]] == rag.MAX_TURNS
+        else:  # the SDK's final output: the text of the model's last reply
+            assert answer == last["lightning_ray.response"]
