@@ -4,6 +4,7 @@ all-MiniLM-L6-v2 embeddings, the format + F1 reward, and the MuSiQue loader on a
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -105,6 +106,13 @@ def test_retrieval_finds_the_supporting_fact_of_every_hop(world_index):
     first_hop = [documents[t.input["supporting"][0]] in world_index.search(t.input["question"], rag.TOP_K)
                  for t in tasks]
     assert sum(first_hop) >= 0.9 * len(tasks)
+
+
+def test_agents_in_threads_search_one_index(world_index):
+    """A rollout worker's agents share its index and its model from several threads: each gets its own answer."""
+    queries = [q for t in rag.make_tasks(12, seed=5) for q in t.input["decomposition"]]
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(world_index.search, queries)) == [world_index.search(q) for q in queries]
 
 
 def test_reward_is_format_plus_answer_f1():

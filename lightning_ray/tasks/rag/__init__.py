@@ -90,8 +90,9 @@ def make_tasks(n: int, seed: int, dataset: str = "facts", options: dict | None =
         tasks.append(Task(task_id=entry.pop("id", None) or f"{dataset}-{seed}-{len(tasks)}", input=entry))
         if len(tasks) == n:
             return tasks
+    more = "a larger world: task.generator.people" if dataset == "facts" else "a larger file"
     raise ValueError(f"the rag task's {dataset} has {len(tasks)} questions outside `exclude`; {n} were asked for "
-                     "(a smaller task.train_size / eval_size, or a larger world: task.generator.people)")
+                     f"(a smaller task.train_size / eval_size, or {more})")
 
 
 def _facts(people: int, world_seed: int, templates: tuple[str, ...]) -> list[dict]:

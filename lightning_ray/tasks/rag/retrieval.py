@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from functools import cache
 from pathlib import Path
 
@@ -25,7 +26,8 @@ def model_path() -> Path:
 
 
 class Embedder:
-    """Texts to unit vectors (384 floats), in batches, without gradients."""
+    """Texts to unit vectors (384 floats), in batches, without gradients. One call at a time: agents search from
+    several threads, and a fast tokenizer keeps padding and truncation state that a call may set."""
 
     def __init__(self, path: str | Path | None = None):
         import torch
@@ -34,15 +36,16 @@ class Embedder:
         self.path = Path(path or model_path())
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.model = AutoModel.from_pretrained(self.path, dtype=torch.float32).eval()
+        self._lock = threading.Lock()
 
     def __call__(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
         import torch
 
         out = [np.zeros((0, self.model.config.hidden_size), np.float32)]
         for i in range(0, len(texts), batch_size):
-            batch = self.tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=MAX_TOKENS,
-                                   return_tensors="pt")
-            with torch.no_grad():
+            with self._lock, torch.no_grad():
+                batch = self.tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=MAX_TOKENS,
+                                       return_tensors="pt")
                 tokens = self.model(**batch).last_hidden_state
             mask = batch["attention_mask"].unsqueeze(-1).to(tokens.dtype)
             mean = (tokens * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
