@@ -52,7 +52,8 @@ INSTRUCTIONS = ("Answer the question with facts from the search tool. Search for
 # a conversation's pattern more readily than its instructions). Its people and places are in no generated world.
 EXAMPLE = ("In which country was Amel Dorn born?",
            [("Where was Amel Dorn born?",
-             ["Amel Dorn was born in Kestmor.", "Amel Dorn works for Vellin Mills.", "Ravi Dorst was born in Lunheim."]),
+             ["Amel Dorn was born in Kestmor.", "Amel Dorn works for Vellin Mills.",
+              "Ravi Dorst was born in Lunheim."]),
             ("In which country is Kestmor?",
              ["Kestmor is a city in Zalia.", "Tomas Hale was born in Kestmor.", "Lunheim is a city in Brontara."])],
            "Zalia")
