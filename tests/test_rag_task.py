@@ -61,6 +61,13 @@ def test_training_and_held_out_splits_share_no_question():
         rag.make_tasks(1000, seed=0, exclude=questions)  # 500 people × 2 templates, 100 held out
 
 
+def test_the_system_prompt_is_the_tasks_unless_the_run_gives_one():
+    cfg = TaskConfig(name="rag", dataset="facts", protocol="tools", train_size=2, eval_size=2, system_prompt="Be brief.")
+    train, held_out = load_splits(cfg)
+    assert [rag.system_prompt(t.input) for t in train + held_out] == ["Be brief."] * 4
+    assert rag.system_prompt(rag.make_tasks(1, seed=0)[0].input) == rag.INSTRUCTIONS
+
+
 def test_bad_options_are_named():
     with pytest.raises(ValueError, match="supports facts, musique"):
         rag.make_tasks(1, seed=0, dataset="basic_arithmetic")

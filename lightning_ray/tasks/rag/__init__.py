@@ -140,7 +140,7 @@ def agent(task: dict, base_url: str, model: str, api_key: str = "EMPTY") -> str 
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    researcher = Agent(name="researcher", instructions=INSTRUCTIONS, tools=[search_tool(index(task))],
+    researcher = Agent(name="researcher", instructions=system_prompt(task), tools=[search_tool(index(task))],
                        model=OpenAIResponsesModel(model=model, openai_client=client))
     # offline: no traces to OpenAI's backend; a tool name the model made up is answered as an error, not raised
     config = RunConfig(tracing_disabled=True, tool_not_found_behavior="return_error_to_model")
@@ -149,6 +149,11 @@ def agent(task: dict, base_url: str, model: str, api_key: str = "EMPTY") -> str 
         return Runner.run_sync(researcher, conversation, max_turns=MAX_TURNS, run_config=config).final_output
     except MaxTurnsExceeded:
         return None
+
+
+def system_prompt(task: dict) -> str:
+    """The agent's instructions: INSTRUCTIONS, unless the run gave its own (task.system_prompt)."""
+    return task.get("system_prompt") or INSTRUCTIONS
 
 
 def search_tool(corpus: Index):
