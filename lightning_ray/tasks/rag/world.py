@@ -1,5 +1,5 @@
 """A generated world of invented people, companies, cities and countries, written as one-sentence facts, and the
-multi-hop questions it answers ("In which country was Varo Kintell born?": where Varo Kintell was born, then which
+multi-hop questions it answers ("In which country was Delste Burme born?": where Delste Burme was born, then which
 country that city is in). The names are made of random syllables, so no model knows an answer from pretraining:
 it has to be retrieved, one hop at a time. Everything is a function of (seed, people): the same arguments give
 the same world on every machine.
