@@ -7,9 +7,10 @@ Runner on its default API, the Responses API, against the base URL it is given. 
 Datasets (`task.dataset`):
 - `facts`: questions about a generated world of invented people, companies, cities and countries (world.py), so
   that no answer is in any model's memory: "In which country was Delste Burme born?" takes two searches, where
-  Delste Burme was born and then where that city is. Options (`task.generator`): `people` (the world's size, default 500; the
-  questions number people × templates), `world_seed` (default 0), `templates` (default birth_country and
-  employer_city, two hops; employer_country has three). Every question searches the same corpus, the world's facts.
+  Delste Burme was born and then where that city is. Options (`task.generator`): `people` (the world's size,
+  default 500; the questions number people × templates), `world_seed` (default 0), `templates` (default
+  birth_country and employer_city, two hops; employer_country has three). Every question searches the same corpus,
+  the world's facts.
 - `musique`: MuSiQue's jsonl layout (musique.py); option `path`, the file. Each question searches its own
   paragraphs (MuSiQue's distractor setting).
 The training and held-out splits are drawn from the same pool with different seeds; no held-out question is in
