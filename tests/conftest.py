@@ -21,7 +21,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def tiny_model_path():
-    """The tiny model the main job uses by default: built (~25 s) once into the user cache, then reused."""
+    """The tiny test model (model.path=null): built (~25 s) once into the user cache, then reused."""
     return resolve_model_path(ModelConfig())
 
 
