@@ -5,7 +5,6 @@ trace store, the openai client, the tiny local model)."""
 from __future__ import annotations
 
 import json
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from transformers import AutoTokenizer
 from lightning_ray.algorithm.apo import CRITIQUE_SPAN, EDIT_SPAN, Candidate, rejection, sanitize, select
 from lightning_ray.config import APOJobConfig, TaskConfig, validate
 from lightning_ray.models.tiny import EASY
+from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.tasks import calc, load_splits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,10 +113,8 @@ def apo_run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
                 "edit_max_tokens": 40, "max_prompt_chars": 300, "reply_chars": 60},
     }, APOJobConfig)
     result = optimize(cfg)
-    db = sqlite3.connect(run_dir / "traces-spans.sqlite")
-    spans = [{"span_id": r[0], "rollout_id": r[1], "name": r[2], "trace_id": r[3], "parent_id": r[4],
-              "attributes": json.loads(r[5])}
-             for r in db.execute("SELECT span_id, rollout_id, name, trace_id, parent_id, attributes FROM spans")]
+    spans = [s.model_dump(include={"span_id", "rollout_id", "name", "trace_id", "parent_id", "attributes"})
+             for s in SQLiteBackend(run_dir / "traces.sqlite").query_spans()]  # the run's file, reopened
     rounds = [json.loads(line) for line in (run_dir / "apo_rounds.jsonl").read_text().splitlines()]
     return {"dir": run_dir, "result": result, "rounds": rounds, "spans": spans,
             "tokenizer": AutoTokenizer.from_pretrained(tiny_model_path)}
