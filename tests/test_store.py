@@ -398,13 +398,10 @@ def test_a_stuck_agent_cannot_hold_its_worker(ray_cluster):
 class SleepyWorker:
     """A rollout worker (two slots) whose agent takes the task's `seconds`."""
 
-    def __init__(self, store):
-        self.store = store
-
-    def work(self) -> int:
+    def work(self, store) -> int:
         from lightning_ray.rollout.runner import work
 
-        return work(self.store, lambda task, **_: time.sleep(task["seconds"]) or "done", lambda task, answer: 1.0,
+        return work(store, lambda task, **_: time.sleep(task["seconds"]) or "done", lambda task, answer: 1.0,
                     "http://127.0.0.1:9", "m")
 
 
@@ -415,7 +412,7 @@ def test_a_requeued_rollout_is_taken_by_the_next_free_slot(ray_cluster):
     from lightning_ray.rollout.dispatch import run_to_end
 
     client = StoreClient.start(expire_every_s=0.05)
-    worker = SleepyWorker.remote(client)
+    worker = SleepyWorker.remote()
     ray.get(worker.__ray_ready__.remote())  # started: its slots find the queue at once
     [lost] = client.enqueue([Task(task_id="lost", input={"seconds": 0})],
                             RolloutConfig(unresponsive_seconds=1.5, max_attempts=2))
