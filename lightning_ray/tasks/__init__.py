@@ -13,6 +13,18 @@ def load_task(name: str) -> ModuleType:
     return importlib.import_module(f"lightning_ray.tasks.{name}")
 
 
+def checked_options(task: str, dataset: str, options: dict | None, allowed: dict[str, set[str]]) -> dict:
+    """A task's generator options for `dataset` (allowed: each dataset's option names), or a ValueError that names
+    the unknown dataset or options."""
+    if dataset not in allowed:
+        raise ValueError(f"dataset {dataset!r}: the {task} task supports {', '.join(allowed)}")
+    options = dict(options or {})
+    if unknown := set(options) - allowed[dataset]:
+        raise ValueError(f"unknown option(s) for the {task} task's {dataset}: {', '.join(sorted(unknown))} "
+                         f"(expected {', '.join(sorted(allowed[dataset]))})")
+    return options
+
+
 def load_splits(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
     """The training split and the held-out split: different seeds, and no held-out question in training."""
     task = load_task(cfg.name)

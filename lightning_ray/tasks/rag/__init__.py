@@ -34,13 +34,13 @@ import threading
 from collections import Counter
 from functools import lru_cache
 
+from lightning_ray.tasks import checked_options
 from lightning_ray.tasks.rag.musique import read_musique
 from lightning_ray.tasks.rag.retrieval import CACHE_DIR, Index
 from lightning_ray.tasks.rag.world import DEFAULT_TEMPLATES, TEMPLATES, make_world
 from lightning_ray.tracing import emit_tool
 from lightning_ray.types import Task
 
-DATASETS = ("facts", "musique")
 _OPTIONS = {"facts": {"people", "world_seed", "templates"}, "musique": {"path"}}
 FORMAT_WEIGHT, F1_WEIGHT = 0.1, 0.9
 TOP_K = 3  # passages per search
@@ -65,14 +65,9 @@ _ANSWER = re.compile(r"^[ \t]*ANSWER(?::|[ \t])[ \t]*(\S.*?)[ \t]*$", re.M)
 def make_tasks(n: int, seed: int, dataset: str = "facts", options: dict | None = None, protocol: str = "tools",
                exclude: set[str] = frozenset()) -> list[Task]:
     """n questions, none of them in `exclude`, in an order drawn by `seed`. Deterministic for the same arguments."""
-    if dataset not in DATASETS:
-        raise ValueError(f"dataset {dataset!r}: the rag task supports {', '.join(DATASETS)}")
     if protocol != "tools":
         raise ValueError(f"protocol {protocol!r}: the rag agent searches through a function tool (task.protocol=tools)")
-    options = dict(options or {})
-    if unknown := set(options) - _OPTIONS[dataset]:
-        raise ValueError(f"unknown option(s) for the rag task's {dataset}: {', '.join(sorted(unknown))} "
-                         f"(expected {', '.join(sorted(_OPTIONS[dataset]))})")
+    options = checked_options("rag", dataset, options, _OPTIONS)
     if dataset == "facts":
         pool = _facts(int(options.get("people", 500)), int(options.get("world_seed", 0)),
                       tuple(options.get("templates", DEFAULT_TEMPLATES)))

@@ -18,12 +18,12 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from lightning_ray.tasks import checked_options
 from lightning_ray.tasks.sql import chinook, spider
 from lightning_ray.tasks.sql.execution import TIME_LIMIT_S, execution_match
 from lightning_ray.tasks.sql.schema import from_sqlite
 from lightning_ray.types import Task
 
-DATASETS = ("chinook", "spider")
 MAX_ROUNDS = 2
 _OPTIONS = {"chinook": {"families", "max_rounds"}, "spider": {"root", "questions", "max_rounds"}}
 
@@ -31,14 +31,9 @@ _OPTIONS = {"chinook": {"families", "max_rounds"}, "spider": {"root", "questions
 def make_tasks(n: int, seed: int, dataset: str = "chinook", options: dict | None = None, protocol: str = "text",
                exclude: set[str] = frozenset()) -> list[Task]:
     """n questions with their gold SQL, none of them in `exclude`. Deterministic for the same arguments."""
-    if dataset not in DATASETS:
-        raise ValueError(f"dataset {dataset!r}: the sql task supports {', '.join(DATASETS)}")
     if protocol != "text":
         raise ValueError(f"protocol {protocol!r}: the sql agent speaks text (task.protocol=text)")
-    options = dict(options or {})
-    if unknown := set(options) - _OPTIONS[dataset]:
-        raise ValueError(f"unknown option(s) for the sql task's {dataset}: {', '.join(sorted(unknown))} "
-                         f"(expected {', '.join(sorted(_OPTIONS[dataset]))})")
+    options = checked_options("sql", dataset, options, _OPTIONS)
     max_rounds = int(options.get("max_rounds", MAX_ROUNDS))
     rng = random.Random(seed)
     if dataset == "chinook":
