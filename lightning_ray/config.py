@@ -202,6 +202,7 @@ class AlgorithmConfig(_Strict):
 
 class TrainerConfig(_Strict):
     iterations: int = Field(2, gt=0)
+    max_minutes: float | None = Field(None, gt=0)  # the iteration running when this budget runs out is the last
     num_workers: int = Field(1, gt=0)  # Ray Train workers (DeepSpeed data-parallel ranks)
     threads_per_worker: int = Field(2, gt=0)  # torch threads in each: workers × threads ≈ the cores to train on
     micro_batch_tokens: int = Field(2048, gt=0)  # padded tokens per forward/backward: bounds the memory

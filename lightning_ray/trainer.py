@@ -42,6 +42,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                 evals.append({"after": 0, **evaluate(services, held_out, cfg.eval.pass_k, "eval before")})
                 print(f"held-out accuracy before training: {evals[-1]['accuracy']:.3f}", flush=True)
             probe = _probe(services.server_url, cfg)
+            deadline = time.monotonic() + 60 * t.max_minutes if t.max_minutes else float("inf")
             for iteration in range(t.iterations):
                 phase = _PhaseTimer()
                 rollouts, spans, adapted = [], [], Counter()  # of every round
@@ -77,15 +78,16 @@ def train(cfg: TrainConfig) -> list[dict]:
                 transitions, sampling = sample_groups(tasks, cfg.rollout.tasks_per_iteration, rounds, rollout_round,
                                                       alg.estimator)
                 results = []
+                last = iteration + 1 == t.iterations or time.monotonic() >= deadline
                 if sampling["groups_with_signal"]:  # else the policy stays as it is: no step, no new version
                     with phase("train"):
                         results = learner.step(transitions)
                     with phase("sync"):
                         ray.get(services.registry.wait_synced.remote(learner.version, cfg.serve.sync_timeout_s))
-                    if (iteration + 1) % t.checkpoint_every == 0 or iteration + 1 == t.iterations:
+                    if (iteration + 1) % t.checkpoint_every == 0 or last:
                         with phase("checkpoint"):
                             learner.save(run / "checkpoint")
-                if t.eval_every and ((iteration + 1) % t.eval_every == 0 or iteration + 1 == t.iterations):
+                if t.eval_every and ((iteration + 1) % t.eval_every == 0 or last):
                     with phase("eval"):
                         evals.append({"after": iteration + 1, **evaluate(services, held_out, cfg.eval.pass_k,
                                                                          f"eval after {iteration + 1}")})
@@ -104,6 +106,8 @@ def train(cfg: TrainConfig) -> list[dict]:
                 with open(run / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(record) + "\n")
                 print(_summary(record), flush=True)
+                if last:
+                    break
         finally:
             learner.close()
         if history:

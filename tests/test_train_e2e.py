@@ -165,3 +165,19 @@ def test_dynamic_sampling_refills_the_groups_without_signal(run):
     # the tiny model solves some tasks always and others never (a run saw 9 and 10 of the first round's 16 groups
     # uniform): a second round is all but certain
     assert any(h["sampling_rounds"] == 2 for h in run["history"])
+
+
+def test_a_time_budget_ends_training_with_the_final_evaluation(ray_cluster, tiny_model_path, serve_port, tmp_path):
+    """trainer.max_minutes: the iteration running when the budget runs out is the last, evaluated and checkpointed as
+    the last of `iterations` would be."""
+    cfg = validate({
+        "run_dir": str(tmp_path), "model": {"path": str(tiny_model_path)}, "serve": {"port": serve_port},
+        "trainer": {"iterations": 50, "max_minutes": 1e-3, "eval_every": 40, "checkpoint_every": 40,
+                    "micro_batch_tokens": 512, "lr": 1e-3},
+        "task": {"generator": EASY, "eval_size": 4},
+        "rollout": {"tasks_per_iteration": 8, "group_size": 4, "agents_per_worker": 4},
+    })
+    history = train(cfg)
+    assert [h["iteration"] for h in history] == [0]
+    assert history[0]["eval_before"]["tasks"] == history[0]["eval"]["tasks"] == 4
+    assert history[0]["policy_version"] == 0 or (tmp_path / "checkpoint").is_dir()  # saved when it trained
