@@ -3,7 +3,9 @@ value fails before anything starts, with the key's dotted name in the message.""
 
 from __future__ import annotations
 
+import functools
 import re
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -92,6 +94,13 @@ class EngineConfig(_Strict):
     max_model_len: int = Field(512, gt=0)
     options: dict[str, Any] = {}  # passed to the engine as they are (vLLM: gpu_memory_utilization, ...)
     env: dict[str, str] = {}  # environment of the serving replicas (vLLM-CPU's thread binding, ...)
+
+    @model_validator(mode="after")
+    def _hf_takes_no_options(self):
+        if self.kind == "hf" and self.options:  # else it fails inside a Serve replica, far from the cause
+            raise ValueError(f"engine.options {sorted(self.options)}: the hf engine takes none (vLLM's engine "
+                             "arguments? engine=hf selects the hf engine without them)")
+        return self
 
 
 class ServeConfig(_Strict):
@@ -244,10 +253,23 @@ class TrainConfig(_Strict):
 
     def save(self, path: Path) -> None:
         """The config as the run resolved it, secrets masked: the run directory's record of how it was made."""
-        data = self.model_dump(mode="json")
-        if data["serve"]["api_key"]:
-            data["serve"]["api_key"] = "***"
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        data = {**self.model_dump(mode="json"), "run_dir": str(self.run_path)}
+        path.write_text(yaml.safe_dump(masked(data), sort_keys=False))
+
+
+# A secret's key (serve.api_key, an env var's name: OPENAI_API_KEY, HF_TOKEN, ...) or a value shaped like a token
+SECRET_KEY = re.compile(r"key|token|secret|passw", re.IGNORECASE)
+SECRET_VALUE = re.compile(r"^(sk-|hf_|ghp_|gho_|github_pat_|xox[abp]-|AKIA)[\w-]{8,}")
+
+
+def masked(node: Any) -> Any:
+    """node with every secret-looking string replaced by '***'."""
+    if isinstance(node, dict):
+        return {k: "***" if isinstance(v, str) and v and SECRET_KEY.search(str(k)) else masked(v)
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [masked(v) for v in node]
+    return "***" if isinstance(node, str) and SECRET_VALUE.match(node) else node
 
 
 class APOConfig(_Strict):
@@ -291,3 +313,64 @@ def from_hydra(raw, schema: type[TrainConfig] = TrainConfig) -> TrainConfig:
         return validate(OmegaConf.to_container(raw, resolve=True), schema)
     except ConfigError as e:
         raise SystemExit(str(e)) from None
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def dicts_replace(overrides: list[str]) -> list[str]:
+    """Hydra merges a dict given as an override into the configured one, by design, so `engine.options={}` would
+    change nothing and `engine.options={max_num_seqs: 8}` fails as "not in struct". Ours replace it: each
+    `key={...}` is preceded by `key=null`, which empties the node the dict is then assigned to."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    out = []
+    for arg in overrides:
+        if "=" in arg and not arg.startswith("-"):  # not a flag (--cfg job, -m)
+            try:
+                o = parser.parse_override(arg)
+            except HydraException:  # left to Hydra, which reports it
+                o = None
+            key = o and o.key_or_group
+            if o and o.type == OverrideType.CHANGE and isinstance(o.value(), dict) and not key.startswith("hydra."):
+                out.append(f"{key}=null")
+        out.append(arg)
+    return out
+
+
+def job(config_name: str, schema: type[TrainConfig] = TrainConfig):
+    """A job's entry point: Hydra's main on configs/<config_name>.yaml (command-line overrides, --cfg, --help),
+    dict overrides replacing (dicts_replace), and the body called with the validated config."""
+    import hydra
+
+    def wrap(body):
+        @hydra.main(version_base=None, config_path=str(CONFIGS), config_name=config_name)
+        @functools.wraps(body)  # Hydra names the job after the function it unwraps to: jobs/<name>.py's
+        def main(raw) -> None:
+            body(from_hydra(raw, schema))
+
+        @functools.wraps(body)
+        def run() -> None:
+            sys.argv[1:] = dicts_replace(sys.argv[1:])
+            main()
+        return run
+    return wrap
+
+
+def compose(overrides: list[str] = (), config_name: str = "train",
+            schema: type[TrainConfig] = TrainConfig) -> TrainConfig:
+    """The validated config a job would run with these overrides (tests, benchmarks), without running it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    with initialize_config_dir(str(CONFIGS), version_base=None):
+        raw = hydra_compose(config_name, overrides=dicts_replace(list(overrides)), return_hydra_config=True)
+    HydraConfig.instance().set_config(raw)  # as a job's start does: ${hydra:run.dir} resolves
+    with open_dict(raw):
+        del raw["hydra"]
+    return validate(OmegaConf.to_container(raw, resolve=True), schema)
