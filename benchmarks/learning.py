@@ -16,10 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
-
-from lightning_ray.config import validate
+from lightning_ray.config import compose
 from lightning_ray.trainer import train
 
 DEFAULTS = ["trainer.iterations=16", "trainer.eval_every=4", "task.eval_size=100"]
@@ -28,11 +25,7 @@ DEFAULTS = ["trainer.iterations=16", "trainer.eval_every=4", "task.eval_size=100
 def main(overrides: list[str]) -> None:
     root = Path(__file__).resolve().parents[1]
     run_dir = root / "runs" / time.strftime("learning-%Y-%m-%d_%H-%M-%S")
-    with initialize_config_dir(str(root / "configs"), version_base=None):
-        raw = compose("train", overrides=[*DEFAULTS, *overrides, f"run_dir={run_dir}"])
-    raw = OmegaConf.to_container(raw, resolve=False)
-    raw.pop("hydra", None)
-    cfg = validate(raw)
+    cfg = compose([*DEFAULTS, *overrides, f"run_dir={run_dir}"])
     start = time.perf_counter()
     history = train(cfg)
     minutes = (time.perf_counter() - start) / 60

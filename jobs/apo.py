@@ -7,15 +7,11 @@ to the run directory; train or evaluate with the result by task.system_prompt="$
 import json
 import logging
 
-import hydra
-from omegaconf import DictConfig
-
-from lightning_ray.config import APOJobConfig, from_hydra
+from lightning_ray.config import APOJobConfig, job
 
 
-@hydra.main(version_base=None, config_path="../configs", config_name="apo")
-def main(raw: DictConfig) -> None:
-    cfg = from_hydra(raw, APOJobConfig)
+@job("apo", APOJobConfig)
+def main(cfg: APOJobConfig) -> None:
     from lightning_ray.algorithm.apo import optimize  # imported late: `--help` and config errors stay instant
 
     for noisy in ("httpx", "httpx2"):  # one line per HTTP request drowns the progress lines

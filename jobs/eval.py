@@ -6,15 +6,11 @@ server and the same agent. Prints greedy accuracy (and pass@k) and writes it to 
 import json
 import logging
 
-import hydra
-from omegaconf import DictConfig
-
-from lightning_ray.config import from_hydra
+from lightning_ray.config import TrainConfig, job
 
 
-@hydra.main(version_base=None, config_path="../configs", config_name="train")
-def main(raw: DictConfig) -> None:
-    cfg = from_hydra(raw)
+@job("train")
+def main(cfg: TrainConfig) -> None:
     from lightning_ray.evaluation import evaluate  # imported late: `--help` and config errors stay instant
     from lightning_ray.services import Services
     from lightning_ray.tasks import load_splits

@@ -2,15 +2,11 @@
 
 import logging
 
-import hydra
-from omegaconf import DictConfig
-
-from lightning_ray.config import from_hydra
+from lightning_ray.config import TrainConfig, job
 
 
-@hydra.main(version_base=None, config_path="../configs", config_name="train")
-def main(raw: DictConfig) -> None:
-    cfg = from_hydra(raw)
+@job("train")
+def main(cfg: TrainConfig) -> None:
     from lightning_ray.trainer import train  # imported late: `--help` and config errors stay instant
 
     for noisy in ("httpx", "httpx2"):  # one line per HTTP request drowns the per-iteration summary
