@@ -1,7 +1,11 @@
-"""The main job's CLI rejects bad configuration by key, before anything starts."""
+"""The jobs' configuration: every config group option and experiment preset composes and validates, every override
+the README shows works as written, dict overrides replace, bad keys and values fail by name before anything starts,
+`--cfg job` prints the resolved config, and the run directory's record of it has its secrets masked."""
 
 from __future__ import annotations
 
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -9,12 +13,95 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lightning_ray.config import APOJobConfig, ConfigError, TrainConfig, compose, masked, validate
+
 ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+GROUPS = ["model", "engine", "task", "algorithm", "trainer", "store", "cluster"]
 
 
-def run_job(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "jobs/train.py", *overrides], cwd=ROOT, capture_output=True, text=True,
+def run_job(*args: str, job: str = "train") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, f"jobs/{job}.py", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group, option", [(g, o) for g in GROUPS for o in options(g)])
+def test_each_group_option_composes_and_validates(group, option, tmp_path):
+    cfg = compose([f"{group}={option}", f"run_dir={tmp_path}"])
+    chosen = yaml.safe_load((CONFIGS / group / f"{option}.yaml").read_text())
+    resolved = cfg.model_dump(mode="json")["ray" if group == "cluster" else group]
+    # the option's own values reach the validated config (those it inherits are checked as their own option)
+    assert {k: resolved[k] for k in chosen if k != "defaults"} == {k: v for k, v in chosen.items() if k != "defaults"}
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+@pytest.mark.parametrize("job, schema", [("train", TrainConfig), ("apo", APOJobConfig)])
+def test_each_experiment_composes_and_validates(experiment, job, schema, tmp_path):
+    cfg = compose([f"experiment={experiment}", f"run_dir={tmp_path}"], job, schema)
+    assert cfg.run_dir == str(tmp_path)
+
+
+def test_the_default_run_is_the_calc_smollm2_preset(tmp_path):
+    default = compose([f"run_dir={tmp_path}"])
+    assert compose(["experiment=calc_smollm2", f"run_dir={tmp_path}"]) == default
+    assert (default.model.path, default.engine.kind, default.task.name, default.algorithm.estimator) == \
+        ("smollm2-135m-instruct", "vllm", "calc", "grpo")
+
+
+def test_a_preset_is_still_overridden_by_what_follows(tmp_path):
+    cfg = compose(["experiment=calc_tiny", "trainer.iterations=3", "engine.max_model_len=256", f"run_dir={tmp_path}"])
+    assert (cfg.model.path, cfg.engine.kind, cfg.trainer.iterations, cfg.engine.max_model_len) == (None, "hf", 3, 256)
+
+
+def test_the_hf_engine_carries_no_vllm_options(tmp_path):
+    cfg = compose(["engine=hf", f"run_dir={tmp_path}"])
+    assert cfg.engine.kind == "hf" and cfg.engine.options == {} and cfg.engine.env == {}
+    with pytest.raises(ConfigError, match="engine.options"):  # the kind alone keeps vLLM's options: named, not run
+        compose(["engine.kind=hf", f"run_dir={tmp_path}"])
+
+
+@pytest.mark.parametrize("override, options", [
+    ("engine.options={}", {}),
+    ("engine.options={gpu_memory_utilization: 0.2}", {"gpu_memory_utilization": 0.2}),
+    ("engine.options={max_num_seqs: 8}", {"max_num_seqs": 8}),  # a key the default has not: no "not in struct"
+    ("engine.options.gpu_memory_utilization=0.3", {"gpu_memory_utilization": 0.3}),  # one entry changes in place
+    ("+engine.options.max_num_seqs=8", {"gpu_memory_utilization": 0.1, "max_num_seqs": 8}),
+])
+def test_a_dict_override_replaces_the_dict(override, options, tmp_path):
+    assert compose([override, f"run_dir={tmp_path}"]).engine.options == options
+
+
+def readme_overrides() -> list[tuple[str, list[str]]]:
+    """(job, overrides) of every command in README.md's bash blocks that runs a job: `make train ARGS="..."` or
+    `python jobs/<job>.py ...` (flags such as --cfg left out)."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:2] == ["make", "train"]:
+                job, args = "train", shlex.split(next((w[5:] for w in words if w.startswith("ARGS=")), ""))
+            elif any(re.fullmatch(r"jobs/\w+\.py", w) for w in words):
+                i = next(i for i, w in enumerate(words) if re.fullmatch(r"jobs/\w+\.py", w))
+                job, args = Path(words[i]).stem, words[i + 1:]
+            else:
+                continue
+            commands.append((job, [a for a in args if "=" in a and not a.startswith("-")]))
+    return commands
+
+
+def test_the_readme_shows_overrides():
+    shown = readme_overrides()
+    assert len(shown) >= 10 and any("engine.options={}" in args for _, args in shown)
+
+
+@pytest.mark.parametrize("job, overrides", readme_overrides(), ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_every_readme_override_works_as_written(job, overrides, tmp_path):
+    schema = APOJobConfig if job == "apo" else TrainConfig
+    compose([*overrides, f"run_dir={tmp_path}"], "apo" if job == "apo" else "train", schema)
 
 
 @pytest.mark.parametrize("override, named", [
@@ -24,16 +111,32 @@ def run_job(*overrides: str) -> subprocess.CompletedProcess:
     ("algorithm.kl_penalty=reward", "algorithm.kl_penalty"),  # token rewards without a critic to use them
     ("serve.port=99999", "serve.port"),
     ("task.agent=my_agent.py", "task.agent"),  # an entry point is module:function
+    ("engine=vlm", "engine/vlm"),  # a misspelt group option: Hydra lists the options there are
+    ("experiment=calc_smolm2", "experiment/calc_smolm2"),
+    ("engine.kind=hf", "engine.options"),  # vLLM's options on the hf engine, which takes none
+    ("trainer.learning_rate=1e-3", "trainer.learning_rate"),  # a key that does not exist, by Hydra
+    ("+trainer.learning_rate=1e-3", "trainer.learning_rate"),  # ... added anyway: by the schema
+    ("engine.options=[1]", "engine.options"),
+    ("model.path=runs/<run>/checkpoint", "model.path=runs/<run>/checkpoint"),  # not Hydra's grammar: shown where
 ])
 def test_bad_values_name_the_key(override, named, tmp_path):
     r = run_job(override, f"hydra.run.dir={tmp_path}")
     assert r.returncode != 0
     assert named in r.stderr and "Traceback" not in r.stderr
+    assert {p.suffix for p in tmp_path.iterdir()} <= {".log"}  # nothing started: Hydra's log file at most
 
 
-def test_unknown_keys_are_rejected(tmp_path):
-    r = run_job("trainer.learning_rate=1e-3", f"hydra.run.dir={tmp_path}")
-    assert r.returncode != 0 and "learning_rate" in r.stderr
+def test_cfg_job_prints_the_resolved_config_and_runs_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    r = run_job("--cfg", "job", "--resolve", "task=sql", "engine=hf", "trainer.zero_stage=3",
+                "engine.options={}", f"hydra.run.dir={run_dir}")
+    assert r.returncode == 0, r.stderr
+    cfg = validate(yaml.safe_load(r.stdout))
+    assert (cfg.task.name, cfg.engine.kind, cfg.trainer.zero_stage, cfg.run_dir) == ("sql", "hf", 3, str(run_dir))
+    assert not run_dir.exists()
+    r = run_job("--cfg", "job", "--resolve", "apo.beam=2", "engine.options={max_num_seqs: 4}", job="apo")
+    cfg = validate(yaml.safe_load(r.stdout), APOJobConfig)
+    assert cfg.apo.beam == 2 and cfg.engine.options == {"max_num_seqs": 4}  # the job's own argv: dicts replace
 
 
 def test_no_secret_reaches_the_run_directory(tmp_path):
@@ -43,10 +146,20 @@ def test_no_secret_reaches_the_run_directory(tmp_path):
     assert r.returncode != 0 and "rollout.group_size" in r.stderr
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and b"sk-secret-1" in p.read_bytes()]
 
-    from lightning_ray.config import validate
-
-    cfg = validate({"run_dir": str(tmp_path), "serve": {"api_key": "sk-secret-1"}, "trainer": {"lr": 3e-4}})
+    cfg = compose([f"run_dir={tmp_path}", "serve.api_key=sk-secret-1", "trainer.lr=3e-4", "+engine.env.HF_TOKEN=abc",
+                   "task.runtime_env={env_vars: {OPENAI_API_KEY: xyz, WANDB_MODE: offline}}",
+                   "task.generator={note: ghp_0123456789abcdef}"])
     cfg.save(tmp_path / "config.yaml")
     saved = (tmp_path / "config.yaml").read_text()
-    assert "sk-secret-1" not in saved and "api_key: '***'" in saved
-    assert validate(yaml.safe_load(saved)).trainer == cfg.trainer  # everything else as the run resolved it
+    for secret in ("sk-secret-1", "abc", "xyz", "ghp_0123456789abcdef"):
+        assert f": {secret}" not in saved
+    data = yaml.safe_load(saved)
+    assert data["serve"]["api_key"] == data["engine"]["env"]["HF_TOKEN"] == "***"
+    assert data["task"]["runtime_env"]["env_vars"] == {"OPENAI_API_KEY": "***", "WANDB_MODE": "offline"}
+    assert validate(data).trainer == cfg.trainer  # everything else as the run resolved it
+    assert data["run_dir"] == str(tmp_path)
+
+
+def test_the_default_config_has_nothing_that_looks_secret(tmp_path):
+    data = compose([f"run_dir={tmp_path}"]).model_dump(mode="json")
+    assert masked(data) == data
