@@ -66,9 +66,9 @@ def test_every_call_nests_under_the_agent_that_made_it(run):
         by_id = {s.span_id: s for s in spans}
         calls = sorted((s for s in spans if s.name == "llm.call" and s.origin == "server"), key=lambda s: s.start_time)
         agents = [agent_of(c, by_id) for c in calls]
-        # the sequential crew: the solver's turn (up to its max_iter of calls), then the verifier's one call
-        assert agents[0] == "solver" and agents[-1] == "verifier" and set(agents) == {"solver", "verifier"}
-        assert agents == sorted(agents)  # "solver" < "verifier": no verifier call before a solver call
+        # the sequential crew: the solver's turn (its calls until it answers), then the verifier's one call
+        solver_calls = agents.count("solver")
+        assert solver_calls >= 1 and agents == ["solver"] * solver_calls + ["verifier"]
         # CrewAI sent the solver its calculator tool (strict, as CrewAI writes tools) and the verifier none
         assert calls[0].attributes["lightning_ray.request"]["tools"][0]["function"]["name"] == "calculator"
         assert not calls[-1].attributes["lightning_ray.request"].get("tools")
