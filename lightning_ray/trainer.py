@@ -170,10 +170,10 @@ def _record(iteration, rollouts, spans, transitions, adapted, sampling, version,
 def response_diversity(transitions) -> float:
     """Distinct responses per rollout within a task's group, averaged over groups: 1 when every rollout of a group
     answered differently; it falls towards 1 / group size as exploration collapses."""
-    by_group: dict[str, dict[str, tuple]] = {}
-    for tr in transitions:
+    by_group: dict[str, dict[str, bytes]] = {}
+    for tr in transitions:  # the responses' token ids as bytes: their dtype is fixed (types.Transition)
         episode = by_group.setdefault(tr.group_id, {})
-        episode[tr.rollout_id] = episode.get(tr.rollout_id, ()) + tuple(tr.response_ids)
+        episode[tr.rollout_id] = episode.get(tr.rollout_id, b"") + tr.response_ids.tobytes()
     ratios = [len(set(episodes.values())) / len(episodes) for episodes in by_group.values()]
     return sum(ratios) / len(ratios) if ratios else 0.0
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+import numpy as np
+from pydantic import BaseModel, Field, PlainSerializer, PlainValidator, field_serializer, model_validator
 
 # A rollout waits in the queue, runs as one or more attempts, and ends once. A failed attempt with attempts left
 # sends it back as "requeued" (never straight from running to queued: the history stays readable).
@@ -69,13 +70,31 @@ class Attempt(BaseModel):
     error: str | None = None
 
 
+class ArrayModel(BaseModel):
+    """A model whose fields may hold numpy arrays (token ids, logprobs): equal field by field, an array to an array
+    or a list of the same numbers (pydantic's own == would ask an array for its truth value, and fail)."""
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(_same(getattr(self, k), getattr(other, k)) for k in type(self).model_fields)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(v, b[k]) for k, v in a.items())
+    return a == b
+
+
 class SpanEvent(BaseModel):
     name: str
     time: float
     attributes: dict[str, Any] = Field(default_factory=dict)
 
 
-class Span(BaseModel):
+class Span(ArrayModel):
     """One traced operation: an LLM call (recorded server-side), a tool call, a reward, the rollout itself.
 
     The same shape whether it came from the embedded tracer, our OpenTelemetry exporter or the OTLP receiver."""
@@ -96,17 +115,49 @@ class Span(BaseModel):
     # for the policy server's LLM calls, the only spans training data is made of; "client" for everything else.
     origin: Literal["server", "client"] = "client"
 
+    @field_serializer("attributes", when_used="json")
+    def _arrays_as_lists(self, attributes: dict[str, Any]) -> dict[str, Any]:
+        """Token ids and logprobs read from the store are numpy arrays (store/sqlite.py); JSON shows them as lists."""
+        return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in attributes.items()}
 
-class Transition(BaseModel):
+
+def _flat_array(dtype: type, kinds: str) -> Any:
+    """A 1-d numpy array field. An array of `dtype` is taken as it is (a view into the store's bytes: no copy, no
+    per-element check, which for lists of ~500k numbers was most of the adapter's time); a list or an array of
+    another numeric kind among `kinds` is converted once, exactly (an int out of range is an error). JSON: a list."""
+    dtype = np.dtype(dtype)
+
+    def convert(value: Any) -> np.ndarray:
+        a = np.asarray(value)
+        if a.dtype == dtype and a.ndim == 1:
+            return a
+        if a.ndim != 1 or (a.size and a.dtype.kind not in kinds):
+            raise ValueError(f"must be a flat list of {dtype.name} numbers")
+        out = a.astype(dtype)
+        if a.dtype.kind in "iu" and not np.array_equal(out, a):
+            raise ValueError(f"values out of the range of {dtype.name}")
+        return out
+
+    return Annotated[np.ndarray, PlainValidator(convert), PlainSerializer(np.ndarray.tolist, when_used="json")]
+
+
+TokenIds = _flat_array(np.int32, "iu")  # every tokenizer's vocabulary fits
+Logprobs = _flat_array(np.float64, "iuf")  # as the engine reports them, bit for bit
+Mask = _flat_array(np.int8, "biu")
+
+
+class Transition(ArrayModel):
     """One policy call turned into RL data: exact token ids from the engine, never re-tokenized. `temperature` is
-    the one the call was sampled at: the learner scores the tokens under the same distribution."""
+    the one the call was sampled at: the learner scores the tokens under the same distribution. Token ids, logprobs
+    and the loss mask are numpy arrays (lists given are converted): they stay as packed as the store keeps them, and
+    Ray ships them without pickling each number."""
 
     rollout_id: str
     group_id: str
     span_id: str
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]
+    prompt_ids: TokenIds
+    response_ids: TokenIds
+    logprobs: Logprobs
     reward: float  # the episode's final reward
     step: int = 0  # which of the rollout's policy calls (0, 1, ...)
     step_reward: float = 0.0  # intermediate rewards credited to this call (recorded after it, before the next)
@@ -117,12 +168,19 @@ class Transition(BaseModel):
     temperature: float = 1.0
     # Trajectory level (several calls merged into one sequence): 1 for the policy's response tokens, 0 for the
     # tool results and user turns between them, which are context, not actions. None: every response token is.
-    loss_mask: list[int] | None = None
+    loss_mask: Mask | None = None
+
+    @model_validator(mode="after")
+    def _one_logprob_per_response_token(self) -> Transition:
+        for name in ("logprobs", "loss_mask"):
+            if (a := getattr(self, name)) is not None and len(a) != len(self.response_ids):
+                raise ValueError(f"{name} has {len(a)} entries for {len(self.response_ids)} response tokens")
+        return self
 
     @property
-    def action_mask(self) -> list[int]:
-        return self.loss_mask if self.loss_mask is not None else [1] * len(self.response_ids)
+    def action_mask(self) -> np.ndarray:
+        return self.loss_mask if self.loss_mask is not None else np.ones(len(self.response_ids), np.int8)
 
     @property
     def action_tokens(self) -> int:
-        return sum(self.loss_mask) if self.loss_mask is not None else len(self.response_ids)
+        return int(self.loss_mask.sum()) if self.loss_mask is not None else len(self.response_ids)

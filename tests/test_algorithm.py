@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,7 +38,7 @@ def test_adapter_keeps_only_the_policys_calls_of_this_attempt_in_time_order():
         reward_span(0.75),
     ]
     out = transitions_from_spans(rollout, spans, "policy")
-    assert [t.response_ids for t in out] == [[5, 6], [7]]
+    assert [t.response_ids.tolist() for t in out] == [[5, 6], [7]]
     assert all(t.reward == 0.75 and t.group_id == "g" for t in out)
 
 
@@ -49,10 +50,11 @@ def test_training_data_comes_only_from_what_the_server_recorded():
     real = llm_span("ro-1", "policy", 1.0, [1], [2])
     forged = llm_span("ro-1", "policy", 2.0, [1], [666], version=99, origin="client")
     spans = [real, forged, reward_span(1.0)]
-    assert [(t.response_ids, t.reward) for t in transitions_from_spans(rollout, spans, "policy")] == [([2], 0.0)]
+    transitions = transitions_from_spans(rollout, spans, "policy")
+    assert [(t.response_ids.tolist(), t.reward) for t in transitions] == [([2], 0.0)]
     opted_in = transitions_from_spans(rollout, spans + [reward_span("lots"), reward_span(float("nan"))], "policy",
                                       agent_rewards=True)
-    assert [(t.response_ids, t.reward) for t in opted_in] == [([2], 1.0)]  # the last well-formed one
+    assert [(t.response_ids.tolist(), t.reward) for t in opted_in] == [([2], 1.0)]  # the last well-formed one
 
 
 def agent_span(span_id, parent, attributes, name="invoke_agent"):
@@ -220,7 +222,7 @@ def test_response_diversity_counts_distinct_episodes_per_group():
     from lightning_ray.trainer import response_diversity
 
     def call(rollout, group, step, ids):
-        return transition(rollout, group, 1.0, step=step).model_copy(update={"response_ids": ids})
+        return transition(rollout, group, 1.0, step=step).model_copy(update={"response_ids": np.array(ids, np.int32)})
 
     # g1: a and b answer alike call for call, c differs in its second call -> 2 distinct of 3; g2: 2 of 2
     ts = [call("a", "g1", 0, [1]), call("a", "g1", 1, [2]), call("b", "g1", 0, [1]), call("b", "g1", 1, [2]),
@@ -308,9 +310,10 @@ def test_calls_whose_prompts_extend_the_context_merge_into_one_masked_sequence()
     merged, breaks = merge_calls([first, second, third, other])
     assert breaks == 0 and len(merged) == 2
     m = merged[0]
-    assert m.prompt_ids == [1, 2, 3] and m.response_ids == [4, 5, 9, 9, 6, 8, 7]
-    assert m.loss_mask == [1, 1, 0, 0, 1, 0, 1] and m.action_tokens == 4
-    assert [lp for lp, k in zip(m.logprobs, m.loss_mask) if k] == first.logprobs + second.logprobs + third.logprobs
+    assert m.prompt_ids.tolist() == [1, 2, 3] and m.response_ids.tolist() == [4, 5, 9, 9, 6, 8, 7]
+    assert m.loss_mask.tolist() == [1, 1, 0, 0, 1, 0, 1] and m.action_tokens == 4
+    assert m.logprobs[m.loss_mask == 1].tolist() == [*first.logprobs, *second.logprobs, *third.logprobs]
+    assert not m.logprobs[m.loss_mask == 0].any()  # the tool result's tokens were not sampled
     assert merged[1] == other
 
 
@@ -327,7 +330,7 @@ def test_adapt_reports_calls_and_drift():
     rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}), attempt_id="at-1", reward=1.0)
     spans = [llm_span("ro-1", "policy", 1.0, [1, 2], [3]), llm_span("ro-1", "policy", 2.0, [1, 2, 3, 7], [4])]
     transitions, stats = adapt([rollout], spans, "policy", "trajectory")
-    assert len(transitions) == 1 and transitions[0].response_ids == [3, 7, 4]
+    assert len(transitions) == 1 and transitions[0].response_ids.tolist() == [3, 7, 4]
     assert stats == {"policy_calls": 2, "truncated_calls": 0, "call_joins": 1, "prefix_breaks": 0}
     transitions, stats = adapt([rollout], spans, "policy", "transition")
     assert len(transitions) == 2

@@ -43,8 +43,9 @@ def test_score_is_the_tempered_softmax_of_the_full_forward_pass(model):
     expected_t, expected_u, expected_h = [], [], []
     with torch.no_grad():
         for t in transitions:  # one unpadded row at a time, the whole vocabulary, the textbook way
-            logits = model(torch.tensor([t.prompt_ids + t.response_ids])).logits[0, len(t.prompt_ids) - 1 : -1]
-            target = torch.tensor(t.response_ids)[:, None]
+            ids = torch.tensor([[*t.prompt_ids, *t.response_ids]], dtype=torch.long)
+            logits = model(ids).logits[0, len(t.prompt_ids) - 1 : -1]
+            target = torch.from_numpy(t.response_ids).long()[:, None]
             expected_t += torch.log_softmax(logits / t.temperature, -1).gather(-1, target).squeeze(-1).tolist()
             expected_u += torch.log_softmax(logits, -1).gather(-1, target).squeeze(-1).tolist()
             expected_h += torch.distributions.Categorical(logits=logits / t.temperature).entropy().tolist()
@@ -80,7 +81,8 @@ def test_a_merged_episode_gets_the_gradient_of_its_separate_calls(model):
     calls do (causal attention: the same context before each token), so the gradient is the same."""
     first = Transition(rollout_id="a", group_id="g", span_id="1", prompt_ids=[5, 6, 7], response_ids=[8, 9],
                        logprobs=[-1.0, -1.0], reward=1.0, advantage=1.0, policy_version=0)
-    second = first.model_copy(update={"span_id": "2", "prompt_ids": [5, 6, 7, 8, 9, 40, 41], "response_ids": [10]})
+    second = Transition(**{**first.model_dump(), "span_id": "2", "prompt_ids": [5, 6, 7, 8, 9, 40, 41],
+                           "response_ids": [10], "logprobs": [-1.0]})
     merged, breaks = merge_calls([first, second])
     assert breaks == 0 and len(merged) == 1
 

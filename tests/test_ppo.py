@@ -81,7 +81,7 @@ def test_the_value_head_reads_the_state_each_action_was_taken_in(actor_critic):
     t = samples()[0]
     values = score(actor_critic, collate([(t, 1.0)], pad_id=0)).values
     with torch.no_grad():
-        ids = torch.tensor([t.prompt_ids + t.response_ids])
+        ids = torch.tensor([[*t.prompt_ids, *t.response_ids]], dtype=torch.long)
         states = policy_of(actor_critic)(ids, output_hidden_states=True).hidden_states[-1][0]
         expected = actor_critic.value_head(states[len(t.prompt_ids) - 1 : -1]).squeeze(-1)  # predicts each action
     assert values.shape == (3,) and torch.allclose(values, expected, atol=1e-5)

@@ -57,8 +57,9 @@ def test_the_sft_loss_has_the_gradient_of_the_mean_nll():
     model.zero_grad()
     nll = []
     for t in kept:
-        logits = model(torch.tensor([t.prompt_ids + t.response_ids])).logits[0, len(t.prompt_ids) - 1 : -1]
-        nll.append(torch.nn.functional.cross_entropy(logits, torch.tensor(t.response_ids), reduction="none"))
+        ids = torch.tensor([[*t.prompt_ids, *t.response_ids]], dtype=torch.long)
+        logits = model(ids).logits[0, len(t.prompt_ids) - 1 : -1]
+        nll.append(torch.nn.functional.cross_entropy(logits, torch.from_numpy(t.response_ids).long(), reduction="none"))
     torch.cat(nll).mean().backward()  # 8 tokens, each counts the same
     expected = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert expected.norm() > 0

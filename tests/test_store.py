@@ -8,6 +8,7 @@ import threading
 import time
 
 import msgspec
+import numpy as np
 import pytest
 import ray
 
@@ -158,8 +159,9 @@ def test_spans_are_idempotent_validated_and_survive_reopening(tmp_path):
 
 
 def test_numeric_lists_are_packed_and_read_back_exactly(tmp_path):
-    """Lists of plain ints or floats are stored as packed arrays: they come back equal, of the same types, in the
-    same key order; anything else (bools, mixed, too big for int64, nested) stays JSON, as before."""
+    """Lists of plain ints or floats are stored as packed arrays: they come back as numpy arrays of the same values
+    (int32 where all fit, else int64; float64 bit for bit), in the same key order; anything else (bools, mixed, too
+    big for int64, nested) stays JSON, as before. A span read back stores exactly as it was first stored."""
     store = SQLiteBackend(tmp_path / "t.sqlite")
     store.enqueue(rollouts(1))
     attributes = {"prompt_ids": [151_643, 0, 2**31 - 1, -(2**31)], "big": [2**31, -(2**63)], "huge": [2**64],
@@ -169,9 +171,14 @@ def test_numeric_lists_are_packed_and_read_back_exactly(tmp_path):
     assert b'"prompt_ids":null' in row[10] and b'"flags":[true,false]' in row[10]
     store.add_span_rows([row])
     [back] = SQLiteBackend(tmp_path / "t.sqlite").query_spans(["r0"])
-    assert back.attributes == attributes and list(back.attributes) == list(attributes)
-    assert [type(v) for v in back.attributes["flags"] + back.attributes["prompt_ids"]] == [bool] * 2 + [int] * 4
+    arrays = {k: v for k, v in back.attributes.items() if isinstance(v, np.ndarray)}
+    assert {k: v.dtype.str for k, v in arrays.items()} == {"prompt_ids": "<i4", "big": "<i8", "logprobs": "<f8"}
+    assert {**back.attributes, **{k: v.tolist() for k, v in arrays.items()}} == attributes
+    assert list(back.attributes) == list(attributes) and [type(v) for v in back.attributes["flags"]] == [bool] * 2
     assert str(back.attributes["logprobs"][-1]) == "-0.0"  # bit for bit, sign of zero included
+    assert not arrays["prompt_ids"].flags.writeable  # a view of the row's bytes, not a copy
+    assert back == Span(**{**back.model_dump(), "attributes": attributes})  # arrays equal the lists they came from
+    assert span_row(back) == row
     nan = span_row(Span(rollout_id="r0", name="nan", attributes={"logprobs": [float("nan")]}))
     store.add_span_rows([nan])
     assert math.isnan(store.query_spans(["r0"], name="nan")[0].attributes["logprobs"][0])  # JSON made it null

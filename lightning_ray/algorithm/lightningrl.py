@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from lightning_ray.algorithm.select import Selection
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Rollout, Span, Transition
@@ -88,24 +90,42 @@ def merge_calls(transitions: list[Transition]) -> tuple[list[Transition], int]:
     call, each re-reading the episode so far. A call whose prompt does not extend the previous one (the agent, or
     the chat template, re-rendered the conversation into other tokens: re-tokenization drift) starts a new
     sequence. Returns the sequences and how many joins drift broke. Input: a rollout's calls in time order."""
-    out: list[Transition] = []
+    runs: list[list[Transition]] = []  # the calls merged into each sequence
     breaks = 0
     for t in transitions:
-        prev = out[-1] if out and out[-1].rollout_id == t.rollout_id else None
-        if prev is not None and prev.temperature == t.temperature and prev.policy_version == t.policy_version:
-            context = prev.prompt_ids + prev.response_ids
-            if t.prompt_ids[: len(context)] == context:
-                between = t.prompt_ids[len(context):]
-                out[-1] = prev.model_copy(update={
-                    "response_ids": prev.response_ids + between + t.response_ids,
-                    "logprobs": prev.logprobs + [0.0] * len(between) + t.logprobs,
-                    "loss_mask": prev.action_mask + [0] * len(between) + [1] * len(t.response_ids),
-                    "finish_reason": "length" if "length" in (prev.finish_reason, t.finish_reason)
-                    else t.finish_reason})
+        last = runs[-1][-1] if runs and runs[-1][-1].rollout_id == t.rollout_id else None
+        if last is not None and last.temperature == t.temperature and last.policy_version == t.policy_version:
+            if _extends(t, last):
+                runs[-1].append(t)
                 continue
             breaks += 1
-        out.append(t)
-    return out, breaks
+        runs.append([t])
+    return [_merged(run) for run in runs], breaks
+
+
+def _extends(t: Transition, last: Transition) -> bool:
+    """Whether `t`'s prompt starts with `last`'s prompt + response (the sequence so far, if `last` extended those
+    before it)."""
+    p, r = len(last.prompt_ids), len(last.response_ids)
+    return (len(t.prompt_ids) >= p + r and np.array_equal(t.prompt_ids[:p], last.prompt_ids)
+            and np.array_equal(t.prompt_ids[p:p + r], last.response_ids))
+
+
+def _merged(run: list[Transition]) -> Transition:
+    """One sequence from calls that each extend the one before: the first call's prompt, then every response with
+    the tokens between them (logprob 0, masked out of the loss). Concatenated once, not call by call."""
+    first = run[0]
+    if len(run) == 1:
+        return first
+    ids, logprobs, mask = [first.response_ids], [first.logprobs], [first.action_mask]
+    for last, t in zip(run, run[1:]):
+        between = t.prompt_ids[len(last.prompt_ids) + len(last.response_ids):]
+        ids += [between, t.response_ids]
+        logprobs += [np.zeros(len(between)), t.logprobs]
+        mask += [np.zeros(len(between), np.int8), t.action_mask]
+    finish = "length" if any(t.finish_reason == "length" for t in run) else run[-1].finish_reason
+    return first.model_copy(update={"response_ids": np.concatenate(ids), "logprobs": np.concatenate(logprobs),
+                                    "loss_mask": np.concatenate(mask), "finish_reason": finish})
 
 
 def scored_faithfully(span: Span) -> bool:

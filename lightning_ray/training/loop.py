@@ -9,6 +9,7 @@ import time
 from contextlib import contextmanager
 from typing import NamedTuple
 
+import numpy as np
 import ray
 import ray.train
 import torch
@@ -235,23 +236,24 @@ def collate(micro_batch: MicroBatch, pad_id: int) -> dict[str, torch.Tensor]:
     rows = micro_batch or []
     width = max([len(t.prompt_ids) + len(t.response_ids) for t, _ in rows] + [2])
     n = max(len(rows), 1)  # an empty micro-batch is one row of padding: no tokens, zero loss, still a backward
-    input_ids = torch.full((n, width), pad_id)
-    attention_mask = torch.zeros(n, width, dtype=torch.long)
-    mask = torch.zeros(n, width - 1)
-    temperature = torch.ones(n)
-    advantages, weights, served = [], [], []
-    for i, (t, w) in enumerate(rows):
+    input_ids = np.full((n, width), pad_id, np.int64)
+    attention_mask = np.zeros((n, width), np.int64)
+    mask = np.zeros((n, width - 1), np.float32)
+    for i, (t, _) in enumerate(rows):  # the transitions' arrays, copied straight into the batch
         p, r = len(t.prompt_ids), len(t.response_ids)
-        input_ids[i, : p + r] = torch.tensor(t.prompt_ids + t.response_ids)
+        input_ids[i, :p], input_ids[i, p : p + r] = t.prompt_ids, t.response_ids
         attention_mask[i, : p + r] = 1
-        mask[i, p - 1 : p - 1 + r] = torch.tensor(t.action_mask, dtype=torch.float)  # tool results: context only
-        temperature[i] = t.temperature
-        advantages += [t.advantage] * t.action_tokens
-        weights += [w] * t.action_tokens
-        served += [lp for lp, m in zip(t.logprobs, t.action_mask) if m]
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "mask": mask, "temperature": temperature,
-            "advantages": torch.tensor(advantages), "weights": torch.tensor(weights),
-            "served_logprobs": torch.tensor(served), "row_tokens": [t.action_tokens for t, _ in rows],
+        mask[i, p - 1 : p - 1 + r] = t.action_mask  # tool results: context only
+    tokens = [t.action_tokens for t, _ in rows]
+
+    def per_action(values: list[float]) -> torch.Tensor:
+        return torch.from_numpy(np.repeat(np.array(values, np.float32), tokens))
+
+    served = np.concatenate([np.zeros(0), *(t.logprobs[t.action_mask == 1] for t, _ in rows)], dtype=np.float32)
+    return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention_mask),
+            "mask": torch.from_numpy(mask), "temperature": torch.tensor([t.temperature for t, _ in rows] or [1.0]),
+            "advantages": per_action([t.advantage for t, _ in rows]), "weights": per_action([w for _, w in rows]),
+            "served_logprobs": torch.from_numpy(served), "row_tokens": tokens,
             "sample_returns": [t.returns for t, _ in rows]}
 
 
