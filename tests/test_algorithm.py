@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pickle
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +14,7 @@ from lightning_ray.algorithm.grpo import kl_to_reference, policy_loss, token_wei
 from lightning_ray.algorithm.lightningrl import adapt, merge_calls, scored_faithfully, transitions_from_spans
 from lightning_ray.algorithm.select import Selection
 from lightning_ray.config import SelectConfig
+from lightning_ray.store.sqlite import SQLiteBackend, span_row
 from lightning_ray.training.learner import micro_batches
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Rollout, Span, Task, Transition
@@ -334,3 +338,39 @@ def test_adapt_reports_calls_and_drift():
     assert stats == {"policy_calls": 2, "truncated_calls": 0, "call_joins": 1, "prefix_breaks": 0}
     transitions, stats = adapt([rollout], spans, "policy", "transition")
     assert len(transitions) == 2
+
+
+def test_token_arrays_reach_the_transition_from_the_store_exactly(tmp_path):
+    """Token ids (int32), logprobs (float64, bit for bit) and, merged, the loss mask (int8) go from the SQLite store
+    to the Transition as numpy arrays, the stored bytes themselves (no list, no copy); a Transition built from the
+    same numbers as lists is equal to it, one with other numbers is not."""
+    store = SQLiteBackend(tmp_path / "t.sqlite")
+    store.enqueue([Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}, group_id="g"))])
+    leased, attempt = store.dequeue("w0", time.time())
+    rollout = leased.model_copy(update={"reward": 1.0})
+    calls = [([151_643, 0, 2**31 - 1], [5, 6], [-0.1, -1234.56789012345678]),
+             ([151_643, 0, 2**31 - 1, 5, 6, 9], [7], [5e-324])]  # the second call's prompt extends the first's
+    spans = [llm_span("ro-1", "policy", float(i), prompt, completion, attempt=attempt.attempt_id)
+             for i, (prompt, completion, _) in enumerate(calls)]
+    for span, (_, _, logprobs) in zip(spans, calls):
+        span.attributes[semconv.LOGPROBS] = logprobs
+    store.add_span_rows([span_row(s) for s in spans], origin="server")
+    read = store.query_spans(["ro-1"])
+
+    transitions, _ = adapt([rollout], read, "policy")
+    for t, span, (prompt, completion, logprobs) in zip(transitions, read, calls, strict=True):
+        assert [a.dtype for a in (t.prompt_ids, t.response_ids, t.logprobs)] == [np.int32, np.int32, np.float64]
+        assert t.prompt_ids is span.attributes[semconv.PROMPT_TOKEN_IDS]
+        assert t.prompt_ids.tolist() == prompt and t.response_ids.tolist() == completion
+        assert t.logprobs.tobytes() == np.array(logprobs).tobytes()
+        from_lists = Transition(**{**t.model_dump(), "prompt_ids": prompt, "response_ids": completion,
+                                   "logprobs": logprobs})
+        assert from_lists == t and pickle.loads(pickle.dumps(t)) == t
+        assert Transition(**{**t.model_dump(), "logprobs": [lp - 1 for lp in logprobs]}) != t
+
+    [merged], _ = adapt([rollout], read, "policy", "trajectory")
+    dtypes = [a.dtype for a in (merged.response_ids, merged.logprobs, merged.loss_mask)]
+    assert dtypes == [np.int32, np.float64, np.int8]
+    assert merged.response_ids.tolist() == [5, 6, 9, 7] and merged.loss_mask.tolist() == [1, 1, 0, 1]
+    assert merged.logprobs.tobytes() == np.array([-0.1, -1234.56789012345678, 0.0, 5e-324]).tobytes()
+    assert Transition(**{**merged.model_dump(mode="json")}) == merged  # JSON lists back to the same arrays

@@ -78,9 +78,9 @@ def test_chat_records_the_engines_token_ids_under_the_rollout(server):
     [span] = spans_of(server, rid)
     a = span.attributes
     assert span.attempt_id == "at-1" and a["gen_ai.operation.name"] == "chat"
-    assert a["lightning_ray.completion_token_ids"] == choice.token_ids
-    assert a["lightning_ray.prompt_token_ids"] == out.prompt_token_ids
-    assert a["lightning_ray.logprobs"] == [t.logprob for t in choice.logprobs.content]
+    assert a["lightning_ray.completion_token_ids"].tolist() == choice.token_ids  # packed: read back as numpy arrays
+    assert a["lightning_ray.prompt_token_ids"].tolist() == out.prompt_token_ids
+    assert a["lightning_ray.logprobs"].tolist() == [t.logprob for t in choice.logprobs.content]
     assert a["lightning_ray.response"] == choice.message.content
     assert a["lightning_ray.request"]["messages"][1]["content"] == "What is 3 + 4?"
 
