@@ -125,7 +125,7 @@ def span_from_row(r: tuple) -> Span:
             attributes[key] = np.frombuffer(raw, _DTYPES[code])
     return Span(span_id=r[0], trace_id=r[1], parent_id=r[2], rollout_id=r[3], attempt_id=r[4], name=r[5],
                 start_time=r[6], end_time=r[7], status=r[8], status_message=r[9], attributes=attributes,
-                events=[SpanEvent(**e) for e in msgspec.json.decode(r[11])], origin=r[13])
+                events=[SpanEvent(**e) for e in msgspec.json.decode(r[11])] if r[11] != b"[]" else [], origin=r[13])
 
 
 def row_problem(r) -> str | None:
