@@ -14,8 +14,10 @@ def main(cfg: TrainConfig) -> None:
     from lightning_ray.evaluation import evaluate  # imported late: `--help` and config errors stay instant
     from lightning_ray.services import Services
     from lightning_ray.tasks import load_splits
+    from lightning_ray.terminal import route_logs
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    route_logs(cfg.run_path / "logs", cfg.verbose)
     with Services(cfg) as services:
         _, held_out = load_splits(cfg.task)
         result = {"model": str(services.model_path), "dataset": cfg.task.dataset, "protocol": cfg.task.protocol,

@@ -231,6 +231,7 @@ class EvalConfig(_Strict):
 class RayConfig(_Strict):
     address: str | None = None  # None starts a local cluster; "auto" joins the one `ray job submit` runs on
     num_cpus: int | None = 4  # logical CPUs for a local cluster: phases alternate, so they may exceed cores
+    metrics_export_port: int | None = Field(None, ge=1, le=65535)  # a local cluster's Prometheus port; None: any free
 
 
 class TrainConfig(_Strict):
@@ -246,6 +247,7 @@ class TrainConfig(_Strict):
     trainer: TrainerConfig = TrainerConfig()
     eval: EvalConfig = EvalConfig()
     ray: RayConfig = RayConfig()
+    verbose: bool = False  # Ray's, Serve's and the libraries' logs on the terminal too, not only in <run_dir>/logs
 
     @property
     def run_path(self) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from lightning_ray.metrics import metrics
 from lightning_ray.services import Services
 from lightning_ray.types import Rollout, Task
 
@@ -20,6 +21,7 @@ def evaluate(services: Services, tasks: list[Task], pass_k: int = 0, desc: str =
     result = {"tasks": len(tasks), "accuracy": _solved(greedy) / len(tasks),
               "reward_mean": sum(r.reward or 0.0 for r in greedy) / len(greedy),
               "failed_rollouts": sum(r.reward is None for r in greedy)}
+    metrics().held_out_accuracy.set(result["accuracy"])
     if pass_k:
         temperature = services.cfg.rollout.temperature
         sampled = services.run_rollouts([t.model_copy(update={"sampling": {"temperature": temperature}})

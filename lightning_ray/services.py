@@ -18,6 +18,7 @@ from lightning_ray.serving.templates import resolve_chat_template
 from lightning_ray.store.client import StoreClient
 from lightning_ray.store.http import APP_NAME as STORE_APP
 from lightning_ray.store.http import deploy_store_api
+from lightning_ray.terminal import console, status
 from lightning_ray.training.weights import WeightRegistry
 from lightning_ray.types import Rollout, RolloutConfig, Task
 
@@ -29,31 +30,43 @@ class Services:
         cfg.save(cfg.run_path / "config.yaml")
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
-            ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus if cfg.ray.address is None else None,
-                     namespace="lightning_ray")
-        self.model_path: Path = resolve_model_path(cfg.model)
-        self.store = StoreClient.start(cfg.run_path, cfg.store.num_shards)
+            local = cfg.ray.address is None
+            # A run starts ~12 worker processes at once (store, registry, rollout workers, Serve's controller, proxy
+            # and replicas, Ray Train's controller and ranks): Ray expects one per CPU, and its warning would say so
+            # on every small machine.
+            context = ray.init(address=cfg.ray.address, namespace="lightning_ray", log_to_driver=cfg.verbose,
+                               **({"num_cpus": cfg.ray.num_cpus, "_metrics_export_port": cfg.ray.metrics_export_port,
+                                   "_system_config": {"worker_maximum_startup_concurrency": 16}} if local else {}))
+            _link_ray_logs(context.address_info["session_dir"], cfg.run_path / "logs")
+            if context.dashboard_url:
+                console.print(f"Ray dashboard at http://{context.dashboard_url} (metrics: lightning_ray_*)")
+        with status("building the model"):
+            self.model_path: Path = resolve_model_path(cfg.model)
+        label = cfg.run_path.name  # names that read well in the Ray dashboard, unique per run
+        self.store = StoreClient.start(cfg.run_path, cfg.store.num_shards, label=label)
         self.attempts = RolloutConfig(max_attempts=cfg.rollout.max_attempts, timeout_seconds=cfg.rollout.timeout_seconds,
                                       unresponsive_seconds=cfg.rollout.unresponsive_seconds)
-        self.registry = WeightRegistry.remote()
-        self.server_url = deploy_policy(
-            str(self.model_path), cfg.model.name, self.store, self.registry, host=cfg.serve.host, port=cfg.serve.port,
-            num_replicas=cfg.serve.num_replicas, autoscaling=cfg.serve.autoscaling, engine=cfg.engine.kind,
-            engine_options={"dtype": cfg.engine.dtype, **cfg.engine.options}, max_model_len=cfg.engine.max_model_len,
-            api_key=cfg.serve.api_key, seed=cfg.seed, env=cfg.engine.env,
-            chat_template=resolve_chat_template(cfg.serve.chat_template), drain_timeout_s=cfg.serve.drain_timeout_s,
-            defaults={"max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature,
-                      "top_p": cfg.rollout.top_p})
-        print(f"policy served at {self.server_url}/v1 as {cfg.model.name!r}", flush=True)
+        self.registry = WeightRegistry.options(name=f"weight-registry@{label}").remote()
+        with status(f"starting the policy server ({cfg.engine.kind} engine)"):
+            self.server_url = deploy_policy(
+                str(self.model_path), cfg.model.name, self.store, self.registry, host=cfg.serve.host,
+                port=cfg.serve.port, num_replicas=cfg.serve.num_replicas, autoscaling=cfg.serve.autoscaling,
+                engine=cfg.engine.kind, engine_options={"dtype": cfg.engine.dtype, **cfg.engine.options},
+                max_model_len=cfg.engine.max_model_len, api_key=cfg.serve.api_key, seed=cfg.seed, env=cfg.engine.env,
+                chat_template=resolve_chat_template(cfg.serve.chat_template), drain_timeout_s=cfg.serve.drain_timeout_s,
+                defaults={"max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature,
+                          "top_p": cfg.rollout.top_p})
+        console.print(f"policy served at {self.server_url}/v1 as {cfg.model.name!r}")
         if cfg.store.http:
             store_url = deploy_store_api(self.store, cfg.serve.host, cfg.serve.port, cfg.serve.api_key)
-            print(f"trace store at {store_url} (OTLP/HTTP: {store_url}/v1/traces)", flush=True)
+            console.print(f"trace store at {store_url} (OTLP/HTTP: {store_url}/v1/traces)")
         # Each worker runs agents_per_worker agents at once (threads): the engine batches their calls. A worker
         # that dies is restarted by Ray, and its attempts retried by the store (rollout.max_attempts).
         self.workers = [RolloutWorker.options(
-            max_concurrency=cfg.rollout.agents_per_worker, max_restarts=-1, runtime_env=cfg.task.runtime_env,
+            name=f"rollout-worker-{i}@{label}", max_concurrency=cfg.rollout.agents_per_worker, max_restarts=-1,
+            runtime_env=cfg.task.runtime_env,
         ).remote(cfg.task, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing,
-                 cfg.rollout.timeout_seconds) for _ in range(cfg.rollout.num_workers)]
+                 cfg.rollout.timeout_seconds) for i in range(cfg.rollout.num_workers)]
         ray.get([w.__ray_ready__.remote() for w in self.workers])  # an agent that cannot load fails here, named
 
     def __enter__(self) -> Services:
@@ -70,3 +83,11 @@ class Services:
         """Queue a rollout per task and run them all to their end (rollout/dispatch.py)."""
         rollout_ids = [r.rollout_id for r in self.store.enqueue(tasks, self.attempts)]
         return run_to_end(self.store, self.workers, self.cfg.rollout.agents_per_worker, rollout_ids, desc)
+
+
+def _link_ray_logs(session_dir: str, log_dir: Path) -> None:
+    """<run_dir>/logs/ray: the Ray session's log files (every worker's, Serve's, the dashboard's), found from the run."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    link = log_dir / "ray"
+    if not link.exists():
+        link.symlink_to(Path(session_dir) / "logs", target_is_directory=True)

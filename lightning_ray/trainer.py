@@ -19,9 +19,11 @@ from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, scored_fa
 from lightning_ray.algorithm.select import Selection
 from lightning_ray.config import TrainConfig
 from lightning_ray.evaluation import evaluate
+from lightning_ray.metrics import metrics
 from lightning_ray.report import plot_learning_curve
 from lightning_ray.services import Services
 from lightning_ray.tasks import load_splits
+from lightning_ray.terminal import status
 from lightning_ray.training.learner import Learner
 from lightning_ray.types import Task, Transition
 
@@ -32,8 +34,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     run, t, alg = cfg.run_path, cfg.trainer, cfg.algorithm
     with Services(cfg) as services:
         train_tasks, held_out = load_splits(cfg.task)
-        print("starting the learner ...", flush=True)
-        learner = Learner(cfg, services.model_path, services.registry)
+        with status("starting the learner (Ray Train, DeepSpeed)"):
+            learner = Learner(cfg, services.model_path, services.registry)
         rng = random.Random(cfg.seed)
         select = Selection.of(cfg.model.name, alg.select.models, alg.select.agents)  # which calls are the policy's
         history, evals = [], []
@@ -80,12 +82,16 @@ def train(cfg: TrainConfig) -> list[dict]:
                 results = []
                 last = iteration + 1 == t.iterations or time.monotonic() >= deadline
                 if sampling["groups_with_signal"]:  # else the policy stays as it is: no step, no new version
-                    with phase("train"):
+                    # versions the learner is ahead of the oldest policy that generated this data
+                    metrics().staleness.set(learner.version - min(tr.policy_version for tr in transitions))
+                    with phase("train"), status(f"iter {iteration}: training on {len(transitions)} transitions",
+                                                report=False):
                         results = learner.step(transitions)
-                    with phase("sync"):
+                    with phase("sync"), status(f"iter {iteration}: syncing weights", report=False):
                         ray.get(services.registry.wait_synced.remote(learner.version, cfg.serve.sync_timeout_s))
+                    metrics().weight_sync_seconds.observe(phase.seconds["sync"])
                     if (iteration + 1) % t.checkpoint_every == 0 or last:
-                        with phase("checkpoint"):
+                        with phase("checkpoint"), status(f"iter {iteration}: checkpoint", report=False):
                             learner.save(run / "checkpoint")
                 if t.eval_every and ((iteration + 1) % t.eval_every == 0 or last):
                     with phase("eval"):
@@ -103,6 +109,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                 if evals and evals[-1]["after"] == iteration + 1:
                     record["eval"] = evals[-1]
                 history.append(record)
+                _export(record)
                 with open(run / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(record) + "\n")
                 print(_summary(record), flush=True)
@@ -165,6 +172,13 @@ def _record(iteration, rollouts, spans, transitions, adapted, sampling, version,
                                                                      "digest_s")},
         })
     return record
+
+
+def _export(record: dict) -> None:
+    """The iteration's outcome on the Ray dashboard (lightning_ray/metrics.py)."""
+    metrics().reward_mean.set(record["reward_mean"])
+    metrics().transitions.inc(record["transitions"])
+    metrics().policy_version.set(record["policy_version"], tags={"role": "trained"})
 
 
 def response_diversity(transitions) -> float:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 from tqdm import tqdm
 
+from lightning_ray.metrics import count_error, metrics
 from lightning_ray.types import Rollout
 
 logger = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[st
                 ray.get(call)
             except RayActorError as e:
                 logger.warning("a rollout worker died; its attempts are retried when their leases run out: %s", e)
+                count_error("rollout", "worker_died")
                 wait_restarted(worker)
             free.append(worker)
 
@@ -42,12 +45,22 @@ def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[st
                 collect(ray.wait(list(running), num_returns=len(running), timeout=0)[0])
             if ended == len(rollout_ids):
                 collect(list(running))  # every slot finds the queue empty and returns
-                return store.get_rollouts(rollout_ids)
-            counts = store.count_rollouts(rollout_ids) if free else {}
+                metrics().queue_depth.set(0)
+                return counted(store.get_rollouts(rollout_ids))
+            counts = store.count_rollouts(rollout_ids)
             waiting = counts.get("queued", 0) + counts.get("requeued", 0)
+            metrics().queue_depth.set(waiting)
             for worker in free[:waiting]:
                 running[worker.work.remote(store)] = worker
             del free[:waiting]
+
+
+def counted(rollouts: list[Rollout]) -> list[Rollout]:
+    """Ended rollouts on the dashboard, by status; those the platform failed (no reward) also as errors."""
+    for status, n in Counter(r.status for r in rollouts).items():
+        metrics().rollouts.inc(n, tags={"status": status})
+    count_error("rollout", "infra_failed", sum(r.reward is None for r in rollouts))
+    return rollouts
 
 
 def wait_restarted(worker) -> None:

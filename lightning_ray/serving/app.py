@@ -18,6 +18,7 @@ import ray
 from fastapi import FastAPI, Request
 from ray import serve
 
+from lightning_ray.metrics import count_error, metrics
 from lightning_ray.serving import http
 from lightning_ray.serving.chat import create_chat_completion
 from lightning_ray.serving.completions import create_completion
@@ -199,8 +200,11 @@ class PolicyServer:
                 raise ApiError(503, str(e), type="server_error", code="drain_timeout") from None
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
+            if isinstance(e, Exception):  # not a client that went away (GeneratorExit, CancelledError)
+                count_error("policy_server", getattr(e, "code", None) or type(e).__name__)
             raise
         finally:
+            metrics().generated_tokens.inc(sum(len(c.token_ids) for c in choices.values()))
             spans = [Span(rollout_id=trace.rollout_id, attempt_id=trace.attempt_id, trace_id=trace.trace_id,
                           parent_id=trace.parent_id, name=semconv.LLM_CALL, start_time=start,
                           end_time=time.time(), attributes={
@@ -250,6 +254,7 @@ class PolicyServer:
             await self.registry.fail.remote(self.replica_id, version, f"{type(e).__name__}: {e}")
             raise
         await self.registry.ack.remote(self.replica_id, version)
+        metrics().policy_version.set(version, tags={"role": "served"})
 
 
 def deploy_policy(model_path: str, model_name: str, store, registry, host: str = "127.0.0.1", port: int = 8000,

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ray
-from ray.util import metrics
 
+from lightning_ray.metrics import count_error, metrics
 from lightning_ray.store.errors import BatchTooLarge, StoreError
 from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.types import FINISHED, Attempt, CancelOutcome, Rollout, Span
@@ -34,9 +34,6 @@ class TraceStore:
         self.db_thread = ThreadPoolExecutor(1, thread_name_prefix="sqlite")
         self.max_batch_spans = max_batch_spans
         self.errors: Counter[str] = Counter()
-        self.error_metric = metrics.Counter("lightning_ray_store_errors", "Rejected store input, by kind.",
-                                            tag_keys=("kind",))
-        self.span_metric = metrics.Counter("lightning_ray_store_spans", "Spans stored.")
         self.finished = asyncio.Condition()  # notified whenever some rollout may have ended
         self._expiry = asyncio.get_running_loop().create_task(self._expire_forever(expire_every_s))
         self._checkpoints = asyncio.get_running_loop().create_task(self._checkpoint_forever())
@@ -68,7 +65,7 @@ class TraceStore:
         """Rejected input, counted here and on the Ray dashboard (also called by the HTTP front for bad OTLP)."""
         if n > 0:
             self.errors[kind] += n
-            self.error_metric.inc(n, tags={"kind": kind})
+            count_error("store", kind, n)
 
     async def _call(self, fn, *args):
         """Run a backend call on the SQLite thread; a StoreError it raises is counted, then passed on."""
@@ -131,7 +128,7 @@ class TraceStore:
         if result["rejected"]:
             self.count_error("invalid_spans", result["rejected"])
         if result["accepted"]:
-            self.span_metric.inc(result["accepted"])
+            metrics().store_spans.inc(result["accepted"])
         return result
 
     # --- queries -------------------------------------------------------------------------------------------

@@ -24,8 +24,10 @@ class Learner:
         self.aggregation, self.max_tokens = cfg.algorithm.loss_aggregation, cfg.rollout.max_tokens
         self.estimator = cfg.algorithm.estimator
         self.version = 0
-        self.inboxes = [Queue(actor_options={"num_cpus": 0}) for _ in range(self.n)]
-        self.outbox = Queue(actor_options={"num_cpus": 0})
+        label = cfg.run_path.name  # the queues' names in the Ray dashboard
+        self.inboxes = [Queue(actor_options={"num_cpus": 0, "name": f"learner-inbox-{i}@{label}"})
+                        for i in range(self.n)]
+        self.outbox = Queue(actor_options={"num_cpus": 0, "name": f"learner-outbox@{label}"})
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={
