@@ -5,7 +5,6 @@ only when it measures better (lightning_ray/algorithm/apo.py). Writes apo_rounds
 to the run directory; train or evaluate with the result by task.system_prompt="$(cat <run_dir>/best_prompt.txt)"."""
 
 import json
-import logging
 
 from lightning_ray.config import APOJobConfig, job
 
@@ -13,9 +12,9 @@ from lightning_ray.config import APOJobConfig, job
 @job("apo", APOJobConfig)
 def main(cfg: APOJobConfig) -> None:
     from lightning_ray.algorithm.apo import optimize  # imported late: `--help` and config errors stay instant
+    from lightning_ray.terminal import route_logs
 
-    for noisy in ("httpx", "httpx2"):  # one line per HTTP request drowns the progress lines
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    route_logs(cfg.run_path / "logs", cfg.verbose)
     result = optimize(cfg)
     initial, best = result["initial"], result["best"]
     print(json.dumps({"initial": initial["held_out"], "best": best["held_out"]}))

@@ -4,7 +4,6 @@ The same configuration as training (configs/train.yaml): the task's held-out spl
 server and the same agent. Prints greedy accuracy (and pass@k) and writes it to <run_dir>/eval.json."""
 
 import json
-import logging
 
 from lightning_ray.config import TrainConfig, job
 
@@ -16,7 +15,6 @@ def main(cfg: TrainConfig) -> None:
     from lightning_ray.tasks import load_splits
     from lightning_ray.terminal import route_logs
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     route_logs(cfg.run_path / "logs", cfg.verbose)
     with Services(cfg) as services:
         _, held_out = load_splits(cfg.task)

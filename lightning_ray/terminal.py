@@ -21,6 +21,8 @@ def route_logs(log_dir: Path, verbose: bool = False) -> Path:
     replaced here, after `ray.serve`'s import installed them. Returns the file."""
     import ray.serve  # noqa: F401  (installs Serve's driver-side handler, replaced below)
 
+    for noisy in ("httpx", "httpx2"):  # a line per HTTP request: noise even in a file
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / "driver.log"
     to_file = logging.FileHandler(path)
