@@ -20,11 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from lightning_ray.metrics import metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL_RUN = ["model.path=null", "engine.kind=hf", "~engine.options.gpu_memory_utilization", "ray.num_cpus=2",
-             "task.eval_size=8", "rollout.tasks_per_iteration=8", "rollout.group_size=4", "rollout.agents_per_worker=4",
-             # the sums the tiny model was warmed up on (models/tiny.py: EASY): groups with a signal, updates
-             "task.generator.max_terms=2", "+task.generator.operators=['+','-']",
-             "+task.generator.allow_parentheses=false", "+task.generator.allow_negation=false"]
+# the smoke preset (tiny model, HF engine, the sums it was warmed up on: groups with a signal, updates), a bigger batch
+SMALL_RUN = ["experiment=calc_tiny", "ray.num_cpus=2", "rollout.tasks_per_iteration=8", "rollout.agents_per_worker=4"]
 RAY_LOG_LINE = re.compile(r"\bINFO\b|\((ServeController|ProxyActor|ServeReplica|TrainController|RayTrainWorker|"
                           r"raylet)\b")
 
