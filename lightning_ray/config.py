@@ -12,11 +12,16 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from lightning_ray.placement import results_base
+
 # How token losses add up to the batch loss (the choice changes what a long answer weighs):
 #   token_mean     every response token of the batch counts the same (DAPO's token-level mean)
 #   sequence_mean  each transition's token mean, then the mean over transitions (the original GRPO)
 #   token_sum      the token sum over a constant, transitions × rollout.max_tokens (Dr. GRPO: no length bias)
 LossAggregation = Literal["token_mean", "sequence_mean", "token_sum"]
+# What one actor (a replica, a worker) takes from a node, in Ray Train's resources_per_worker shape: CPU, GPU and
+# custom resources, e.g. {CPU: 1, policy_gpu: 1}. A custom resource steers it to the nodes started with it.
+Resources = dict[str, Annotated[float, Field(ge=0)]]
 
 
 class _Strict(BaseModel):
@@ -115,6 +120,7 @@ class ServeConfig(_Strict):
     # The chat template the server renders with: null (the model's own), `hermes` (ours: ChatML with Hermes
     # <tool_call> tools, for models whose template ignores tools, as SmolLM2's does), or a Jinja file's path.
     chat_template: str | None = None
+    resources: Resources = {"CPU": 1}  # each replica's (placement.py); e.g. {CPU: 1, GPU: 1} on a GPU node
 
 
 class RolloutConfig(_Strict):
@@ -130,6 +136,9 @@ class RolloutConfig(_Strict):
     timeout_seconds: float | None = Field(600.0, gt=0)
     unresponsive_seconds: float | None = Field(60.0, gt=0)  # lease: longest silence between worker heartbeats
     tracing: Literal["embedded", "otel"] = "embedded"  # how the agent's own spans are traced
+    # each worker's; {}: none, anywhere. A worker reaches the policy through the Serve proxy of its own node, which
+    # runs on the head and on nodes holding a replica.
+    resources: Resources = {}
 
 
 class StoreConfig(_Strict):
@@ -222,6 +231,9 @@ class TrainerConfig(_Strict):
     eval_every: int = Field(4, ge=0)  # held-out evaluation before training, every N iterations and at the end; 0: none
     checkpoint_every: int = Field(1, gt=0)
     step_timeout_s: float = Field(600.0, gt=0)
+    # each Ray Train worker's resources, and how its placement group spreads the workers over nodes
+    resources_per_worker: Resources = {"CPU": 1}
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
 
 
 class EvalConfig(_Strict):
@@ -235,7 +247,8 @@ class RayConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    run_dir: str
+    run_dir: str  # relative: to the directory the job started in (placement.results_base)
+    run_root: str = "runs"  # where run directories go (configs/train.yaml: run_dir is run_root/<time>)
     seed: int = 0
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
@@ -251,7 +264,7 @@ class TrainConfig(_Strict):
 
     @property
     def run_path(self) -> Path:
-        return Path(self.run_dir).expanduser().resolve()
+        return (results_base() / Path(self.run_dir).expanduser()).resolve()  # an absolute run_dir wins
 
     def save(self, path: Path) -> None:
         """The config as the run resolved it, secrets masked: the run directory's record of how it was made."""

@@ -11,6 +11,7 @@ from ray import serve
 
 from lightning_ray.config import TrainConfig
 from lightning_ray.models import resolve_model_path
+from lightning_ray.placement import ON_HEAD, actor_options
 from lightning_ray.rollout.dispatch import run_to_end
 from lightning_ray.rollout.worker import RolloutWorker
 from lightning_ray.serving.app import APP_NAME, deploy_policy
@@ -28,6 +29,7 @@ class Services:
         self.cfg = cfg
         cfg.run_path.mkdir(parents=True, exist_ok=True)
         cfg.save(cfg.run_path / "config.yaml")
+        print(f"run directory: {cfg.run_path}", flush=True)
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
             local = cfg.ray.address is None
@@ -43,7 +45,8 @@ class Services:
         with status("building the model"):
             self.model_path: Path = resolve_model_path(cfg.model)
         label = cfg.run_path.name  # names that read well in the Ray dashboard, unique per run
-        self.store = StoreClient.start(cfg.run_path, cfg.store.num_shards, label=label)
+        # On the head, beside the driver: the store's SQLite files are the run directory's.
+        self.store = StoreClient.start(cfg.run_path, cfg.store.num_shards, label=label, actor_options=ON_HEAD)
         self.attempts = RolloutConfig(max_attempts=cfg.rollout.max_attempts, timeout_seconds=cfg.rollout.timeout_seconds,
                                       unresponsive_seconds=cfg.rollout.unresponsive_seconds)
         self.registry = WeightRegistry.options(name=f"weight-registry@{label}").remote()
@@ -53,6 +56,7 @@ class Services:
                 port=cfg.serve.port, num_replicas=cfg.serve.num_replicas, autoscaling=cfg.serve.autoscaling,
                 engine=cfg.engine.kind, engine_options={"dtype": cfg.engine.dtype, **cfg.engine.options},
                 max_model_len=cfg.engine.max_model_len, api_key=cfg.serve.api_key, seed=cfg.seed, env=cfg.engine.env,
+                resources=cfg.serve.resources,
                 chat_template=resolve_chat_template(cfg.serve.chat_template), drain_timeout_s=cfg.serve.drain_timeout_s,
                 defaults={"max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature,
                           "top_p": cfg.rollout.top_p})
@@ -64,7 +68,7 @@ class Services:
         # that dies is restarted by Ray, and its attempts retried by the store (rollout.max_attempts).
         self.workers = [RolloutWorker.options(
             name=f"rollout-worker-{i}@{label}", max_concurrency=cfg.rollout.agents_per_worker, max_restarts=-1,
-            runtime_env=cfg.task.runtime_env,
+            runtime_env=cfg.task.runtime_env, **actor_options(cfg.rollout.resources),
         ).remote(cfg.task, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing,
                  cfg.rollout.timeout_seconds) for i in range(cfg.rollout.num_workers)]
         ray.get([w.__ray_ready__.remote() for w in self.workers])  # an agent that cannot load fails here, named

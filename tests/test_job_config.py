@@ -118,6 +118,8 @@ def test_every_readme_override_works_as_written(job, overrides, tmp_path):
     ("+trainer.learning_rate=1e-3", "trainer.learning_rate"),  # ... added anyway: by the schema
     ("engine.options=[1]", "engine.options"),
     ("model.path=runs/<run>/checkpoint", "model.path=runs/<run>/checkpoint"),  # not Hydra's grammar: shown where
+    ("+serve.resources.policy_gpu=-1", "serve.resources.policy_gpu"),
+    ("trainer.placement_strategy=CLOSE", "trainer.placement_strategy"),
 ])
 def test_bad_values_name_the_key(override, named, tmp_path):
     r = run_job(override, f"hydra.run.dir={tmp_path}")
@@ -163,3 +165,18 @@ def test_no_secret_reaches_the_run_directory(tmp_path):
 def test_the_default_config_has_nothing_that_looks_secret(tmp_path):
     data = compose([f"run_dir={tmp_path}"]).model_dump(mode="json")
     assert masked(data) == data
+
+
+def test_results_land_outside_a_submitted_jobs_temporary_copy(tmp_path, monkeypatch):
+    """Under `ray job submit --working-dir`, the current directory is Ray's copy of it, deleted with the cluster: a
+    relative run directory goes under ~/lightning_ray on the driver's node instead; an absolute one is kept."""
+    from lightning_ray.config import validate
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert validate({"run_dir": "runs/a"}).run_path == tmp_path / "runs" / "a"
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {"working_dir": "gcs://_ray_pkg_0.zip"}}')
+    assert validate({"run_dir": "runs/a"}).run_path == tmp_path / "home" / "lightning_ray" / "runs" / "a"
+    assert validate({"run_dir": str(tmp_path / "b")}).run_path == tmp_path / "b"
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {}}')  # submitted without a working_dir
+    assert validate({"run_dir": "runs/a"}).run_path == tmp_path / "runs" / "a"

@@ -28,14 +28,15 @@ class StoreClient:
 
     @classmethod
     def start(cls, run_dir: str | Path | None = None, num_shards: int = 1, label: str | None = None,
-              **options) -> StoreClient:
+              actor_options: dict | None = None, **options) -> StoreClient:
         """Start the shard actors: SQLite files traces[-i].sqlite in `run_dir`, or in memory when it is None;
-        named trace-store-<i>@<label> (unique in the namespace) when a label is given."""
+        named trace-store-<i>@<label> (unique in the namespace) when a label is given; `actor_options` place them
+        (Ray's .options())."""
         def path(i):
             return ":memory:" if run_dir is None else str(Path(run_dir) / (f"traces-{i}.sqlite" if num_shards > 1
                                                                            else "traces.sqlite"))
-        return cls([TraceStore.options(name=label and f"trace-store-{i}@{label}").remote(path(i), **options)
-                    for i in range(num_shards)])
+        return cls([TraceStore.options(name=label and f"trace-store-{i}@{label}", **actor_options or {}).remote(
+            path(i), **options) for i in range(num_shards)])
 
     def _index(self, key: str) -> int:
         return zlib.crc32(key.encode()) % len(self.shards)

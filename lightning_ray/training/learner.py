@@ -41,9 +41,12 @@ class Learner:
                 "value_coef": cfg.algorithm.value_coef, "value_lr": cfg.algorithm.value_lr,
                 "extensions_dir": str(Path("~/.cache/lightning_ray/torch_extensions").expanduser()),
             },
-            # One logical CPU per worker whatever its threads: phases alternate, so the learner's threads use the
-            # cores the rollouts leave idle while it trains.
-            scaling_config=ScalingConfig(num_workers=self.n, use_gpu=False, resources_per_worker={"CPU": 1}),
+            # trainer.resources_per_worker is one logical CPU by default, whatever the threads: phases alternate, so
+            # the learner's threads use the cores the rollouts leave idle while it trains. Ray Train reserves the
+            # workers' resources as one placement group, spread over nodes by trainer.placement_strategy.
+            scaling_config=ScalingConfig(num_workers=self.n, use_gpu=t.resources_per_worker.get("GPU", 0) > 0,
+                                         resources_per_worker=t.resources_per_worker,
+                                         placement_strategy=t.placement_strategy),
             run_config=RunConfig(name="learner", storage_path=str(cfg.run_path / "ray_train")),
         )
         self.error: BaseException | None = None
