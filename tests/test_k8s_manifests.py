@@ -1,4 +1,4 @@
-"""k8s/ manifests satisfy the KubeRay CRD schemas (../shared/kuberay-crds), as the operator would check them."""
+"""k8s/ manifests satisfy the KubeRay CRD schemas (shared/kuberay-crds), as the operator would check them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-CRDS = ROOT.parent / "shared" / "kuberay-crds"
-pytestmark = pytest.mark.skipif(not CRDS.exists(), reason="needs ../shared/kuberay-crds beside the checkout, as in CI")
+# beside the checkout, as in CI; or the workplace's shared folder, for a checkout (a worktree) elsewhere
+CRDS = next((p for p in (ROOT.parent / "shared" / "kuberay-crds", Path("/work/shared/kuberay-crds")) if p.exists()),
+            None)
+pytestmark = pytest.mark.skipif(CRDS is None, reason="needs shared/kuberay-crds beside the checkout, as in CI")
+MANIFESTS = {p.name: yaml.safe_load(p.read_text()) for p in sorted((ROOT / "k8s").glob("*.yaml"))}
 
 
 def crd_schema(kind: str) -> dict:
@@ -19,14 +22,48 @@ def crd_schema(kind: str) -> dict:
     return v1["schema"]["openAPIV3Schema"]
 
 
-@pytest.mark.parametrize("manifest", sorted((ROOT / "k8s").glob("*.yaml")), ids=lambda p: p.name)
-def test_manifest_matches_the_kuberay_crd(manifest):
-    doc = yaml.safe_load(manifest.read_text())
+def cluster_spec(doc: dict) -> dict:
+    return {"RayCluster": lambda: doc["spec"], "RayJob": lambda: doc["spec"]["rayClusterSpec"],
+            "RayService": lambda: doc["spec"]["rayClusterConfig"]}[doc["kind"]]()
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_manifest_matches_the_kuberay_crd(name):
+    doc = MANIFESTS[name]
     assert doc["apiVersion"] == "ray.io/v1"
     jsonschema.validate(doc, crd_schema(doc["kind"]))
-    if doc["kind"] == "RayJob":
-        assert doc["spec"]["entrypoint"].startswith("python jobs/train.py")
-        assert "ray.address=auto" in doc["spec"]["entrypoint"]
+
+
+def test_one_of_each_kind():
+    assert sorted(doc["kind"] for doc in MANIFESTS.values()) == ["RayCluster", "RayJob", "RayService"]
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_cpu_and_gpu_worker_groups_share_the_run_volume(name):
+    spec = cluster_spec(MANIFESTS[name])
+    groups = {g["groupName"]: g["template"]["spec"] for g in spec["workerGroupSpecs"]}
+    assert set(groups) == {"cpu", "gpu"}
+    [gpu] = groups["gpu"]["containers"]
+    assert gpu["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert spec["authOptions"] == {"mode": "token"}
+    for pod in [spec["headGroupSpec"]["template"]["spec"], *groups.values()]:  # the driver's and the learner's
+        [container] = pod["containers"]
+        assert {"name": "runs", "mountPath": "/runs"} in container["volumeMounts"]
+
+
+def test_the_job_trains_into_the_shared_volume():
+    entrypoint = MANIFESTS["rayjob.yaml"]["spec"]["entrypoint"]
+    assert entrypoint.startswith("python jobs/train.py")
+    assert "ray.address=auto" in entrypoint and "run_root=/runs" in entrypoint
+
+
+def test_the_service_deploys_a_valid_serve_config():
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load(MANIFESTS["rayservice.yaml"]["spec"]["serveConfigV2"]))
+    [app] = config.applications
+    assert app.import_path == "jobs.serve:app"
+    assert any(o.startswith("model.path=/runs/") for o in app.args["overrides"])
 
 
 def test_a_broken_manifest_is_caught():
