@@ -112,8 +112,11 @@ def job(cluster, tiny_model_path, tmp_path_factory):
     overrides = [
         "ray.address=auto", f"run_root={run_root}", f"model.path={tiny_model_path}", "engine.kind=hf",
         "~engine.options", f"serve.port={port}", "trainer.iterations=1", "trainer.eval_every=0",
-        "rollout.tasks_per_iteration=2", "rollout.group_size=2", "rollout.num_workers=1",
-        "rollout.agents_per_worker=4",
+        # sums and differences of two small numbers, which the tiny model was warmed up on, at temperature 1: groups
+        # whose rewards differ, so the iteration trains and its checkpoint is written (by the trainer's node)
+        "task.generator.max_terms=2", "+task.generator.operators=[+,-]", "+task.generator.allow_parentheses=false",
+        "+task.generator.allow_negation=false", "rollout.temperature=1.0", "rollout.tasks_per_iteration=8",
+        "rollout.group_size=4", "rollout.num_workers=1", "rollout.agents_per_worker=8",
         # the replicas need the node with the policy's "GPU", the trainer's workers the node with the trainer's
         "+serve.resources.policy_gpu=1", "+trainer.resources_per_worker.trainer_gpu=1",
     ]
@@ -130,7 +133,7 @@ def test_a_submitted_job_succeeds_and_leaves_its_results_in_run_root(job):
     assert r.returncode == 0 and "succeeded" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
     [run] = list(job["run_root"].iterdir())
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["iteration"] for m in metrics] == [0] and metrics[0]["rollouts"] == 4
+    assert [m["iteration"] for m in metrics] == [0] and metrics[0]["rollouts"] == 32 and metrics[0]["updated"]
     assert (run / "checkpoint" / "config.json").exists() and (run / "traces.sqlite").exists()
     assert f"run directory: {run}" in r.stdout  # the job says where its results are
     assert "working_dir_files" not in str(run)
