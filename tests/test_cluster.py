@@ -110,8 +110,8 @@ def job(cluster, tiny_model_path, tmp_path_factory):
     run_root = tmp_path_factory.mktemp("results")
     port, = free_ports(1)
     overrides = [
-        "ray.address=auto", f"run_root={run_root}", f"model.path={tiny_model_path}", "engine.kind=hf",
-        "~engine.options", f"serve.port={port}", "trainer.iterations=1", "trainer.eval_every=0",
+        "cluster=auto", f"run_root={run_root}", f"model.path={tiny_model_path}", "engine=hf",
+        f"serve.port={port}", "trainer.iterations=1", "trainer.eval_every=0",
         # sums and differences of two small numbers, which the tiny model was warmed up on, at temperature 1: groups
         # whose rewards differ, so the iteration trains and its checkpoint is written (by the trainer's node)
         "task.generator.max_terms=2", "+task.generator.operators=[+,-]", "+task.generator.allow_parentheses=false",

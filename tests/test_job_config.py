@@ -81,6 +81,8 @@ def readme_overrides() -> list[tuple[str, list[str]]]:
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
         for line in block.replace("\\\n", " ").splitlines():
+            if "jobs/" not in line and "make train" not in line:
+                continue  # not a job (e.g. a kubectl here-string, not shell words line by line)
             words = shlex.split(line, comments=True)
             if words[:2] == ["make", "train"]:
                 job, args = "train", shlex.split(next((w[5:] for w in words if w.startswith("ARGS=")), ""))

@@ -54,7 +54,7 @@ def test_cpu_and_gpu_worker_groups_share_the_run_volume(name):
 def test_the_job_trains_into_the_shared_volume():
     entrypoint = MANIFESTS["rayjob.yaml"]["spec"]["entrypoint"]
     assert entrypoint.startswith("python jobs/train.py")
-    assert "ray.address=auto" in entrypoint and "run_root=/runs" in entrypoint
+    assert "cluster=auto" in entrypoint and "run_root=/runs" in entrypoint
 
 
 def test_the_service_deploys_a_valid_serve_config():
