@@ -1,30 +1,10 @@
 """Held-out evaluation: python jobs/eval.py model.path=<model dir or checkpoint> [eval.pass_k=4] [key=value ...]
 
 The same configuration as training (configs/train.yaml): the task's held-out split goes through the same policy
-server and the same agent. Prints greedy accuracy (and pass@k) and writes it to <run_dir>/eval.json."""
+server and the same agent. Prints greedy accuracy (and pass@k) and writes it to <run_dir>/eval.json.
+The same as `lightning-ray eval [key=value ...]` (lightning_ray/cli/jobs.py)."""
 
-import json
-
-from lightning_ray.config import TrainConfig, job
-
-
-@job("train")
-def main(cfg: TrainConfig) -> None:
-    from lightning_ray.evaluation import evaluate  # imported late: `--help` and config errors stay instant
-    from lightning_ray.services import Services
-    from lightning_ray.tasks import load_splits
-    from lightning_ray.terminal import route_logs
-
-    route_logs(cfg.run_path / "logs", cfg.verbose)
-    with Services(cfg) as services:
-        _, held_out = load_splits(cfg.task)
-        result = {"model": str(services.model_path), "dataset": cfg.task.dataset, "protocol": cfg.task.protocol,
-                  "eval_seed": cfg.task.eval_seed, **evaluate(services, held_out, cfg.eval.pass_k)}
-    out = cfg.run_path / "eval.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
-    print(f"held-out accuracy {result['accuracy']:.3f} on {result['tasks']} problems; written to {out}")
-
+from lightning_ray.cli.jobs import evaluate
 
 if __name__ == "__main__":
-    main()
+    evaluate()

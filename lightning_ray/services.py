@@ -25,7 +25,8 @@ from lightning_ray.types import Rollout, RolloutConfig, Task
 
 
 class Services:
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, rollout_workers: bool = True):
+        """rollout_workers=False: the policy and the store only, for agents that run elsewhere (jobs/serve.py)."""
         self.cfg = cfg
         cfg.run_path.mkdir(parents=True, exist_ok=True)
         cfg.save(cfg.run_path / "config.yaml")
@@ -70,7 +71,7 @@ class Services:
             name=f"rollout-worker-{i}@{label}", max_concurrency=cfg.rollout.agents_per_worker, max_restarts=-1,
             runtime_env=cfg.task.runtime_env, **actor_options(cfg.rollout.resources),
         ).remote(cfg.task, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing,
-                 cfg.rollout.timeout_seconds) for i in range(cfg.rollout.num_workers)]
+                 cfg.rollout.timeout_seconds) for i in range(cfg.rollout.num_workers if rollout_workers else 0)]
         ray.get([w.__ray_ready__.remote() for w in self.workers])  # an agent that cannot load fails here, named
 
     def __enter__(self) -> Services:

@@ -1,0 +1,170 @@
+"""The `lightning-ray` command on real runs: a short `train` on the tiny model (Ray, Serve, the HF engine, DeepSpeed,
+SQLite), then `store inspect|export` and `report` on its run directory, and `serve` on its checkpoint answering a real
+openai client until Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from lightning_ray.tracing import semconv
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "lightning_ray.cli"]
+# a run small enough for a test: the tiny model on the HF engine, one iteration of 8 GRPO groups, 4 held-out problems
+TINY = ["model.path=null", "engine.kind=hf", "engine.options={}", "engine.env={}", "engine.max_model_len=512",
+        "ray.num_cpus=4", "rollout.num_workers=1", "rollout.agents_per_worker=8", "rollout.tasks_per_iteration=8",
+        "rollout.group_size=4", "trainer.iterations=1", "trainer.eval_every=1", "trainer.threads_per_worker=1",
+        "task.eval_size=4"]
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", [[], ["train"], ["eval"], ["serve"], ["store"], ["store", "inspect"],
+                                     ["store", "export"], ["report"]])
+def test_every_command_has_help(command):
+    r = cli(*command, "--help")
+    assert r.returncode == 0, r.stderr
+    assert f"Usage: lightning-ray {' '.join(command)}".strip() in " ".join(r.stdout.split())
+
+
+@pytest.mark.parametrize("args, named", [
+    (["store", "inspect", "no/such/run"], "no/such/run"),
+    (["store", "export", "no/such/run"], "no/such/run"),
+    (["report", "no/such/run"], "no/such/run"),
+    (["store", "export", ".", "--what", "tokens"], "--what"),
+    (["report", ".", "--format", "pdf"], "--format"),
+    (["store", "vacuum"], "vacuum"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(args, named):
+    r = cli(*args)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and named in r.stderr and "Traceback" not in r.stderr
+
+
+def test_train_passes_config_errors_through_by_key(tmp_path):
+    r = cli("train", "rollout.group_size=0", f"hydra.run.dir={tmp_path}")
+    assert r.returncode != 0 and "rollout.group_size" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_train_prints_the_resolved_config_with_hydra_flags():
+    r = cli("train", "trainer.iterations=3", "--cfg", "job")
+    assert r.returncode == 0, r.stderr
+    assert "iterations: 3" in r.stdout
+
+
+def test_console_script_is_installed():
+    script = Path(sys.executable).with_name("lightning-ray")
+    if not script.exists():
+        pytest.skip("the venv predates [project.scripts] lightning-ray: runs once `make setup` reinstalls the package")
+    r = subprocess.run([script, "store", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "inspect" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run = tmp_path_factory.mktemp("cli-run")
+    r = cli("train", *TINY, f"serve.port={free_port()}", f"hydra.run.dir={run}", timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return run
+
+
+def sql(run: Path, query: str, spans: bool = False) -> list[tuple]:
+    return sqlite3.connect(run / ("traces-spans.sqlite" if spans else "traces.sqlite")).execute(query).fetchall()
+
+
+def test_train_writes_a_run_directory(run_dir):
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 1 and metrics[0]["rollouts"] == 32
+    assert (run_dir / "checkpoint" / "config.json").exists() and (run_dir / "config.yaml").exists()
+
+
+def test_store_inspect_summarizes_the_run(run_dir):
+    r = cli("store", "inspect", str(run_dir), "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["rollouts_by_status"] == dict(sql(run_dir, "SELECT status, COUNT(*) FROM rollouts GROUP BY status"))
+    assert s["rollouts"] == 32 + 4 * 2  # training; held-out evaluation before and after
+    assert s["spans"] == sql(run_dir, "SELECT COUNT(*) FROM spans", spans=True)[0][0]
+    assert s["spans_by_name"][semconv.LLM_CALL] >= s["policy_calls"] >= json.loads(
+        (run_dir / "metrics.jsonl").read_text())["policy_calls"] > 0
+    assert s["iterations"] == 1 and 0 < s["transitions"] <= s["policy_calls"]
+    rewards = [r for (r,) in sql(run_dir, "SELECT reward FROM rollouts WHERE reward IS NOT NULL")]
+    assert s["rewards"]["scored"] == len(rewards) and s["rewards"]["mean"] == pytest.approx(sum(rewards) / len(rewards))
+    human = cli("store", "inspect", str(run_dir))
+    assert human.returncode == 0 and f"rollouts     {s['rollouts']}" in human.stdout
+
+
+def test_store_export_writes_jsonl(run_dir, tmp_path):
+    exported = {}
+    for what in ("rollouts", "spans", "transitions"):
+        out = tmp_path / f"{what}.jsonl"
+        r = cli("store", "export", str(run_dir), "--what", what, "-o", str(out))
+        assert r.returncode == 0, r.stderr
+        exported[what] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["rollout_id"] for r in exported["rollouts"]} == {i for (i,) in sql(run_dir, "SELECT rollout_id FROM rollouts")}
+    assert len(exported["spans"]) == sql(run_dir, "SELECT COUNT(*) FROM spans", spans=True)[0][0]
+    calls = {s["span_id"]: s for s in exported["spans"] if s["name"] == semconv.LLM_CALL and s["origin"] == "server"}
+    transitions = exported["transitions"]
+    assert transitions and {t["span_id"] for t in transitions} <= set(calls)
+    for t in transitions:  # the engine's token ids, unpacked from the store's arrays as the trainer reads them
+        call = calls[t["span_id"]]["attributes"]
+        assert t["prompt_ids"] == call[semconv.PROMPT_TOKEN_IDS]
+        assert all(isinstance(i, int) for i in t["response_ids"]) and len(t["logprobs"]) == len(t["response_ids"])
+    stdout = cli("store", "export", str(run_dir), "--what", "rollouts")  # no -o: JSONL on stdout
+    assert [json.loads(line)["rollout_id"] for line in stdout.stdout.splitlines()] == [
+        r["rollout_id"] for r in exported["rollouts"]]
+
+
+@pytest.mark.parametrize("fmt", ["md", "html"])
+def test_report_writes_a_page_with_curves(run_dir, tmp_path, fmt):
+    r = cli("report", str(run_dir), "--format", fmt, "-o", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    page = (tmp_path / f"report.{fmt}").read_text()
+    for stem in ("reward", "loss", "response_length", "heldout_accuracy"):
+        assert f"{stem}.png" in page
+        assert (tmp_path / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    metrics = json.loads((run_dir / "metrics.jsonl").read_text())
+    assert "iterations" in page and f"{metrics['eval']['accuracy']:.3f}" in page
+
+
+def test_serve_answers_an_openai_client_until_ctrl_c(run_dir, tmp_path):
+    port = free_port()
+    server = subprocess.Popen([*CLI, "serve", *TINY, f"model.path={run_dir / 'checkpoint'}", f"serve.port={port}",
+                               f"hydra.run.dir={tmp_path}"], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 300
+        while not any(line.startswith("serving ") for line in lines):
+            line = server.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(lines[-40:])
+            lines.append(line)
+        assert f"http://127.0.0.1:{port}/v1" in lines[-1] and "curl" in server.stdout.readline()
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0)
+        out = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "What is 3 + 4?"}],
+                                             max_tokens=8)
+        assert out.choices[0].message.content and out.usage.completion_tokens > 0
+    finally:
+        server.send_signal(signal.SIGINT)
+        rest, _ = server.communicate(timeout=120)
+    assert server.returncode == 0, rest[-3000:]
+    assert "stopped" in rest and "Traceback" not in rest
