@@ -2,9 +2,9 @@
 
 The same configuration as training (configs/train.yaml): the task's held-out split goes through the same policy
 server and the same agent. Prints greedy accuracy (and pass@k) and writes it to <run_dir>/eval.json.
-The same as `lightning-ray eval [key=value ...]` (lightning_ray/cli/jobs.py)."""
+The same as `lightning-ray eval [key=value ...]` (lightning_ray/cli/eval.py)."""
 
-from lightning_ray.cli.jobs import evaluate
+from lightning_ray.cli.eval import main
 
 if __name__ == "__main__":
-    evaluate()
+    main()

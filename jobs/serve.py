@@ -3,7 +3,7 @@
 The policy endpoint (OpenAI API) and the store API, as during training (configs/train.yaml), until Ctrl-C; every call
 is recorded in the run directory's store. The same as `lightning-ray serve [key=value ...]`."""
 
-from lightning_ray.cli.jobs import serve
+from lightning_ray.cli.serve import main
 
 if __name__ == "__main__":
-    serve()
+    main()

@@ -62,7 +62,8 @@ def _summary(history: list[dict], evals: list[dict]) -> list[tuple[str, str]]:
             ("trained tokens", str(sum(h.get("trained_tokens", 0) for h in history))),
             ("seconds", f"{sum(sum(h['seconds'].values()) for h in history):.0f}")]
     if evals:
-        rows.insert(2, ("held-out accuracy", " → ".join(f"{e['accuracy']:.3f} ({e['after']})" for e in evals)))
+        rows.insert(2, ("held-out accuracy", " → ".join(
+            f"{e['accuracy']:.3f} " + (f"after {e['after']}" if e["after"] else "before") for e in evals)))
     return rows
 
 

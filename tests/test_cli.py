@@ -17,15 +17,18 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
+from lightning_ray.models.tiny import EASY
 from lightning_ray.tracing import semconv
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "lightning_ray.cli"]
-# a run small enough for a test: the tiny model on the HF engine, one iteration of 8 GRPO groups, 4 held-out problems
-TINY = ["model.path=null", "engine.kind=hf", "engine.options={}", "engine.env={}", "engine.max_model_len=512",
+# a run small enough for a test: the tiny model on the HF engine, one iteration of 8 GRPO groups, 4 held-out problems,
+# on the sums and differences it was warmed up on (a group with rewards that differ: an update, a checkpoint)
+TINY = [*(f"++task.generator.{key}={json.dumps(value)}" for key, value in EASY.items()),
+        "model.path=null", "engine.kind=hf", "~engine.options", "~engine.env", "engine.max_model_len=512",
         "ray.num_cpus=4", "rollout.num_workers=1", "rollout.agents_per_worker=8", "rollout.tasks_per_iteration=8",
-        "rollout.group_size=4", "trainer.iterations=1", "trainer.eval_every=1", "trainer.threads_per_worker=1",
-        "task.eval_size=4"]
+        "rollout.group_size=4", "rollout.temperature=1.0", "task.eval_size=4",
+        "trainer.iterations=1", "trainer.eval_every=1", "trainer.threads_per_worker=1"]
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -94,7 +97,8 @@ def sql(run: Path, query: str, spans: bool = False) -> list[tuple]:
 def test_train_writes_a_run_directory(run_dir):
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 1 and metrics[0]["rollouts"] == 32
-    assert (run_dir / "checkpoint" / "config.json").exists() and (run_dir / "config.yaml").exists()
+    assert metrics[0]["updated"] and (run_dir / "config.yaml").exists()
+    assert (run_dir / "checkpoint" / "config.json").exists(), sorted(p.name for p in run_dir.iterdir())
 
 
 def test_store_inspect_summarizes_the_run(run_dir):
@@ -120,7 +124,8 @@ def test_store_export_writes_jsonl(run_dir, tmp_path):
         r = cli("store", "export", str(run_dir), "--what", what, "-o", str(out))
         assert r.returncode == 0, r.stderr
         exported[what] = [json.loads(line) for line in out.read_text().splitlines()]
-    assert {r["rollout_id"] for r in exported["rollouts"]} == {i for (i,) in sql(run_dir, "SELECT rollout_id FROM rollouts")}
+    stored = {rollout_id for (rollout_id,) in sql(run_dir, "SELECT rollout_id FROM rollouts")}
+    assert {r["rollout_id"] for r in exported["rollouts"]} == stored
     assert len(exported["spans"]) == sql(run_dir, "SELECT COUNT(*) FROM spans", spans=True)[0][0]
     calls = {s["span_id"]: s for s in exported["spans"] if s["name"] == semconv.LLM_CALL and s["origin"] == "server"}
     transitions = exported["transitions"]
@@ -168,3 +173,5 @@ def test_serve_answers_an_openai_client_until_ctrl_c(run_dir, tmp_path):
         rest, _ = server.communicate(timeout=120)
     assert server.returncode == 0, rest[-3000:]
     assert "stopped" in rest and "Traceback" not in rest
+    served = json.loads(cli("store", "inspect", str(tmp_path), "--json").stdout)  # the call, recorded in its store
+    assert served["rollouts"] == 0 and served["spans_by_name"][semconv.LLM_CALL] == 1

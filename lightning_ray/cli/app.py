@@ -36,25 +36,28 @@ class Format(str, Enum):
 @app.command(context_settings=HYDRA)
 def train(overrides: Overrides = None) -> None:
     """Train the policy behind the task's agent (jobs/train.py); writes metrics, curve and checkpoint to the run dir."""
-    from lightning_ray.cli import jobs
+    from lightning_ray.cli import train as job
+    from lightning_ray.cli.common import run
 
-    jobs.run(jobs.train, overrides or [])
+    run(job.main, overrides or [])
 
 
 @app.command(name="eval", context_settings=HYDRA)
 def evaluate(overrides: Overrides = None) -> None:
     """Held-out accuracy of model.path (e.g. model.path=runs/<run>/checkpoint eval.pass_k=4) (jobs/eval.py)."""
-    from lightning_ray.cli import jobs
+    from lightning_ray.cli import eval as job
+    from lightning_ray.cli.common import run
 
-    jobs.run(jobs.evaluate, overrides or [])
+    run(job.main, overrides or [])
 
 
 @app.command(context_settings=HYDRA)
 def serve(overrides: Overrides = None) -> None:
     """Serve model.path (e.g. model.path=runs/<run>/checkpoint) on the OpenAI API, with the store API, until Ctrl-C."""
-    from lightning_ray.cli import jobs
+    from lightning_ray.cli import serve as job
+    from lightning_ray.cli.common import run
 
-    jobs.run(jobs.serve, overrides or [])
+    run(job.main, overrides or [])
 
 
 @store.command()
@@ -68,7 +71,8 @@ def inspect(run_dir: RunDir,
         print(json.dumps(s))
         return
     rewards = s["rewards"]
-    print(f"{s['run_dir']}: {s['iterations']} training iterations")
+    print(f"{s['run_dir']}")
+    print(f"iterations   {s['iterations']}")
     print(f"rollouts     {s['rollouts']}  " + "  ".join(f"{k} {v}" for k, v in s["rollouts_by_status"].items()))
     if rewards["scored"]:
         print(f"rewards      {rewards['scored']} scored  mean {rewards['mean']:.3f}  min {rewards['min']:g}  "

@@ -76,12 +76,14 @@ def summary(run_dir: Path) -> dict:
 
 
 def _batches(run_dir: Path, with_spans: bool = True) -> Iterator[tuple[list[Rollout], list[Span]]]:
-    """The rollouts of every shard, a batch at a time, with their spans."""
+    """The rollouts of every shard, a batch at a time, with their spans; then the spans of no rollout."""
     for db in map(SQLiteBackend, shard_files(run_dir)):
         rollouts = db.query_rollouts()
         for start in range(0, len(rollouts), _BATCH):
             batch = rollouts[start:start + _BATCH]
             yield batch, db.query_spans([r.rollout_id for r in batch]) if with_spans else []
+        if with_spans:
+            yield [], db.query_spans_outside_rollouts()
 
 
 def _adapter(cfg: TrainConfig):

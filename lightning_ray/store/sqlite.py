@@ -392,6 +392,11 @@ class SQLiteBackend:
         rows.sort(key=_by_time)
         return rows
 
+    def query_spans_outside_rollouts(self) -> list[Span]:
+        """Spans that name no rollout (calls to the endpoint's plain /v1, OTLP spans sent without one), in time order."""
+        return [span_from_row(r) for r in self.db.execute(
+            f"SELECT {_SPAN_COLS} FROM spans WHERE rollout_id IS NULL ORDER BY start_time, rowid")]
+
     def count_spans(self) -> int:
         return self.db.execute("SELECT COUNT(*) FROM spans").fetchone()[0]
 

@@ -1,0 +1,30 @@
+"""Held-out evaluation (`lightning-ray eval`, jobs/eval.py)."""
+
+from __future__ import annotations
+
+import json
+
+import hydra
+from omegaconf import DictConfig
+
+from lightning_ray.cli.common import CONFIGS, quiet_http
+from lightning_ray.config import from_hydra
+
+
+@hydra.main(version_base=None, config_path=CONFIGS, config_name="train")
+def main(raw: DictConfig) -> None:
+    """Held-out accuracy (and pass@k) of model.path through the same server and agent as training."""
+    cfg = from_hydra(raw)
+    from lightning_ray.evaluation import evaluate  # imported late: `--help` and config errors stay instant
+    from lightning_ray.services import Services
+    from lightning_ray.tasks import load_splits
+
+    quiet_http()
+    with Services(cfg) as services:
+        _, held_out = load_splits(cfg.task)
+        result = {"model": str(services.model_path), "dataset": cfg.task.dataset, "protocol": cfg.task.protocol,
+                  "eval_seed": cfg.task.eval_seed, **evaluate(services, held_out, cfg.eval.pass_k)}
+    out = cfg.run_path / "eval.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+    print(f"held-out accuracy {result['accuracy']:.3f} on {result['tasks']} problems; written to {out}")
