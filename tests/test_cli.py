@@ -151,6 +151,16 @@ def test_report_writes_a_page_with_curves(run_dir, tmp_path, fmt):
     assert "iterations" in page and f"{metrics['eval']['accuracy']:.3f}" in page
 
 
+def test_eval_measures_the_checkpoint(run_dir, tmp_path):
+    checkpoint = run_dir / "checkpoint"
+    r = cli("eval", *TINY, f"model.path={checkpoint}", f"serve.port={free_port()}", f"hydra.run.dir={tmp_path}",
+            timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["model"] == str(checkpoint) and result["tasks"] == 4 and 0 <= result["accuracy"] <= 1
+    assert f"held-out accuracy {result['accuracy']:.3f} on 4 problems" in r.stdout
+
+
 def test_serve_answers_an_openai_client_until_ctrl_c(run_dir, tmp_path):
     port = free_port()
     server = subprocess.Popen([*CLI, "serve", *TINY, f"model.path={run_dir / 'checkpoint'}", f"serve.port={port}",

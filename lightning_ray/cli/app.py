@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import nullcontext
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -87,9 +88,10 @@ def export(run_dir: RunDir,
            out: Annotated[Path | None, typer.Option("--out", "-o", help="the JSONL file; default: stdout",
                                                     show_default=False)] = None):
     """A run's rollouts, spans or transitions (as LightningRL makes them, before credit assignment) as JSONL."""
-    from lightning_ray.store.files import records
+    from lightning_ray.store.files import records, shard_files
 
-    with (out.open("w") if out else sys.stdout) as f:
+    shard_files(run_dir)  # not a run directory: fail before -o makes an empty file
+    with out.open("w") if out else nullcontext(sys.stdout) as f:
         n = 0
         for n, record in enumerate(records(run_dir, what.value), 1):
             f.write(json.dumps(record) + "\n")

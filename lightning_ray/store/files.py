@@ -19,7 +19,6 @@ from lightning_ray.config import TrainConfig, validate
 from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.types import FINISHED, Rollout, Span
 
-WHAT = ("rollouts", "spans", "transitions")
 _BATCH = 200  # rollouts read at a time: a run's spans need not fit in memory at once
 
 
