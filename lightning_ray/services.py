@@ -52,15 +52,8 @@ class Services:
                                       unresponsive_seconds=cfg.rollout.unresponsive_seconds)
         self.registry = WeightRegistry.options(name=f"weight-registry@{label}").remote()
         with status(f"starting the policy server ({cfg.engine.kind} engine)"):
-            self.server_url = deploy_policy(
-                str(self.model_path), cfg.model.name, self.store, self.registry, host=cfg.serve.host,
-                port=cfg.serve.port, num_replicas=cfg.serve.num_replicas, autoscaling=cfg.serve.autoscaling,
-                engine=cfg.engine.kind, engine_options={"dtype": cfg.engine.dtype, **cfg.engine.options},
-                max_model_len=cfg.engine.max_model_len, api_key=cfg.serve.api_key, seed=cfg.seed, env=cfg.engine.env,
-                resources=cfg.serve.resources,
-                chat_template=resolve_chat_template(cfg.serve.chat_template), drain_timeout_s=cfg.serve.drain_timeout_s,
-                defaults={"max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature,
-                          "top_p": cfg.rollout.top_p})
+            self.server_url = deploy_policy(str(self.model_path), cfg.model.name, self.store, self.registry,
+                                            host=cfg.serve.host, port=cfg.serve.port, **policy_options(cfg))
         console.print(f"policy served at {self.server_url}/v1 as {cfg.model.name!r}")
         if cfg.store.http:
             store_url = deploy_store_api(self.store, cfg.serve.host, cfg.serve.port, cfg.serve.api_key)
@@ -96,3 +89,14 @@ def _link_ray_logs(session_dir: str, log_dir: Path) -> None:
     link = log_dir / "ray"
     if not link.exists():
         link.symlink_to(Path(session_dir) / "logs", target_is_directory=True)
+
+
+def policy_options(cfg: TrainConfig) -> dict:
+    """The policy app's options (serving/app.py: policy_app) from a run's config."""
+    return dict(num_replicas=cfg.serve.num_replicas, autoscaling=cfg.serve.autoscaling, engine=cfg.engine.kind,
+                engine_options={"dtype": cfg.engine.dtype, **cfg.engine.options},
+                max_model_len=cfg.engine.max_model_len, api_key=cfg.serve.api_key, seed=cfg.seed, env=cfg.engine.env,
+                resources=cfg.serve.resources, chat_template=resolve_chat_template(cfg.serve.chat_template),
+                drain_timeout_s=cfg.serve.drain_timeout_s,
+                defaults={"max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature,
+                          "top_p": cfg.rollout.top_p})

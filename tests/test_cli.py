@@ -25,7 +25,7 @@ CLI = [sys.executable, "-m", "lightning_ray.cli"]
 # a run small enough for a test: the tiny model on the HF engine, one iteration of 8 GRPO groups, 4 held-out problems,
 # on the sums and differences it was warmed up on (a group with rewards that differ: an update, a checkpoint)
 TINY = [*(f"++task.generator.{key}={json.dumps(value)}" for key, value in EASY.items()),
-        "model.path=null", "engine.kind=hf", "~engine.options", "~engine.env", "engine.max_model_len=512",
+        "model=tiny", "engine=hf", "engine.max_model_len=512",
         "ray.num_cpus=4", "rollout.num_workers=1", "rollout.agents_per_worker=8", "rollout.tasks_per_iteration=8",
         "rollout.group_size=4", "rollout.temperature=1.0", "task.eval_size=4",
         "trainer.iterations=1", "trainer.eval_every=1", "trainer.threads_per_worker=1"]
@@ -185,3 +185,36 @@ def test_serve_answers_an_openai_client_until_ctrl_c(run_dir, tmp_path):
     assert "stopped" in rest and "Traceback" not in rest
     served = json.loads(cli("store", "inspect", str(tmp_path), "--json").stdout)  # the call, recorded in its store
     assert served["rollouts"] == 0 and served["spans_by_name"][semconv.LLM_CALL] == 1
+
+
+def test_the_rayservice_application_serves_the_checkpoint(run_dir, ray_cluster, serve_port, tmp_path):
+    """k8s/rayservice.yaml's Serve application, `jobs.serve:app` built from its overrides (the checkpoint, results
+    and replica resources swapped for this machine's), answers a real openai client and records the call."""
+    import importlib.util
+
+    import yaml
+    from ray import serve
+
+    spec = importlib.util.spec_from_file_location("jobs_serve", ROOT / "jobs" / "serve.py")
+    jobs_serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(jobs_serve)
+    manifest = yaml.safe_load((ROOT / "k8s" / "rayservice.yaml").read_text())
+    [application] = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
+    assert application["import_path"] == "jobs.serve:app"
+    here = {"model.path": str(run_dir / "checkpoint"), "run_root": str(tmp_path), "serve.host": "127.0.0.1",
+            "+serve.resources.GPU": None}
+    overrides = [o for o in application["args"]["overrides"] if o.split("=")[0] not in here]
+    overrides += [f"{k}={v}" for k, v in here.items() if v] + ["engine=hf", "engine.max_model_len=512"]
+    serve.start(http_options={"host": "127.0.0.1", "port": serve_port})
+    serve.run(jobs_serve.app({"overrides": overrides}), name="rayservice", route_prefix="/rayservice")
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{serve_port}/rayservice/v1", api_key="EMPTY")
+        reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "What is 3 + 4?"}],
+                                               max_tokens=8)
+        assert reply.choices[0].message.content is not None
+    finally:
+        serve.delete("rayservice")
+    [run] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    calls = sqlite3.connect(run / "traces-spans.sqlite").execute(
+        "SELECT COUNT(*) FROM spans WHERE name = 'llm.call'").fetchone()[0]
+    assert calls == 1

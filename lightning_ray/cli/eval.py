@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import json
 
-import hydra
-from omegaconf import DictConfig
-
-from lightning_ray.cli.common import CONFIGS, quiet_http
-from lightning_ray.config import from_hydra
+from lightning_ray.config import TrainConfig, job
 
 
-@hydra.main(version_base=None, config_path=CONFIGS, config_name="train")
-def main(raw: DictConfig) -> None:
+@job("train")
+def main(cfg: TrainConfig) -> None:
     """Held-out accuracy (and pass@k) of model.path through the same server and agent as training."""
-    cfg = from_hydra(raw)
     from lightning_ray.evaluation import evaluate  # imported late: `--help` and config errors stay instant
     from lightning_ray.services import Services
     from lightning_ray.tasks import load_splits
+    from lightning_ray.terminal import route_logs
 
-    quiet_http()
+    route_logs(cfg.run_path / "logs", cfg.verbose)
     with Services(cfg) as services:
         _, held_out = load_splits(cfg.task)
         result = {"model": str(services.model_path), "dataset": cfg.task.dataset, "protocol": cfg.task.protocol,

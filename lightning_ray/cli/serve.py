@@ -5,21 +5,17 @@ from __future__ import annotations
 import signal
 import threading
 
-import hydra
-from omegaconf import DictConfig
-
-from lightning_ray.cli.common import CONFIGS, quiet_http
-from lightning_ray.config import TrainConfig, from_hydra
+from lightning_ray.config import TrainConfig, compose, job
 
 
-@hydra.main(version_base=None, config_path=CONFIGS, config_name="train")
-def main(raw: DictConfig) -> None:
+@job("train")
+def main(cfg: TrainConfig) -> None:
     """Serve model.path (the policy endpoint and the store API, every call recorded in the run directory) until
     Ctrl-C or SIGTERM."""
-    cfg = from_hydra(raw)
     from lightning_ray.services import Services
+    from lightning_ray.terminal import route_logs
 
-    quiet_http()
+    route_logs(cfg.run_path / "logs", cfg.verbose)
     with Services(cfg, rollout_workers=False) as services:
         print(serving_help(services.server_url, cfg), flush=True)
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`, a pod's stop: as Ctrl-C, cleanly
@@ -42,3 +38,23 @@ def serving_help(url: str, cfg: TrainConfig) -> str:
   from openai import OpenAI
   client = OpenAI(base_url="{url}/v1", api_key="{key}")
   print(client.chat.completions.create(model="{cfg.model.name}", messages={messages}).choices[0].message.content)"""
+
+
+def app(args: dict):
+    """The policy app for a Serve config (KubeRay's RayService: `import_path: jobs.serve:app`, `args: {overrides:
+    [model.path=..., ...]}`): Serve runs it, so the cluster's Serve controller keeps it up. Its store shards and
+    weight registry are detached actors (the builder's process ends once the app is built); calls are recorded in
+    the run directory as with `serve`."""
+    from lightning_ray.models import resolve_model_path
+    from lightning_ray.placement import ON_HEAD
+    from lightning_ray.services import policy_options
+    from lightning_ray.serving.app import policy_app
+    from lightning_ray.store.client import StoreClient
+    from lightning_ray.training.weights import WeightRegistry
+
+    cfg = compose(args.get("overrides", []))
+    cfg.run_path.mkdir(parents=True, exist_ok=True)
+    cfg.save(cfg.run_path / "config.yaml")
+    store = StoreClient.start(cfg.run_path, cfg.store.num_shards, actor_options={**ON_HEAD, "lifetime": "detached"})
+    registry = WeightRegistry.options(lifetime="detached").remote()
+    return policy_app(str(resolve_model_path(cfg.model)), cfg.model.name, store, registry, **policy_options(cfg))

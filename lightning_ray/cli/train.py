@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import hydra
-from omegaconf import DictConfig
-
-from lightning_ray.cli.common import CONFIGS, quiet_http
-from lightning_ray.config import from_hydra
+from lightning_ray.config import TrainConfig, job
 
 
-@hydra.main(version_base=None, config_path=CONFIGS, config_name="train")
-def main(raw: DictConfig) -> None:
+@job("train")
+def main(cfg: TrainConfig) -> None:
     """Train the policy: evaluate, then iterations of rollouts → transitions → update → weight sync."""
-    cfg = from_hydra(raw)
-    from lightning_ray.trainer import train  # imported late: `--help` and config errors stay instant
+    from lightning_ray.terminal import route_logs  # imported late: `--help` and config errors stay instant
+    from lightning_ray.trainer import train
 
-    quiet_http()
+    route_logs(cfg.run_path / "logs", cfg.verbose)
     history = train(cfg)
     print(f"done: {len(history)} iterations, metrics in {cfg.run_path / 'metrics.jsonl'}")

@@ -258,23 +258,27 @@ class PolicyServer:
         metrics().policy_version.set(version, tags={"role": "served"})
 
 
-def deploy_policy(model_path: str, model_name: str, store, registry, host: str = "127.0.0.1", port: int = 8000,
-                  num_replicas: int = 1, autoscaling: dict | None = None, engine: str = "hf",
-                  engine_options: dict | None = None, max_model_len: int = 512, defaults: dict | None = None,
-                  api_key: str | None = None, seed: int = 0, env: dict[str, str] | None = None,
-                  chat_template: str | None = None, drain_timeout_s: float = 60.0,
-                  resources: dict[str, float] | None = None) -> str:
-    """Start the policy app on Ray Serve and return its base URL (without /v1). `autoscaling` is Serve's
-    autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...) and replaces num_replicas;
-    `resources` are each replica's ({"CPU": 1, "policy_gpu": 1}: placement.actor_options)."""
-    serve.start(http_options={"host": host, "port": port})
+def policy_app(model_path: str, model_name: str, store, registry, num_replicas: int = 1,
+               autoscaling: dict | None = None, engine: str = "hf", engine_options: dict | None = None,
+               max_model_len: int = 512, defaults: dict | None = None, api_key: str | None = None, seed: int = 0,
+               env: dict[str, str] | None = None, chat_template: str | None = None, drain_timeout_s: float = 60.0,
+               resources: dict[str, float] | None = None):
+    """The policy app, bound (Serve's Application). `autoscaling` is Serve's autoscaling_config (min_replicas,
+    max_replicas, target_ongoing_requests, ...) and replaces num_replicas; `resources` are each replica's
+    ({"CPU": 1, "policy_gpu": 1}: placement.actor_options)."""
     options = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}
     options["ray_actor_options"] = actor_options(resources or {})
     if env:  # the replicas' environment: engines read settings from it when they start (vLLM-CPU's binding)
         options["ray_actor_options"]["runtime_env"] = {"env_vars": env}
-    app = PolicyServer.options(**options).bind(
+    return PolicyServer.options(**options).bind(
         model_path, model_name, store, registry, engine=engine, engine_options=engine_options,
         max_model_len=max_model_len, defaults=defaults, api_key=api_key, seed=seed, chat_template=chat_template,
         drain_timeout_s=drain_timeout_s)
-    serve.run(app, name=APP_NAME, route_prefix="/")
+
+
+def deploy_policy(model_path: str, model_name: str, store, registry, host: str = "127.0.0.1", port: int = 8000,
+                  **app_options) -> str:
+    """Start the policy app (policy_app's options) on Ray Serve and return its base URL (without /v1)."""
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(policy_app(model_path, model_name, store, registry, **app_options), name=APP_NAME, route_prefix="/")
     return f"http://{host}:{port}"
