@@ -6,15 +6,17 @@ trace-to-triplet adapter, on the same synthetic multi-agent traces (adapter_work
 Ours: the spans as our stack stores them (the policy server's LLM-call spans with origin "server" and the attributes
 serving/app.py records; agent, tool and reward spans from the client) in a SQLite trace store in a temporary run
 directory (the store actor's backend, called in this process: no Ray hop), the rollouts finished there with their
-rewards. Timed as the trainer's adapt phase does it: "read+adapt" = `query_spans(rollout ids)` + LightningRL's
-`adapt` (transition level); "adapt" = `adapt` alone on the spans already read; "adapt[trajectory]" = adapt with
-each agent's calls merged where the tokens allow (ours only). Theirs (agl_adapter.py in .venvs/agentlightning, built
-by envs/agentlightning/build.sh, kept running beside this process): per rollout, their store's `query_spans` +
-`TracerTraceToTriplet().adapt`, as their verl daemon does, and the adapter alone. Each measurement: one warm-up pass
-per side, then `repeats` passes per side taken in turns (the machine's load drifts: both sides see the same drift);
-rates of the median pass in wall-clock and in CPU time (adapter_workload.rates, shared by both sides). Prints one
-JSON line per measurement, then one with both rates and the ratios ours / theirs, and the load average before and
-after; `--out` also writes them all to a JSON file.
+rewards. Timed as the trainer's adapt phase does it: "read+adapt" = `query_spans(rollout ids)` of the spans the default
+configuration adapts (lightningrl.spans_read: the calls and rewards) + LightningRL's `adapt` (transition level);
+"read+adapt[agents]" = the same with the calls selected by agent (algorithm.select.agents naming all three), which reads
+every span (theirs: their read+adapt again, beside it); "adapt" = `adapt` alone on the spans already read;
+"adapt[trajectory]" = adapt with each agent's calls merged where the tokens allow (ours only). Theirs (agl_adapter.py in
+.venvs/agentlightning, built by envs/agentlightning/build.sh, kept running beside this process): per rollout, their
+store's `query_spans` + `TracerTraceToTriplet().adapt`, as their verl daemon does, and the adapter alone. Each
+measurement: one warm-up pass per side, then `repeats` passes per side taken in turns (the machine's load drifts: both
+sides see the same drift); rates of the median pass in wall-clock and in CPU time (adapter_workload.rates, shared by
+both sides). Prints one JSON line per measurement, then one with both rates and the ratios ours / theirs, and the load
+average before and after; `--out` also writes them all to a JSON file.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from adapter_workload import MODEL, llm_calls, make_rollouts, one_pass, rates, timed  # noqa: E402
 
-from lightning_ray.algorithm.lightningrl import adapt  # noqa: E402
+from lightning_ray.algorithm.lightningrl import adapt, spans_read  # noqa: E402
+from lightning_ray.algorithm.select import Selection  # noqa: E402
 from lightning_ray.store.sqlite import SQLiteBackend, span_row  # noqa: E402
 from lightning_ray.tracing import semconv  # noqa: E402
 from lightning_ray.types import Rollout, Span, Task  # noqa: E402
@@ -90,8 +93,12 @@ def ours(backend: SQLiteBackend, rollouts: list[dict], repeats: int) -> tuple[di
     """The store filled (untimed); our timed runs by measure, and the trajectory-level line (ours only)."""
     finished = stored(backend, rollouts)
     ids = [r.rollout_id for r in finished]
-    spans = backend.query_spans(ids)
-    runs = {"read+adapt": lambda: len(adapt(finished, backend.query_spans(ids), MODEL)[0]),
+    names = spans_read(Selection.of(MODEL), air=False)  # the default configuration's read: calls and rewards
+    agents = Selection.of(MODEL, agents=sorted({s["agent"] for r in rollouts for s in r["spans"] if "agent" in s}))
+    spans = backend.query_spans(ids, name=names)
+    runs = {"read+adapt": lambda: len(adapt(finished, backend.query_spans(ids, name=names), MODEL)[0]),
+            "read+adapt[agents]": lambda: len(adapt(finished, backend.query_spans(ids, name=spans_read(agents, False)),
+                                                    MODEL, select=agents)[0]),
             "adapt": lambda: len(adapt(finished, spans, MODEL)[0])}
     # trajectory level: counted in calls taken in; the calls of one agent extend each other's tokens, and every
     # agent starts a new conversation, so each agent's calls become one sequence
@@ -138,7 +145,8 @@ def interleaved(runs: dict, peer: Peer, expected: int, repeats: int) -> list[dic
     ...): a change in the machine's load lands on both sides alike."""
     lines = []
     for measure, run in runs.items():
-        sides = {SIDE: lambda: one_pass(run), PEER: lambda: peer.one_pass(measure)}
+        theirs = measure.split("[")[0]  # they read every span whatever they train on
+        sides = {SIDE: lambda: one_pass(run), PEER: lambda: peer.one_pass(theirs)}
         passes = {side: [] for side in sides}
         for side in sides:
             sides[side]()
@@ -185,7 +193,8 @@ def main() -> None:
                 "cpu_ratio": round(mine["cpu_per_s"] / theirs["cpu_per_s"], 2)}
 
     summary = {"benchmark": "adapter_throughput", "rollouts": args.rollouts, "transitions": expected,
-               "repeats": args.repeats, **versus("read+adapt"), "adapt_only": versus("adapt"),
+               "repeats": args.repeats, **versus("read+adapt"), "agent_selection": versus("read+adapt[agents]"),
+               "adapt_only": versus("adapt"),
                "load_avg": [round(load, 2), round(os.getloadavg()[0], 2)]}
     print(json.dumps(summary), flush=True)
     if args.out:

@@ -15,7 +15,7 @@ from openai import OpenAI
 from lightning_ray.algorithm.advantages import best_rollouts, compute_advantages
 from lightning_ray.algorithm.air import air_spans
 from lightning_ray.algorithm.dynamic_sampling import sample_groups
-from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, scored_faithfully
+from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, scored_faithfully, spans_read
 from lightning_ray.algorithm.select import Selection
 from lightning_ray.config import TrainConfig
 from lightning_ray.evaluation import evaluate
@@ -55,7 +55,8 @@ def train(cfg: TrainConfig) -> list[dict]:
                                   for task in tasks for _ in range(cfg.rollout.group_size)]
                         done = services.run_rollouts(groups, f"iter {iteration} rollouts")
                     with phase("adapt"):
-                        found = services.store.query_spans([r.rollout_id for r in done])
+                        found = services.store.query_spans([r.rollout_id for r in done],
+                                                           name=spans_read(select, cfg.task.air.enabled))
                         if cfg.task.air.enabled:  # stored with the trace, where each sits beside the call it judges
                             air = air_spans(found, cfg.task.air, lambda sp: select.calls(recorded_calls(sp), sp))
                             services.store.add_spans(air, origin="server")

@@ -11,7 +11,8 @@ import torch
 
 from lightning_ray.algorithm.advantages import compute_advantages, step_returns
 from lightning_ray.algorithm.grpo import kl_to_reference, policy_loss, token_weights
-from lightning_ray.algorithm.lightningrl import adapt, merge_calls, scored_faithfully, transitions_from_spans
+from lightning_ray.algorithm.lightningrl import (adapt, merge_calls, scored_faithfully, spans_read,
+                                                transitions_from_spans)
 from lightning_ray.algorithm.select import Selection
 from lightning_ray.config import SelectConfig
 from lightning_ray.store.sqlite import SQLiteBackend, span_row
@@ -112,6 +113,34 @@ def test_calls_are_selected_by_the_agent_they_were_made_under():
     both = selected(Selection.of("policy", models=["policy.*"], agents=["plan.*", "reviewer"]))
     assert both == [(10, 0, 0.5), (40, 1, 0.0)]  # the reviewer named by OpenLLMetry's agent span
     assert selected(Selection.of("policy", agents=["wf|workflow"])) == []  # a span that names no agent
+
+
+def test_the_trainers_lean_read_adapts_exactly_as_reading_every_span(tmp_path):
+    """Without agent selection or AIR the trainer reads only the calls and rewards from the store: the transitions are
+    the ones every span gives, for any model selection, reward source and level. Selecting by agent reads them all:
+    a call's agent is among its ancestors, which the lean read would miss."""
+    store = SQLiteBackend(tmp_path / "t.sqlite")
+    store.enqueue([Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}))])
+    leased, attempt = store.dequeue("w0", time.time())
+    rollout = leased.model_copy(update={"reward": 0.0})
+    for origin in ("server", "client"):
+        store.add_span_rows([span_row(s.model_copy(update={"attempt_id": attempt.attempt_id}))
+                             for s in two_agent_episode() if (s.name == semconv.LLM_CALL) == (origin == "server")],
+                            origin=origin)
+    for models in (None, ["policy(-v.*)?"]):
+        select = Selection.of("policy", models=models)
+        lean = store.query_spans(["ro-1"], name=spans_read(select, air=False))
+        assert {s.name for s in lean} == {semconv.LLM_CALL, semconv.REWARD} and len(lean) == 9
+        for level in ("transition", "trajectory"):
+            for agent_rewards in (False, True):
+                full = adapt([rollout], store.query_spans(["ro-1"]), "policy", level, agent_rewards, select)
+                assert adapt([rollout], lean, "policy", level, agent_rewards, select) == full and full[0]
+        assert spans_read(select, air=True) is None  # AIR judges tool spans
+    coder = Selection.of("policy", agents=["coder"])
+    assert spans_read(coder, air=False) is None
+    assert len(adapt([rollout], store.query_spans(["ro-1"]), "policy", select=coder)[0]) == 2
+    assert adapt([rollout], store.query_spans(["ro-1"], name=[semconv.LLM_CALL, semconv.REWARD]), "policy",
+                 select=coder)[0] == []
 
 
 def test_an_agent_lookup_ends_on_a_cycle_of_parents():

@@ -155,6 +155,7 @@ def test_spans_are_idempotent_validated_and_survive_reopening(tmp_path):
     assert [s.span_id for s in reopened.query_spans(["r0"], name="llm.call")] == [s.span_id for s in spans]
     assert reopened.query_spans(["r0"])[3] == spans[3]
     assert [s.start_time for s in reopened.query_spans(since=1, until=3)] == [1, 2]
+    assert [s.name for s in reopened.query_spans(["r0"], name=["ok", "llm.call"])] == ["llm.call"] * 5 + ["ok"]
     assert len(reopened.query_spans(attempt_id="a", limit=2)) == 2
 
 
@@ -302,6 +303,7 @@ def test_shards_split_rollouts_by_id_and_queries_merge(ray_cluster):
     for r in leased[:5]:  # a rollout's spans live on the rollout's shard
         assert len(ray.get(client.shard(r.rollout_id).query_spans.remote([r.rollout_id]))) == 1
     assert len(client.query_spans()) == 30 and len(client.query_spans(name="llm.call", limit=7)) == 7
+    assert len(client.query_spans(name=["reward", "llm.call"])) == 30 and client.query_spans(name=["reward"]) == []
     assert len(client.query_rollouts(status=["running"])) == 30
     ids = [leased[0].rollout_id, "ro-ghost", leased[1].rollout_id]  # on different shards or not: one answer
     assert list(client.cancel(ids).items()) == [(ids[0], "cancelled"), ("ro-ghost", "unknown"), (ids[2], "cancelled")]

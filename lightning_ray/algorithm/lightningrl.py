@@ -57,6 +57,14 @@ def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: st
     ]
 
 
+def spans_read(select: Selection, air: bool) -> list[str] | None:
+    """The names of the spans the trainer reads from the store to adapt (and, with `air`, to judge) a batch: the calls
+    and the rewards, not the agents', tools' and rollouts' spans (over half of a multi-agent trace's spans, a third of
+    the read's time); None (all) when calls are selected by agent (a call's agent is found among its ancestors, which
+    may be any span) or AIR judges the trace (tool spans, which are named by their framework)."""
+    return None if select.agents is not None or air else [semconv.LLM_CALL, semconv.REWARD]
+
+
 def recorded_calls(spans: list[Span]) -> list[Span]:
     """The LLM calls the policy server recorded itself: the only spans training data is made of."""
     return [s for s in spans if s.name == semconv.LLM_CALL and s.origin == "server"]

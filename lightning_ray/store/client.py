@@ -139,7 +139,7 @@ class StoreClient:
                 for s, idx in groups.items()]
 
     def query_spans(self, rollout_ids: list[str] | None = None, attempt_id: str | None = None,
-                    name: str | None = None, since: float | None = None, until: float | None = None,
+                    name: str | list[str] | None = None, since: float | None = None, until: float | None = None,
                     limit: int | None = None) -> list[Span]:
         if rollout_ids is None:
             targets = {i: None for i in range(len(self.shards))}

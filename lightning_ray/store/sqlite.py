@@ -373,15 +373,16 @@ class SQLiteBackend:
                 "errors": [f"span #{i}: {p}" for i, p in sorted(errors)[:10]]}
 
     def query_spans(self, rollout_ids: list[str] | None = None, attempt_id: str | None = None,
-                    name: str | None = None, since: float | None = None, until: float | None = None,
+                    name: str | list[str] | None = None, since: float | None = None, until: float | None = None,
                     limit: int | None = None) -> list[Span]:
         return [span_from_row(r) for r in self.query_span_rows(rollout_ids, attempt_id, name, since, until, limit)]
 
     def query_span_rows(self, rollout_ids: list[str] | None = None, attempt_id: str | None = None,
-                        name: str | None = None, since: float | None = None, until: float | None = None,
+                        name: str | list[str] | None = None, since: float | None = None, until: float | None = None,
                         limit: int | None = None) -> list[tuple]:
         """query_spans' rows in time order, not yet decoded (span_from_row): what the store actor sends, so that the
-        reader decodes them, not the store, and Ray pickles a few bytes objects per span, not its lists."""
+        reader decodes them, not the store, and Ray pickles a few bytes objects per span, not its lists. `name`: one
+        span name or a list of them (the trainer reads only the kinds it adapts: lightningrl.spans_read)."""
         where, args = _where(("rollout_id", rollout_ids), ("attempt_id = ?", attempt_id), ("name = ?", name),
                              ("start_time >= ?", since), ("start_time < ?", until))
         if limit is not None:
@@ -402,13 +403,14 @@ class SQLiteBackend:
 
 
 def _where(*conditions) -> tuple[str, list]:
-    """AND together the conditions whose value is given; a list value means `column IN (...)`."""
+    """AND together the conditions whose value is given; a list value means `column IN (...)` (of "column" or
+    "column = ?")."""
     clauses, args = [], []
     for clause, value in conditions:
         if value is None:
             continue
         if isinstance(value, list):
-            clauses.append(f"{clause} IN ({','.join('?' * len(value))})")
+            clauses.append(f"{clause.removesuffix(' = ?')} IN ({','.join('?' * len(value))})")
             args += value
         else:
             clauses.append(clause)

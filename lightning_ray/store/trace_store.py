@@ -144,13 +144,13 @@ class TraceStore:
         return await self._call(self.backend.get_attempts, rollout_id)
 
     async def query_spans(self, rollout_ids: list[str] | None = None, attempt_id: str | None = None,
-                          name: str | None = None, since: float | None = None, until: float | None = None,
+                          name: str | list[str] | None = None, since: float | None = None, until: float | None = None,
                           limit: int | None = None) -> list[Span]:
         return await self._call(self.backend.query_spans, rollout_ids, attempt_id, name, since, until, limit)
 
     async def query_span_rows(self, rollout_ids: list[str] | None = None, attempt_id: str | None = None,
-                              name: str | None = None, since: float | None = None, until: float | None = None,
-                              limit: int | None = None) -> list[tuple]:
+                              name: str | list[str] | None = None, since: float | None = None,
+                              until: float | None = None, limit: int | None = None) -> list[tuple]:
         """query_spans, left to the caller to decode (sqlite.span_from_row): StoreClient reads spans this way."""
         return await self._call(self.backend.query_span_rows, rollout_ids, attempt_id, name, since, until, limit)
 
