@@ -18,7 +18,10 @@ def main(cfg: TrainConfig) -> None:
     route_logs(cfg.run_path / "logs", cfg.verbose)
     with Services(cfg, rollout_workers=False) as services:
         print(serving_help(services.server_url, cfg), flush=True)
-        signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`, a pod's stop: as Ctrl-C, cleanly
+        # `kill`, a pod's stop: as Ctrl-C, cleanly; and Ctrl-C itself even where a shell started us with SIGINT
+        # ignored (a non-interactive shell's background job, whose children inherit that)
+        for stop in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(stop, signal.default_int_handler)
         try:
             threading.Event().wait()
         except KeyboardInterrupt:
