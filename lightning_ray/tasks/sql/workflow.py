@@ -31,8 +31,21 @@ from opentelemetry import trace
 from lightning_ray.tasks.sql.execution import QueryError, Result, execute
 from lightning_ray.tracing import emit_tool
 
-WRITER_PROMPT = ("You write SQLite queries. Given a database schema and a question, reply with one SQL query that "
-                 "answers it, in a ```sql block, and nothing else.")
+# One worked example on a schema of its own (not the task's): it shows a small model the form of the answer; without
+# it SmolLM2-135M answered 0 of 16 held-out Chinook questions with a query that ran, with it 4 of 16.
+WRITER_PROMPT = """You write SQLite queries. Given a database schema and a question, reply with one SQL query that \
+answers it, in a ```sql block, and nothing else. Use only the tables and columns of the schema.
+
+Example.
+Schema:
+Author(AuthorId, Name)
+Book(BookId, Title, Year, AuthorId -> Author.AuthorId)
+
+Question: How many books did Jane Austen write?
+
+```sql
+SELECT COUNT(*) FROM Book JOIN Author ON Book.AuthorId = Author.AuthorId WHERE Author.Name = 'Jane Austen'
+```"""
 CHECKER_PROMPT = ("You check SQLite queries. Given a question, a query and what the query returned, reply CORRECT if "
                   "the query answers the question. Otherwise reply WRONG and say in one sentence what to change.")
 REWRITER_PROMPT = ("You fix SQLite queries. Given a database schema, a question, a query, what it returned and a "
