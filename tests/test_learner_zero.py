@@ -5,7 +5,9 @@ neither the head nor its optimizer state may leak into what a server loads."""
 
 from __future__ import annotations
 
+import os
 import random
+import time
 
 import pytest
 import ray
@@ -13,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_ray.config import validate
 from lightning_ray.training.learner import Learner
-from lightning_ray.training.loop import parameter_digest
+from lightning_ray.training.loop import clear_stale_build_locks, parameter_digest
 from lightning_ray.training.weights import WeightRegistry
 from lightning_ray.types import Transition
 
@@ -52,3 +54,15 @@ def test_each_zero_stage_publishes_and_saves_whole_weights(ray_cluster, tiny_mod
     served.load_state_dict(published)  # strict: every tensor whole, in the model's own shapes
     assert version == 1 and parameter_digest(served) == digest
     assert parameter_digest(AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")) == digest
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path):
+    # torch waits on an op-build lock for as long as it exists: one left by a killed build hung every later learner
+    stale, live = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
+    for lock in (stale, live):
+        lock.parent.mkdir()
+        lock.touch()
+    an_hour_ago = time.time() - 3600
+    os.utime(stale, (an_hour_ago, an_hour_ago))
+    assert clear_stale_build_locks(str(tmp_path)) == [stale]
+    assert not stale.exists() and live.exists()

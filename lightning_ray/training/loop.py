@@ -6,7 +6,8 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -35,8 +36,22 @@ def deepspeed_config(cfg: dict) -> dict:
     }
 
 
+def clear_stale_build_locks(extensions_dir: str, max_age_s: float = 900) -> list[Path]:
+    """Delete op-build locks older than any build takes (~1 min here). torch waits on a lock as long as it exists, so
+    a build killed half-way would leave every later learner waiting forever, silently."""
+    now, stale = time.time(), []
+    for lock in Path(extensions_dir).glob("*/lock"):
+        with suppress(FileNotFoundError):
+            if now - lock.stat().st_mtime > max_age_s:
+                lock.unlink()
+                stale.append(lock)
+                print(f"deleted a stale DeepSpeed build lock (a build killed half-way): {lock}", flush=True)
+    return stale
+
+
 def train_loop_per_worker(cfg: dict) -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", cfg["extensions_dir"])  # DeepSpeed's CPU comm op builds once
+    clear_stale_build_locks(os.environ["TORCH_EXTENSIONS_DIR"])
     import deepspeed
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
