@@ -130,6 +130,8 @@ def test_store_export_writes_jsonl(run_dir, tmp_path):
     calls = {s["span_id"]: s for s in exported["spans"] if s["name"] == semconv.LLM_CALL and s["origin"] == "server"}
     transitions = exported["transitions"]
     assert transitions and {t["span_id"] for t in transitions} <= set(calls)
+    held_out = {r["rollout_id"] for r in exported["rollouts"] if not r["task"]["group_id"]}
+    assert held_out and not held_out & {t["rollout_id"] for t in transitions}  # no held-out problem in SFT data
     for t in transitions:  # the engine's token ids, unpacked from the store's arrays as the trainer reads them
         call = calls[t["span_id"]]["attributes"]
         assert t["prompt_ids"] == call[semconv.PROMPT_TOKEN_IDS]

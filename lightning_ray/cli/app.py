@@ -87,7 +87,8 @@ def export(run_dir: RunDir,
            what: Annotated[What, typer.Option(help="which records, one JSON object a line")] = What.rollouts,
            out: Annotated[Path | None, typer.Option("--out", "-o", help="the JSONL file; default: stdout",
                                                     show_default=False)] = None):
-    """A run's rollouts, spans or transitions (as LightningRL makes them, before credit assignment) as JSONL."""
+    """A run's rollouts, spans or transitions (as LightningRL makes them, before credit assignment; of training
+    rollouts only, never held-out evaluation's) as JSONL."""
     from lightning_ray.store.files import records, shard_files
 
     shard_files(run_dir)  # not a run directory: fail before -o makes an empty file

@@ -86,7 +86,8 @@ def _batches(run_dir: Path, with_spans: bool = True) -> Iterator[tuple[list[Roll
 
 
 def _adapter(cfg: TrainConfig):
-    """(rollouts, spans) -> (transitions, counts), as the run's training made them from its ended rollouts."""
+    """(rollouts, spans) -> (transitions, counts), as the run's training made them from its ended training rollouts:
+    held-out evaluation's (no group) are left out, or SFT on an export would learn the held-out problems."""
     select = Selection.of(cfg.model.name, cfg.algorithm.select.models, cfg.algorithm.select.agents)
-    return lambda rollouts, spans: adapt([r for r in rollouts if r.status in FINISHED], spans, cfg.model.name,
-                                         cfg.algorithm.level, cfg.task.agent_rewards, select)
+    return lambda rollouts, spans: adapt([r for r in rollouts if r.status in FINISHED and r.task.group_id], spans,
+                                         cfg.model.name, cfg.algorithm.level, cfg.task.agent_rewards, select)
