@@ -322,10 +322,17 @@ def validate(raw: dict, schema: type[TrainConfig] = TrainConfig) -> TrainConfig:
 
 def from_hydra(raw, schema: type[TrainConfig] = TrainConfig) -> TrainConfig:
     """A job's entry point: the Hydra-composed config validated, or the process exits naming the bad keys."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
     from omegaconf import OmegaConf
 
+    data = OmegaConf.to_container(raw, resolve=True)
+    hydra = HydraConfig.get()
+    if hydra.mode == RunMode.MULTIRUN and OmegaConf.to_container(raw)["run_dir"] == "${hydra:run.dir}":
+        # a sweep's jobs would all resolve ${now:...} alike (OmegaConf caches it): each its own folder of the sweep's
+        data["run_dir"] = str(Path(hydra.sweep.dir) / hydra.sweep.subdir)
     try:
-        return validate(OmegaConf.to_container(raw, resolve=True), schema)
+        return validate(data, schema)
     except ConfigError as e:
         raise SystemExit(str(e)) from None
 

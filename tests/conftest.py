@@ -25,12 +25,17 @@ def tiny_model_path():
     return resolve_model_path(ModelConfig())
 
 
-@pytest.fixture(scope="session")
-def serve_port() -> int:
-    """One free port for Serve's HTTP proxy, reused by every test that deploys (the proxy starts once)."""
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (tests that start a job in a subprocess give it one: `from conftest import`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_port() -> int:
+    """One free port for Serve's HTTP proxy, reused by every test that deploys (the proxy starts once)."""
+    return free_port()
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 from openai import OpenAI
 
 from lightning_ray.models.tiny import EASY
@@ -33,12 +33,6 @@ TINY = [*(f"++task.generator.{key}={json.dumps(value)}" for key, value in EASY.i
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("command", [[], ["train"], ["eval"], ["serve"], ["store"], ["store", "inspect"],

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 import yaml
 
 from lightning_ray.config import APOJobConfig, ConfigError, TrainConfig, compose, masked, validate
@@ -162,6 +163,26 @@ def test_no_secret_reaches_the_run_directory(tmp_path):
     assert data["task"]["runtime_env"]["env_vars"] == {"OPENAI_API_KEY": "***", "WANDB_MODE": "offline"}
     assert validate(data).trainer == cfg.trainer  # everything else as the run resolved it
     assert data["run_dir"] == str(tmp_path)
+
+
+def test_a_sweep_gives_each_job_its_own_run_directory_and_keeps_a_key_from_the_environment_out(tmp_path, monkeypatch):
+    """-m: every job of a sweep resolves ${now:...} alike (OmegaConf caches it), so each gets run_root/multirun/<time>/i
+    instead; Hydra's multirun.yaml (command-line overrides in clear) lies there too, not in the current directory,
+    and a key given as ${oc.env:...} stays an interpolation in it."""
+    monkeypatch.setenv("SWEEP_TEST_KEY", "sk-secret-2")
+    stray = (ROOT / "multirun").exists()
+    r = subprocess.run([sys.executable, "jobs/train.py", "-m", "seed=0,1", "experiment=calc_tiny", "trainer.iterations=1",
+                        "task.eval_size=4", "serve.api_key=${oc.env:SWEEP_TEST_KEY}", f"serve.port={free_port()}",
+                        f"run_root={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    [sweep] = tmp_path.glob("multirun/*")
+    for job in ("0", "1"):
+        assert len((sweep / job / "metrics.jsonl").read_text().splitlines()) == 1
+        saved = yaml.safe_load((sweep / job / "config.yaml").read_text())
+        assert (saved["seed"], saved["serve"]["api_key"], saved["run_dir"]) == (int(job), "***", str(sweep / job))
+    assert yaml.safe_load((sweep / "multirun.yaml").read_text())["serve"]["api_key"] == "${oc.env:SWEEP_TEST_KEY}"
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and b"sk-secret-2" in p.read_bytes()]
+    assert (ROOT / "multirun").exists() == stray
 
 
 def test_the_default_config_has_nothing_that_looks_secret(tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from lightning_ray.metrics import metrics
@@ -24,12 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL_RUN = ["experiment=calc_tiny", "ray.num_cpus=2", "rollout.tasks_per_iteration=8", "rollout.agents_per_worker=4"]
 RAY_LOG_LINE = re.compile(r"\bINFO\b|\((ServeController|ProxyActor|ServeReplica|TrainController|RayTrainWorker|"
                           r"raylet)\b")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_job(run_dir: Path, *overrides: str, while_running=lambda: None) -> str:
