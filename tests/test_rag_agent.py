@@ -93,7 +93,8 @@ def run(ray_cluster, rag_model_path, serve_port, tmp_path_factory):
         # Final rewards are nearly all 0 from this model, so AIR gives the signal: +0.1 for each search the SDK
         # ran (the agent's tool span), -0.1 for a <tool_call> block nobody could parse, each credited to its call
         "task": {**task, "air": {"tool_ok": 0.1, "malformed_tool_call": -0.1}},
-        "algorithm": {"credit": "per_step"},
+        # a tiny model at lr 1e-3 may come out of an update with every group scoring alike: sample again (DAPO)
+        "algorithm": {"credit": "per_step", "dynamic_sampling": True, "max_sampling_rounds": 3},
     })
     history = train(cfg)
     db = sqlite3.connect(run_dir / "traces-spans.sqlite")
@@ -106,7 +107,9 @@ def run(ray_cluster, rag_model_path, serve_port, tmp_path_factory):
 
 def test_every_responses_call_becomes_a_transition(run):
     for h in run["history"]:
-        assert h["rollouts"] == 16 and h["infra_failed_rollouts"] == 0
+        # 4 groups of 4 rollouts, and a group more for each one dropped without a signal (up to 3 rounds)
+        assert h["rollouts"] == 4 * (h["groups_with_signal"] + h["groups_dropped"]) >= 16
+        assert h["infra_failed_rollouts"] == 0
         assert h["transitions"] == h["llm_spans"] >= h["rollouts"]  # at least one model call per rollout
         assert h["groups_with_signal"] > 0 and h["updated"]
     calls = [s["attributes"] for s in run["spans"] if s["name"] == "llm.call"]
