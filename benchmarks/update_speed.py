@@ -1,7 +1,14 @@
-"""One policy update on the same SmolLM2 batch: our learner (Ray Train + DeepSpeed, in the worker × thread layouts
-asked for) vs a bare single-process PyTorch step of the same loss on the same cores, side by side in one run.
+"""One policy update on the same batch: our learner (Ray Train + DeepSpeed, in the worker × thread layouts asked
+for) vs a bare single-process PyTorch step of the same loss on the same hardware, side by side in one run.
 
     python benchmarks/update_speed.py [--layouts 1x2 2x1] [--transitions 128] [--steps 2] [--micro-batch-tokens 2048]
+    python benchmarks/update_speed.py --model qwen2.5-0.5b --prompt-tokens 768 --response-tokens 256 \
+        --transitions 64 --micro-batch-tokens 8192 --layouts 1x4 --steps 3                      # on a GPU
+
+On a CUDA GPU both sides run bf16 with activation checkpointing and fused AdamW (ours: DeepSpeed's bf16 mode, which
+also keeps fp32 master weights; the bare loop steps its bf16 weights directly, as the anchors in the GPU node's notes
+were measured), one GPU each, the learner given the whole GPU. `--model qwen2.5-0.5b|qwen2.5-1.5b` builds a
+random-init model of that shape (no download); `--prompt-tokens/--response-tokens` then make a synthetic batch.
 
 The batch: 64 calc episodes in the text protocol, as the trajectory level trains them (one sequence per episode,
 ~150 tokens with SmolLM2's template): what an iteration of 16 tasks × 4 rollouts trains on.
@@ -17,19 +24,20 @@ import json
 import multiprocessing
 import random
 import tempfile
+from pathlib import Path
 import time
 from concurrent.futures import ProcessPoolExecutor
 
 import ray
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from lightning_ray.algorithm.grpo import policy_loss, token_weights
 from lightning_ray.config import ModelConfig, validate
 from lightning_ray.models import SMOLLM2, resolve_model_path
 from lightning_ray.tasks import calc
 from lightning_ray.training.learner import Learner, micro_batches, zero_stage
-from lightning_ray.training.loop import collate, score
+from lightning_ray.training.loop import collate, score, to_device
 from lightning_ray.training.weights import WeightRegistry
 from lightning_ray.types import Transition
 
@@ -56,23 +64,39 @@ def _encode(tokenizer, messages, generation_prompt: bool) -> list[int]:
                             add_special_tokens=False)  # as the policy server encodes chats
 
 
+def synthetic_batch(vocab: int, n: int, prompt: int, response: int, seed: int = 0) -> list[Transition]:
+    g = torch.Generator().manual_seed(seed)
+    return [Transition(rollout_id=f"r{i}", group_id=f"g{i // 4}", span_id=f"s{i}",
+                       prompt_ids=torch.randint(vocab, (prompt,), generator=g).tolist(),
+                       response_ids=torch.randint(vocab, (response,), generator=g).tolist(),
+                       logprobs=[-1.0] * response, reward=1.0, advantage=1.0 if i % 2 else -1.0, policy_version=0,
+                       temperature=1.0) for i in range(n)]
+
+
 def bare_steps(model_path, batch, steps: int, token_budget: int, threads: int) -> list[float]:
     """The baseline: one process, plain PyTorch AdamW, the same micro-batches and loss, no Ray, no DeepSpeed."""
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    cuda = torch.cuda.is_available()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if cuda else torch.float32)
+    if cuda:
+        model = model.cuda()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=cuda)
     weighted = list(zip(batch, token_weights(batch, "token_mean", 96)))
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         for mb in micro_batches(weighted, token_budget):
-            b = collate(mb, pad_id=0)
+            b = to_device(collate(mb, pad_id=0), model.device)
             logprobs, *_ = score(model, b)
             loss, _ = policy_loss(logprobs, logprobs.detach(), b["advantages"], b["weights"], 0.2)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return times
 
@@ -83,7 +107,7 @@ def learner_steps(model_path, batch, steps: int, token_budget: int, workers: int
     ZeRO stage it ran."""
     cfg = validate({"run_dir": tempfile.mkdtemp(), "trainer": {
         "num_workers": workers, "threads_per_worker": threads, "micro_batch_tokens": token_budget, "lr": 1e-6,
-        "zero_stage": stage}})
+        "zero_stage": stage, "resources_per_worker": {"CPU": 1, "GPU": 1} if torch.cuda.is_available() else {"CPU": 1}}})
     learner = Learner(cfg, model_path, WeightRegistry.remote())
     times = []
     try:
@@ -97,6 +121,30 @@ def learner_steps(model_path, batch, steps: int, token_budget: int, workers: int
                    **{k: round(v, 2) for k, v in replies[0].items() if k.endswith("_s")}}
 
 
+# Qwen2.5-Instruct shapes (their config.json), random-init: the anchors of the GPU node's notes use the same
+QWEN_SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+}
+
+
+def random_model(name: str) -> Path:
+    """A random-init model of a real shape, in bf16, with the tiny model's tokenizer (only its pad id is read)."""
+    path = Path(tempfile.gettempdir()) / f"lightning-ray-bench-{name}"
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(Qwen2Config(max_position_embeddings=32768, **QWEN_SHAPES[name]),
+                                                 dtype=torch.bfloat16)
+        model.save_pretrained(path)
+        AutoTokenizer.from_pretrained(resolve_model_path(ModelConfig())).save_pretrained(path)
+    return path
+
+
+DEVICE = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", nargs="+", default=["1x2", "2x1"], help="workers x threads per worker")
@@ -105,9 +153,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2, help="the bare step's torch threads (the cores)")
+    parser.add_argument("--model", default="smollm2", choices=["smollm2", "tiny", *QWEN_SHAPES])
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="synthetic batch (all but smollm2)")
+    parser.add_argument("--response-tokens", type=int, default=64)
     args = parser.parse_args()
-    model_path = resolve_model_path(ModelConfig(path=SMOLLM2))
-    batch = make_batch(model_path, args.transitions)
+    if args.model == "smollm2":
+        model_path = resolve_model_path(ModelConfig(path=SMOLLM2))
+        batch = make_batch(model_path, args.transitions)
+    else:
+        model_path = resolve_model_path(ModelConfig()) if args.model == "tiny" else random_model(args.model)
+        vocab = AutoConfig.from_pretrained(model_path).vocab_size
+        batch = synthetic_batch(vocab, args.transitions, args.prompt_tokens, args.response_tokens)
     work = {"transitions": len(batch), "response_tokens": sum(len(t.response_ids) for t in batch),
             "padded_tokens": sum(len(mb) * max(len(t.prompt_ids) + len(t.response_ids) for t, _ in mb)
                                  for mb in micro_batches([(t, 0.0) for t in batch], args.micro_batch_tokens))}
@@ -115,7 +171,9 @@ def main() -> None:
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         bare = pool.submit(bare_steps, model_path, batch, args.steps, args.micro_batch_tokens, args.threads).result()
     bare_s = sum(bare[1:]) / max(len(bare) - 1, 1)
-    print(json.dumps({"side": "bare_pytorch", "threads": args.threads, "seconds": bare, "step_s": round(bare_s, 2),
+    tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in batch)
+    print(json.dumps({"side": "bare_pytorch", "model": args.model, "device": DEVICE, "threads": args.threads,
+                      "seconds": bare, "step_s": round(bare_s, 2), "tokens_per_s": round(tokens / bare_s),
                       **work}), flush=True)
     ray.init(num_cpus=4)  # as the training job starts it: the dashboard on (Ray Train polls its state API)
     for layout in args.layouts:
@@ -123,8 +181,11 @@ def main() -> None:
         stage = args.zero_stage if args.zero_stage == "auto" else int(args.zero_stage)
         ours, split = learner_steps(model_path, batch, args.steps, args.micro_batch_tokens, workers, threads, stage)
         ours_s = sum(ours[1:]) / max(len(ours) - 1, 1)
-        print(json.dumps({"side": "learner", "layout": layout, "seconds": ours, "step_s": round(ours_s, 2),
-                          "speed_vs_bare": round(bare_s / ours_s, 3), **split, **work}), flush=True)
+        update_s = split["compute_s"] + split["optimizer_s"]  # the step without publishing the weights
+        print(json.dumps({"side": "learner", "model": args.model, "device": DEVICE, "layout": layout,
+                          "seconds": ours, "step_s": round(ours_s, 2), "speed_vs_bare": round(bare_s / ours_s, 3),
+                          "update_tokens_per_s": round(tokens / update_s),
+                          "update_speed_vs_bare": round(bare_s / update_s, 3), **split, **work}), flush=True)
 
 
 if __name__ == "__main__":

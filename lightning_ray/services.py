@@ -9,9 +9,10 @@ from pathlib import Path
 import ray
 from ray import serve
 
-from lightning_ray.config import TrainConfig
+from lightning_ray.config import EngineConfig, TrainConfig
 from lightning_ray.models import resolve_model_path
 from lightning_ray.placement import ON_HEAD, actor_options
+from lightning_ray.weight_sync import resolve as resolve_weight_sync
 from lightning_ray.rollout.dispatch import run_to_end
 from lightning_ray.rollout.worker import RolloutWorker
 from lightning_ray.serving.app import APP_NAME, deploy_policy
@@ -77,6 +78,12 @@ class Services:
         if self.owns_ray:
             ray.shutdown()
 
+    def sleep_engines(self) -> None:
+        """Every replica's engine frees its GPU memory for the learner (engine.sleep_while_training); the next
+        published version wakes them."""
+        epoch = ray.get(self.registry.request_sleep.remote())
+        ray.get(self.registry.wait_asleep.remote(epoch, self.cfg.serve.sync_timeout_s))
+
     def run_rollouts(self, tasks: list[Task], desc: str) -> list[Rollout]:
         """Queue a rollout per task and run them all to their end (rollout/dispatch.py)."""
         rollout_ids = [r.rollout_id for r in self.store.enqueue(tasks, self.attempts)]
@@ -94,9 +101,20 @@ def _link_ray_logs(session_dir: str, log_dir: Path) -> None:
 def policy_options(cfg: TrainConfig) -> dict:
     """The policy app's options (serving/app.py: policy_app) from a run's config."""
     return dict(num_replicas=cfg.serve.num_replicas, autoscaling=cfg.serve.autoscaling, engine=cfg.engine.kind,
-                engine_options={"dtype": cfg.engine.dtype, **cfg.engine.options},
+                engine_options=engine_options(cfg.engine),
                 max_model_len=cfg.engine.max_model_len, api_key=cfg.serve.api_key, seed=cfg.seed, env=cfg.engine.env,
                 resources=cfg.serve.resources, chat_template=resolve_chat_template(cfg.serve.chat_template),
-                drain_timeout_s=cfg.serve.drain_timeout_s,
+                drain_timeout_s=cfg.serve.drain_timeout_s, sync_timeout_s=cfg.serve.sync_timeout_s,
+                sleep_while_training=cfg.engine.sleep_while_training,
+                weight_sync=resolve_weight_sync(cfg.trainer.weight_sync, cfg.trainer.resources_per_worker,
+                                                cfg.serve.resources),
                 defaults={"max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature,
                           "top_p": cfg.rollout.top_p})
+
+
+def engine_options(e: EngineConfig) -> dict:
+    """What make_engine takes: the settings both engines read, vLLM's own, then engine.options as they are."""
+    vllm = {"tensor_parallel_size": e.tensor_parallel_size, "enable_prefix_caching": e.prefix_caching,
+            "sleep_mode": e.sleep_while_training}
+    return {"dtype": e.dtype, "gpu_memory_utilization": e.gpu_memory_utilization,
+            **(vllm if e.kind == "vllm" else {}), **e.options}

@@ -87,6 +87,8 @@ def train(cfg: TrainConfig) -> list[dict]:
                     metrics().staleness.set(learner.version - min(tr.policy_version for tr in transitions))
                     with phase("train"), status(f"iter {iteration}: training on {len(transitions)} transitions",
                                                 report=False):
+                        if cfg.engine.sleep_while_training:  # the GPU they share is the learner's till the sync
+                            services.sleep_engines()
                         results = learner.step(transitions)
                     with phase("sync"), status(f"iter {iteration}: syncing weights", report=False):
                         ray.get(services.registry.wait_synced.remote(learner.version, cfg.serve.sync_timeout_s))

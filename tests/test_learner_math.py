@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_ray.algorithm.grpo import policy_loss, token_weights
 from lightning_ray.algorithm.lightningrl import merge_calls
 from lightning_ray.training.learner import micro_batches
-from lightning_ray.training.loop import collate, score
+from lightning_ray.training.loop import collate, parameter_digest, score
 from lightning_ray.types import Transition
 
 
@@ -97,3 +97,40 @@ def test_a_merged_episode_gets_the_gradient_of_its_separate_calls(model):
     (g_sep, lp_sep), (g_merged, lp_merged) = gradient([first, second]), gradient(merged)
     assert torch.allclose(lp_sep, lp_merged, atol=1e-5)
     assert torch.allclose(g_sep, g_merged, atol=1e-6, rtol=1e-4)
+
+
+def test_activation_checkpointing_gives_the_same_gradient(model):
+    """The GPU default (trainer.gradient_checkpointing: auto) recomputes activations in backward: same numbers."""
+    transitions = batch_of(5, seed=2)
+    batch = collate([(t, 1.0) for t in transitions], pad_id=0)
+
+    def gradient() -> torch.Tensor:
+        model.zero_grad()
+        logprobs, *_ = score(model, batch)
+        loss, _ = policy_loss(logprobs, logprobs.detach(), batch["advantages"], batch["weights"], 0.2)
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    plain = gradient()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    try:
+        assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+        checkpointed = gradient()
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+    assert torch.allclose(plain, checkpointed, atol=1e-7, rtol=1e-5)
+
+
+def test_the_parameter_digest_is_the_values_whatever_their_dtype_or_order(model):
+    """Ranks, checkpoints and engines are compared by it: equal values, equal digests (bf16 weights held exactly in
+    fp32 too); any changed value or swapped pair changes it."""
+    bf16 = LlamaForCausalLM(model.config).to(torch.bfloat16)
+    same = LlamaForCausalLM(model.config)
+    same.load_state_dict({k: v.float() for k, v in bf16.state_dict().items()})
+    assert parameter_digest(bf16) == parameter_digest(same)
+    with torch.no_grad():
+        w = same.model.layers[0].mlp.up_proj.weight
+        w[0, 0], w[0, 1] = w[0, 1].clone(), w[0, 0].clone()  # a permutation keeps every plain sum
+    assert parameter_digest(same) != parameter_digest(bf16)

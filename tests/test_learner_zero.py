@@ -11,6 +11,7 @@ import time
 
 import pytest
 import ray
+import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_ray.config import validate
@@ -66,3 +67,28 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_
     os.utime(stale, (an_hour_ago, an_hour_ago))
     assert clear_stale_build_locks(str(tmp_path)) == [stale]
     assert not stale.exists() and live.exists()
+
+
+def test_the_gpu_learner_settings_train_on_cpu_too(ray_cluster, tiny_model_path, tmp_path):
+    """What a GPU gets by default — bf16 with fp32 master weights (ZeRO-1 on one rank: DeepSpeed's bf16 optimizer)
+    and activation checkpointing — runs the same code on CPUs: the step moves the weights, and what is published is
+    the bf16 policy, whole, and the checkpoint is it."""
+    cfg = validate({"run_dir": str(tmp_path), "trainer": {
+        "num_workers": 1, "threads_per_worker": 1, "dtype": "bfloat16", "gradient_checkpointing": True, "lr": 1e-2,
+        "micro_batch_tokens": 96}})
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    registry = WeightRegistry.remote()
+    learner = Learner(cfg, tiny_model_path, registry)
+    try:
+        [reply] = learner.step(transitions(initial.config.vocab_size))
+        version, payload = ray.get(registry.wait_newer.remote(0, 10.0))
+        published = ray.get(payload[0])
+        learner.save(tmp_path / "checkpoint")
+    finally:
+        learner.close()
+    assert reply["grad_norm"] > 0 and reply["digest"] != parameter_digest(initial)
+    assert {t.dtype for t in published.values()} == {torch.bfloat16}
+    served = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
+    served.load_state_dict(published)
+    assert version == 1 and parameter_digest(served) == reply["digest"]
+    assert parameter_digest(AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")) == reply["digest"]

@@ -173,3 +173,23 @@ def test_a_weight_update_ends_generations_past_the_drain_deadline(policy_app, ba
     errors = [json.loads(f[6:])["error"] for f in frames if f.startswith("data: {") and '"error"' in f]
     assert errors and errors[0]["code"] == "drain_timeout", frames[-3:]
     assert synced_s < 10, synced_s  # 8 x 480 tokens, one at a time, would take far longer to drain
+
+
+def test_a_sleeping_engine_serves_nothing_until_the_next_version_wakes_it(policy_app, base_state):
+    """engine.sleep_while_training (placement=colocated): the trainer's sleep request is acknowledged once serving is
+    paused and the engine's memory freed (on CPUs nothing to free: the HF engine keeps its weights); a request in
+    the meantime waits, and is answered by the version whose load woke the engine, never by the old one."""
+    with policy_app(MODEL, sleep_while_training=True) as deployed:
+        registry, url = deployed["registry"], deployed["url"]
+        epoch = ray.get(registry.request_sleep.remote())
+        ray.get(registry.wait_asleep.remote(epoch, 30.0))
+        assert httpx.get(url + "/health").json()["paused"]
+        answer = {}
+        caller = threading.Thread(target=lambda: answer.update(served(url)[1]))
+        caller.start()
+        caller.join(2.0)  # an awake replica answers in ~50 ms
+        assert caller.is_alive(), answer
+        publish(registry, version_of(base_state, 1), 1)
+        caller.join(30)
+        assert answer["system_fingerprint"] == "lightning_ray-policy-v1"
+        assert not httpx.get(url + "/health").json()["paused"]

@@ -33,14 +33,15 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, lam: float) -> tuple[torch.
     for k in reversed(range(len(r))):
         running = r[k] + next_value - v[k] + lam * running
         advantages[k], next_value = running, v[k]
-    advantages = torch.tensor(advantages, dtype=values.dtype)
+    advantages = torch.tensor(advantages, dtype=values.dtype, device=values.device)
     return advantages, advantages + values
 
 
 def whiten(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(x − mean) / std over every rank's entries: each rank holds part of the batch, and a per-rank scale would
     weigh the same advantage differently on different ranks. Every rank must call it (a collective)."""
-    stats = torch.tensor([x.sum().item(), (x * x).sum().item(), float(x.numel())], dtype=torch.float64)
+    # on x's device: NCCL reduces only CUDA tensors
+    stats = torch.tensor([x.sum().item(), (x * x).sum().item(), float(x.numel())], dtype=torch.float64, device=x.device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(stats)
     total, squares, n = stats.tolist()

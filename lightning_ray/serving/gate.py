@@ -21,6 +21,7 @@ class Gate:
         self._idle.set()
         self._admitted: set[asyncio.Task] = set()
         self._ended: set[asyncio.Task] = set()  # cancelled by the drain deadline
+        self._pauses = 0  # nested pauses (a sleeping engine's, then a weight load's): the last one out reopens
 
     @property
     def is_paused(self) -> bool:
@@ -55,6 +56,7 @@ class Gate:
         """Close the gate, wait for in-flight requests to drain (ending those past the deadline), run the body,
         reopen."""
         self._open.clear()
+        self._pauses += 1
         try:
             try:
                 await asyncio.wait_for(self._idle.wait(), self.drain_timeout_s)
@@ -65,4 +67,6 @@ class Gate:
                 await self._idle.wait()  # a cancelled generation ends at its next await
             yield
         finally:
-            self._open.set()
+            self._pauses -= 1
+            if not self._pauses:
+                self._open.set()

@@ -15,6 +15,7 @@ from lightning_ray.algorithm.grpo import token_weights
 from lightning_ray.config import TrainConfig, TrainerConfig
 from lightning_ray.training.loop import MicroBatch, train_loop_per_worker
 from lightning_ray.types import Transition
+from lightning_ray.weight_sync import resolve as resolve_weight_sync
 
 
 class Learner:
@@ -32,8 +33,12 @@ class Learner:
             train_loop_per_worker,
             train_loop_config={
                 "model_path": str(model_path), "inboxes": self.inboxes, "outbox": self.outbox, "registry": registry,
+                "weight_sync": {"kind": resolve_weight_sync(t.weight_sync, t.resources_per_worker, cfg.serve.resources),
+                                "timeout_s": cfg.serve.sync_timeout_s},
                 "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "zero_stage": zero_stage(t),
-                "threads_per_worker": t.threads_per_worker, "clip_eps": cfg.algorithm.clip_eps,
+                "threads_per_worker": t.threads_per_worker, "dtype": learner_dtype(t),
+                "gradient_checkpointing": t.gradient_checkpointing, "attn_implementation": t.attn_implementation,
+                "offload_optimizer": t.offload_optimizer, "clip_eps": cfg.algorithm.clip_eps,
                 "clip_eps_high": cfg.algorithm.clip_eps_high, "entropy_coef": cfg.algorithm.entropy_coef,
                 "kl_coef": cfg.algorithm.kl_coef, "kl_estimator": cfg.algorithm.kl_estimator,
                 "kl_penalty": cfg.algorithm.kl_penalty, "tis_cap": cfg.algorithm.tis_cap,
@@ -103,10 +108,22 @@ class Learner:
         self.thread.join(timeout=60)
 
 
+def learner_dtype(t: TrainerConfig) -> str:
+    """trainer.dtype, `auto` resolved: bfloat16 when the ranks get GPUs, float32 on CPUs."""
+    if t.dtype != "auto":
+        return t.dtype
+    return "bfloat16" if t.resources_per_worker.get("GPU", 0) > 0 else "float32"
+
+
 def zero_stage(t: TrainerConfig) -> int:
     """ZeRO partitions across ranks: one rank has nothing to partition, and stage 2's gradient copies cost ~7% of
-    a step there (benchmarks/update_speed.py)."""
-    return t.zero_stage if t.zero_stage != "auto" else (0 if t.num_workers == 1 else 2)
+    a step there (benchmarks/update_speed.py). In bf16, one rank takes stage 1 all the same: without a ZeRO
+    optimizer DeepSpeed would step the bf16 weights themselves, with no fp32 master copy."""
+    if t.zero_stage != "auto":
+        return t.zero_stage
+    if t.num_workers > 1 or t.offload_optimizer:  # offloading needs a ZeRO optimizer too
+        return 2
+    return 1 if learner_dtype(t) == "bfloat16" else 0
 
 
 def micro_batches(weighted: list[tuple[Transition, float]], token_budget: int) -> list[MicroBatch]:

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 import ray
 import ray.train
+import ray.train.torch
 import torch
 
 from lightning_ray.algorithm.grpo import kl_to_reference, policy_loss, truncated_is_weights
@@ -22,16 +23,25 @@ from lightning_ray.types import Transition
 MicroBatch = list[tuple[Transition, float]]  # transitions with the weight of each of their tokens in the loss
 
 
-def deepspeed_config(cfg: dict) -> dict:
+def deepspeed_config(cfg: dict, on_cuda: bool) -> dict:
+    zero: dict = {"stage": cfg["zero_stage"]}
+    if cfg["offload_optimizer"]:  # DeepSpeed's CPU Adam then steps on the host (compiled once, ~1 min)
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_cuda}
+    # torch_adam: DeepSpeed's fused CPU Adam would compile for ~70 s on first use; on CUDA torch's fused kernel.
+    adam = {"lr": cfg["lr"], "weight_decay": cfg["weight_decay"], "torch_adam": not cfg["offload_optimizer"],
+            **({"fused": True} if on_cuda and not cfg["offload_optimizer"] else {})}
     return {
         "train_micro_batch_size_per_gpu": 1,  # batches are variable-sized; DeepSpeed only needs a nominal size
         # We accumulate over as many micro-batches as a batch needs (its token budget decides) and step once:
         # backward() only accumulates, step() is the boundary. Losses come pre-weighted (grpo.token_weights).
         "managed_gradient_accumulation": False,
         "gradient_clipping": cfg["grad_clip"],
-        "zero_optimization": {"stage": cfg["zero_stage"]},
-        # torch_adam: DeepSpeed's fused CPU Adam would compile for ~70 s on first use.
-        "optimizer": {"type": "AdamW", "params": {"lr": cfg["lr"], "weight_decay": cfg["weight_decay"], "torch_adam": True}},
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": adam},
+        # bf16 compute; fp32 master weights and optimizer state (ZeRO's, stage >= 1: learner.zero_stage), and
+        # gradients accumulated over the micro-batches in fp32
+        "bf16": {"enabled": cfg["dtype"] == "bfloat16"},
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if cfg["dtype"] == "bfloat16" else {}),
         "steps_per_print": 2**31,
     }
 
@@ -60,21 +70,40 @@ def train_loop_per_worker(cfg: dict) -> None:
     transformers.logging.disable_progress_bar()  # per-load bars from every worker bury the iteration summaries
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32)
+    device = ray.train.torch.get_device()  # this rank's GPU (Ray Train set it), or the CPU
+    on_cuda = device.type == "cuda"
+    load = dict(dtype=getattr(torch, cfg["dtype"]), attn_implementation=cfg["attn_implementation"])
+    model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], **load)
+    if cfg["gradient_checkpointing"] is True or (cfg["gradient_checkpointing"] == "auto" and on_cuda):
+        # non-reentrant: works with inputs that need no grad and with ZeRO-3's parameter hooks
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    # Train mode for checkpointing (transformers recomputes only in training), dropout off: a sampled token is
+    # scored as the engine sampled it, without dropout noise
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):  # attention's own, applied in training only
+            m.attention_dropout = 0.0
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # padding is masked out anyway
-    # the frozen initial policy, kept only when the loss pulls towards it
+    # the frozen initial policy, kept only when the loss pulls towards it, on the rank's device in its dtype
     reference = None
     if cfg["kl_coef"] > 0:
-        reference = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32).eval()
+        reference = AutoModelForCausalLM.from_pretrained(cfg["model_path"], **load).to(device).eval()
         reference.requires_grad_(False)
     parameters = [{"params": list(model.parameters())}]
     if cfg["critic"]:
         model = WithValueHead(model)
         parameters.append({"params": list(model.value_head.parameters()), "lr": cfg["value_lr"] or cfg["lr"]})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters,
-                                      config=deepspeed_config(cfg), dist_init_required=False)
+                                      config=deepspeed_config(cfg, on_cuda), dist_init_required=False)
     inbox, outbox, registry = cfg["inboxes"][rank], cfg["outbox"], cfg["registry"]
+    from lightning_ray.weight_sync import make_publisher
+
+    # rank 0 publishes each version, by the run's transport (object store, CUDA IPC, or a broadcast it serves)
+    publisher = make_publisher(cfg["weight_sync"], registry, engine.device) if rank == 0 else None
     with whole_weights(engine) as module:
         outbox.put({"rank": rank, "ready": True, "digest": parameter_digest(module)})
     while (msg := inbox.get()) is not None:
@@ -89,13 +118,12 @@ def train_loop_per_worker(cfg: dict) -> None:
         stats = train_step(engine, msg["micro_batches"], pad_id, cfg, world, reference)
         trained = time.perf_counter()
         with whole_weights(engine) as module:
-            if rank == 0:
-                # clone: under ZeRO the parameters are views into one flat buffer, and pickling a view carries the
-                # whole buffer (without it a 2-rank ZeRO-2 step on SmolLM2 took rank 0 from ~5 to 15 GB)
-                state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-                ray.get(registry.publish.remote(msg["version"], [ray.put(state)]))
+            if rank == 0:  # copied here: ZeRO-3 frees the gathered parameters when the block ends
+                ray.get(registry.publish.remote(msg["version"], publisher.publish(msg["version"], module)))
             published = time.perf_counter()
             digest = parameter_digest(module)
+        if on_cuda:  # activations and gradients' cached blocks back to the GPU, for a colocated engine to wake into
+            torch.cuda.empty_cache()
         stats.update(compute_s=trained - started, publish_s=published - trained,
                      digest_s=time.perf_counter() - published)
         outbox.put({"rank": rank, "version": msg["version"], "digest": digest, **stats})
@@ -136,7 +164,7 @@ def train_step(engine, micro_batches: list[MicroBatch], pad_id: int, cfg: dict, 
     The batch is on-policy (sampled by exactly these weights) and takes one step, so the behaviour policy's
     logprobs are the ones computed here, detached: the ratio starts at 1, as PPO's first step does. Where the
     sampler differed after all (an older version, the engine's numerics), tis_cap reweighs each token."""
-    batches = [collate(mb, pad_id) for mb in micro_batches]
+    batches = [to_device(collate(mb, pad_id), engine.device) for mb in micro_batches]
     totals = {"loss": 0.0, "tokens": 0, "clip_frac": 0.0, "logprob_abs_diff": 0.0, "entropy": 0.0, "kl_ref": 0.0,
               "value_loss": 0.0, "tis_capped": 0.0}
     if cfg["critic"]:  # PPO: every token's advantage from the value head, before any weight moves
@@ -206,8 +234,9 @@ def critic_advantages(module: torch.nn.Module, batches: list[dict], cfg: dict,
                 advantages.append(a)
                 targets.append(r)
                 start = end
-            batch["advantages"] = torch.cat(advantages) if advantages else torch.zeros(0)
-            batch["returns"] = torch.cat(targets) if targets else torch.zeros(0)
+            empty = torch.zeros(0, device=scores.values.device)
+            batch["advantages"] = torch.cat(advantages) if advantages else empty
+            batch["returns"] = torch.cat(targets) if targets else empty
     whitened = whiten(torch.cat([b["advantages"] for b in batches])).split([len(b["advantages"]) for b in batches])
     for batch, a in zip(batches, whitened):
         batch["advantages"] = a
@@ -272,9 +301,26 @@ def collate(micro_batch: MicroBatch, pad_id: int) -> dict[str, torch.Tensor]:
             "sample_returns": [t.returns for t, _ in rows]}
 
 
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def parameter_digest(module: torch.nn.Module) -> str:
+    """A fingerprint of the parameters' values, equal wherever they are equal: across ranks, in a checkpoint, in an
+    engine, in any dtype that holds them exactly (each value is taken as its float32 bits). Computed where the
+    parameters are, so only one integer per tensor leaves a GPU."""
     h = hashlib.sha256()
     for name, p in sorted(module.named_parameters()):
         h.update(name.encode())
-        h.update(p.detach().float().contiguous().numpy().tobytes())
+        h.update(_bits_checksum(p.detach()).to_bytes(8, "little", signed=True))
     return h.hexdigest()[:16]
+
+
+def _bits_checksum(t: torch.Tensor, chunk: int = 1 << 24) -> int:
+    """Σ bits(x_i) · (i + 1) over the float32 bit patterns, in wrapping int64: exact integer arithmetic, so the same
+    on every device and in any summation order; the position weight tells permutations apart."""
+    flat, total = t.reshape(-1), torch.zeros((), dtype=torch.int64, device=t.device)
+    for start in range(0, flat.numel(), chunk):
+        bits = flat[start:start + chunk].float().view(torch.int32).to(torch.int64)
+        total += (bits * torch.arange(start + 1, start + 1 + bits.numel(), device=t.device)).sum()
+    return int(total)

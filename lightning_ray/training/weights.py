@@ -3,6 +3,10 @@
 A Serve handle call reaches one replica, so weights are not pushed: replicas follow the registry, and a replica
 started later (autoscaling, or Serve replacing a dead one) finds the latest version waiting. The trainer waits on
 `wait_synced`, a barrier over all live replicas: a replica that died is forgotten, not waited for.
+
+What a version's payload is depends on the transport (lightning_ray/weight_sync): an object-store reference, CUDA IPC
+handles, or where to ask the learner for a broadcast. For the last, the registry also carries the requests: a
+replica asks (`request_transfer`), the learner's sender thread takes them (`next_transfer`) and answers.
 """
 
 from __future__ import annotations
@@ -15,11 +19,15 @@ import ray
 @ray.remote(num_cpus=0)
 class WeightRegistry:
     def __init__(self):
-        self.version, self.refs = 0, None
+        self.version, self.payload = 0, None
         self.acked: dict[str, int] = {}
         self.failed: dict[str, tuple[int, str]] = {}  # replica id -> the version it could not load, and why
         self.handles: dict[str, object] = {}  # replica id -> actor handle, to tell a slow replica from a dead one
         self._changed: asyncio.Condition | None = None
+        self.publisher = None  # the learner's actor, when a transport needs it alive (collective)
+        self.transfer_requests: asyncio.Queue = asyncio.Queue()
+        self.transfers: dict[str, asyncio.Future] = {}  # request id -> the learner's answer
+        self.sleep_epoch, self.asleep = 0, {}  # replica id -> the last sleep request it acknowledged
 
     @property
     def changed(self) -> asyncio.Condition:
@@ -45,14 +53,62 @@ class WeightRegistry:
             self.handles[replica_id] = handle
         await self._notify()
 
-    async def publish(self, version: int, refs: list) -> None:
-        """refs: [ObjectRef of the state dict], in a list so Ray passes the reference, not the tensors."""
-        self.version, self.refs = version, refs
+    async def publish(self, version: int, payload) -> None:
+        """payload: what the transport's replicas need to get the weights, small (for the object store,
+        [ObjectRef of the state dict], in a list so Ray passes the reference, not the tensors)."""
+        self.version, self.payload = version, payload
         await self._notify()
 
-    async def wait_newer(self, version: int, timeout_s: float) -> tuple[int, list | None]:
+    async def wait_newer(self, version: int, timeout_s: float) -> tuple[int, object]:
         await self._wait(lambda: self.version > version, timeout_s)
-        return self.version, self.refs
+        return self.version, self.payload
+
+    # ---- transfers a replica asks the learner for (weight_sync/collective.py) ------------------------------
+    async def register_publisher(self, handle) -> None:
+        self.publisher = handle
+
+    async def request_transfer(self, request: dict, timeout_s: float) -> dict:
+        """The learner's answer once its sender takes the request; raises if it does not within timeout_s, or at
+        once if the learner is dead."""
+        loop = asyncio.get_running_loop()
+        answer, deadline = loop.create_future(), loop.time() + timeout_s
+        self.transfers[request["id"]] = answer
+        self.transfer_requests.put_nowait(request)
+        try:
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(answer), max(0.0, min(5.0, deadline - loop.time())))
+                except asyncio.TimeoutError:
+                    if loop.time() >= deadline:
+                        raise TimeoutError(f"the learner did not take the weight transfer request for version "
+                                           f"{request['version']} in {timeout_s}s") from None
+                    await self._check_publisher()
+        finally:
+            self.transfers.pop(request["id"], None)
+
+    async def next_transfer(self, timeout_s: float) -> dict | None:
+        try:
+            return await asyncio.wait_for(self.transfer_requests.get(), timeout_s)
+        except asyncio.TimeoutError:
+            return None
+
+    async def answer_transfer(self, request_id: str, answer: dict) -> bool:
+        """False if the replica stopped waiting (the learner then skips the transfer)."""
+        future = self.transfers.get(request_id)
+        if future is None or future.done():
+            return False
+        future.set_result(answer)
+        return True
+
+    async def _check_publisher(self) -> None:
+        if self.publisher is None:
+            return
+        try:
+            await asyncio.wait_for(self.publisher.__ray_ready__.remote(), 5.0)
+        except asyncio.TimeoutError:
+            pass  # alive but busy
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"the learner that publishes the weights died: {e}") from None
 
     async def ack(self, replica_id: str, version: int) -> None:
         self.acked[replica_id] = version
@@ -88,6 +144,30 @@ class WeightRegistry:
                 except ray.exceptions.RayActorError:
                     del self.acked[r], self.handles[r]
                     self.failed.pop(r, None)
+
+    # ---- colocated engines sleep while the learner trains (engine.sleep_while_training) ---------------------
+    async def request_sleep(self) -> int:
+        """Every replica frees the GPU memory its engine holds (serving paused); the next version it loads wakes it."""
+        self.sleep_epoch += 1
+        await self._notify()
+        return self.sleep_epoch
+
+    async def wait_sleep_request(self, epoch: int, timeout_s: float) -> int:
+        await self._wait(lambda: self.sleep_epoch > epoch, timeout_s)
+        return self.sleep_epoch
+
+    async def ack_sleep(self, replica_id: str, epoch: int) -> None:
+        self.asleep[replica_id] = epoch
+        await self._notify()
+
+    async def wait_asleep(self, epoch: int, timeout_s: float) -> None:
+        """Until every live replica sleeps: then the learner may take the memory."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        awake = lambda: [r for r in self.acked if self.asleep.get(r, 0) < epoch]  # noqa: E731
+        while not await self._wait(lambda: not awake(), 1.0):
+            await self._forget_dead(awake())
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"replicas still awake after {timeout_s}s: {awake()}")
 
     async def served_versions(self) -> dict[str, int]:
         return dict(self.acked)

