@@ -18,7 +18,7 @@ from lightning_ray.config import APOJobConfig, ConfigError, TrainConfig, compose
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
-GROUPS = ["model", "engine", "task", "algorithm", "trainer", "store", "cluster"]
+GROUPS = ["model", "engine", "task", "algorithm", "trainer", "store", "cluster", "placement"]
 
 
 def run_job(*args: str, job: str = "train") -> subprocess.CompletedProcess:
@@ -33,10 +33,20 @@ def options(group: str) -> list[str]:
 @pytest.mark.parametrize("group, option", [(g, o) for g in GROUPS for o in options(g)])
 def test_each_group_option_composes_and_validates(group, option, tmp_path):
     cfg = compose([f"{group}={option}", f"run_dir={tmp_path}"])
-    chosen = yaml.safe_load((CONFIGS / group / f"{option}.yaml").read_text())
-    resolved = cfg.model_dump(mode="json")["ray" if group == "cluster" else group]
+    text = (CONFIGS / group / f"{option}.yaml").read_text()
+    chosen = {k: v for k, v in (yaml.safe_load(text) or {}).items() if k != "defaults"}
+    resolved = cfg.model_dump(mode="json")
+    if "# @package _global_" not in text:  # the option's keys are its group's (cluster's are ray.*)
+        resolved = resolved["ray" if group == "cluster" else group]
     # the option's own values reach the validated config (those it inherits are checked as their own option)
-    assert {k: resolved[k] for k in chosen if k != "defaults"} == {k: v for k, v in chosen.items() if k != "defaults"}
+    assert within(chosen, resolved)
+
+
+def within(chosen, resolved) -> bool:
+    """Every value `chosen` sets is the one `resolved` has (dicts: key by key, the rest left as resolved)."""
+    if isinstance(chosen, dict) and isinstance(resolved, dict):
+        return all(k in resolved and within(v, resolved[k]) for k, v in chosen.items())
+    return chosen == resolved
 
 
 @pytest.mark.parametrize("experiment", options("experiment"))
@@ -61,19 +71,28 @@ def test_a_preset_is_still_overridden_by_what_follows(tmp_path):
 def test_the_hf_engine_carries_no_vllm_options(tmp_path):
     cfg = compose(["engine=hf", f"run_dir={tmp_path}"])
     assert cfg.engine.kind == "hf" and cfg.engine.options == {} and cfg.engine.env == {}
-    with pytest.raises(ConfigError, match="engine.options"):  # the kind alone keeps vLLM's options: named, not run
-        compose(["engine.kind=hf", f"run_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="engine.options"):  # vLLM's arguments on the hf engine: named, not run
+        compose(["engine=hf", "+engine.options.max_num_seqs=8", f"run_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="engine.tensor_parallel_size"):
+        compose(["engine=hf", "+engine.tensor_parallel_size=2", f"run_dir={tmp_path}"])
 
 
-@pytest.mark.parametrize("override, options", [
-    ("engine.options={}", {}),
-    ("engine.options={gpu_memory_utilization: 0.2}", {"gpu_memory_utilization": 0.2}),
-    ("engine.options={max_num_seqs: 8}", {"max_num_seqs": 8}),  # a key the default has not: no "not in struct"
-    ("engine.options.gpu_memory_utilization=0.3", {"gpu_memory_utilization": 0.3}),  # one entry changes in place
-    ("+engine.options.max_num_seqs=8", {"gpu_memory_utilization": 0.1, "max_num_seqs": 8}),
+CPU_BINDING = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # configs/engine/vllm.yaml
+
+
+@pytest.mark.parametrize("override, env", [
+    ("engine.env={}", {}),
+    ("engine.env={VLLM_CPU_KVCACHE_SPACE: '2'}", {"VLLM_CPU_KVCACHE_SPACE": "2"}),  # replaced, not merged in
+    ("engine.env.VLLM_CPU_NUM_OF_RESERVED_CPU='1'", {**CPU_BINDING, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}),  # in place
+    ("+engine.env.VLLM_CPU_KVCACHE_SPACE='2'", {**CPU_BINDING, "VLLM_CPU_KVCACHE_SPACE": "2"}),
 ])
-def test_a_dict_override_replaces_the_dict(override, options, tmp_path):
-    assert compose([override, f"run_dir={tmp_path}"]).engine.options == options
+def test_a_dict_override_replaces_the_dict(override, env, tmp_path):
+    assert compose([override, f"run_dir={tmp_path}"]).engine.env == env
+
+
+def test_a_dict_override_of_an_empty_dict_needs_no_plus(tmp_path):
+    cfg = compose(["engine.options={max_num_seqs: 8}", f"run_dir={tmp_path}"])  # no "not in struct"
+    assert cfg.engine.options == {"max_num_seqs": 8}
 
 
 def readme_overrides() -> list[tuple[str, list[str]]]:
@@ -116,7 +135,7 @@ def test_every_readme_override_works_as_written(job, overrides, tmp_path):
     ("task.agent=my_agent.py", "task.agent"),  # an entry point is module:function
     ("engine=vlm", "engine/vlm"),  # a misspelt group option: Hydra lists the options there are
     ("experiment=calc_smolm2", "experiment/calc_smolm2"),
-    ("engine.kind=hf", "engine.options"),  # vLLM's options on the hf engine, which takes none
+    ("engine.tensor_parallel_size=0", "engine.tensor_parallel_size"),
     ("trainer.learning_rate=1e-3", "trainer.learning_rate"),  # a key that does not exist, by Hydra
     ("+trainer.learning_rate=1e-3", "trainer.learning_rate"),  # ... added anyway: by the schema
     ("engine.options=[1]", "engine.options"),

@@ -28,3 +28,13 @@ def test_smollm2_chat_template_and_greedy_generation():
     ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
     out = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
     assert tokenizer.decode(out, skip_special_tokens=True).strip()
+
+
+def test_a_hub_id_the_hub_cannot_give_fails_naming_the_key_and_the_offline_way(tmp_path):
+    """GPU presets name models by Hub id; one the Hub cannot give (no such model, or no network, as on this
+    machine) is a clear error naming the key and the offline way, not a traceback from the Hub's client."""
+    missing = "lightning-ray-tests/no-such-model"
+    with pytest.raises(FileNotFoundError, match=rf"(?s)model.path={missing}: .*--local-dir DIR"):
+        resolve_model_path(ModelConfig(path=missing, cache_dir=str(tmp_path)))
+    with pytest.raises(FileNotFoundError, match="no config.json"):  # a local path that is not a model: no Hub call
+        resolve_model_path(ModelConfig(path=str(tmp_path)))

@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
 from lightning_ray.config import ModelConfig
 
 SMOLLM2 = "smollm2-135m-instruct"  # model.path=smollm2-135m-instruct serves and trains the real small model
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
+
+
+def _from_hub(repo_id: str) -> Path:
+    """The model's files (weights as safetensors, config, tokenizer, chat template) from the Hub's cache, downloaded
+    there first if need be; one clear error where the Hub cannot be reached (an offline node)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt",
+                                                                "*.model", "*.tiktoken"]))
+    except Exception as e:
+        raise FileNotFoundError(
+            f"model.path={repo_id}: not a local directory, and the Hugging Face Hub did not give it "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). Offline, "
+            f"fetch it on a connected machine (`hf download {repo_id} --local-dir DIR`), copy DIR here and set "
+            f"model.path=DIR") from None
 
 
 def resolve_model_path(cfg: ModelConfig) -> Path:
@@ -20,10 +38,12 @@ def resolve_model_path(cfg: ModelConfig) -> Path:
         return _cached(Path(cfg.cache_dir).expanduser() / SMOLLM2, build_smollm2)
     if cfg.path:
         path = Path(cfg.path).expanduser()
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model.path={cfg.path}: no config.json there (expected an HF model directory "
-                                    f"or `{SMOLLM2}`)")
-        return path
+        if (path / "config.json").exists():
+            return path
+        if HUB_ID.fullmatch(cfg.path) and not path.exists():
+            return _from_hub(cfg.path)
+        raise FileNotFoundError(f"model.path={cfg.path}: no config.json there (expected an HF model directory, a "
+                                f"Hugging Face Hub id such as Qwen/Qwen2.5-0.5B-Instruct, or `{SMOLLM2}`)")
     from lightning_ray.models.tiny import build_tiny_model
 
     return _cached(Path(cfg.cache_dir).expanduser() / "tiny-calc-v3", build_tiny_model)
