@@ -32,8 +32,7 @@ $(VENV)/.installed-$(STACK): pyproject.toml constraints.txt constraints-gpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 ifeq ($(STACK),gpu)
-	awk -F'==' '{n=tolower($$1); gsub(/[-_.]+/, "-", n)} NR==FNR {if (!/^#/ && NF > 1) gpu[n]; next} !(n in gpu)' \
-	  constraints-gpu.txt constraints.txt | cat - constraints-gpu.txt > $(VENV)/constraints-gpu.txt
+	$(PYTHON) scripts/offline_bundle.py --gpu-constraints > $(VENV)/constraints-gpu.txt
 	$(PIP) -e ".[test,vllm]" accelerate gguf
 else
 	$(PIP) torch

@@ -236,7 +236,13 @@ def main(argv=None) -> None:
     ap.add_argument("--index-url", help="default: pip's (user config and PIP_* variables are ignored: --isolated)")
     ap.add_argument("--xz-level", type=int, default=9)
     ap.add_argument("-o", "--output", type=Path, default=Path("lightning_ray-bundle.tar.xz"))
+    ap.add_argument("--gpu-constraints", action="store_true", help="only print the GPU stack's constraints (what "
+                    "the Makefile and k8s/Dockerfile install with): constraints.txt under constraints-gpu.txt's pins")
     a = ap.parse_args(argv)
+    if a.gpu_constraints:
+        print(merge_constraints((ROOT / "constraints.txt").read_text(), (ROOT / "constraints-gpu.txt").read_text()),
+              end="")
+        return
     t0 = time.time()
 
     node = parse_freeze(a.node_freeze.read_text()) if a.node_freeze else {}
