@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -207,6 +208,8 @@ def test_gpu_set_resolves_against_pypi(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pip", "--isolated", "install", "--dry-run", "--ignore-installed", "-q",
                         "--no-deps", "--report", tmp_path / "r.json", "-c", tmp_path / "c.txt", "vllm", "torch",
                         "torchvision", "flashinfer-python"], capture_output=True, text=True, timeout=300, check=False)
+    if p.returncode and re.search(r"ConnectionError|Read timed out|HTTPSConnectionPool|Could not fetch", p.stderr):
+        pytest.skip(f"PyPI did not answer the resolve: {p.stderr.strip().splitlines()[-1]}")
     assert p.returncode == 0, p.stderr
     got = {i["metadata"]["name"]: i for i in json.loads((tmp_path / "r.json").read_text())["install"]}
     assert got["torch"]["metadata"]["version"] == "2.13.0" and got["vllm"]["metadata"]["version"] == "0.32.0"
