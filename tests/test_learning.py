@@ -1,11 +1,14 @@
 """The tiny model learns: over ten iterations of the whole loop (Serve, the HF engine, the trace store, Ray Train +
 DeepSpeed with one rank, the weight sync) its reward rises on an easy task, sums and differences of two small
-numbers in the text protocol. Sampled at temperature 1 it starts near 0.5; GRPO has a signal in most groups. The
-same run with PPO (a value head and GAE instead of the group baseline) rises too (measured: 0.51 over the first
-three iterations, 0.64 over the last three)."""
+numbers in the text protocol, sampled at temperature 1.5. At temperature 1 it already scores ~0.72 (a fresh CI run,
+2026-11-24: 0.63-0.80 over ten iterations, no rise beyond the noise), too little headroom to see learning in ten
+iterations; at 1.5 it starts near 0.1 and the policy learns to be sure of the right digits (measured 2026-11-24:
+GRPO 0.13, 0.10, 0.12 → 0.27, 0.26, 0.22; PPO, a value head and GAE instead of the group baseline, 0.11, 0.01, 0.08
+→ 0.23, 0.32, 0.25)."""
 
 from __future__ import annotations
 
+from math import sqrt
 from statistics import mean
 
 import pytest
@@ -24,7 +27,7 @@ def history(request, ray_cluster, tiny_model_path, serve_port, tmp_path_factory)
         "task": {"generator": EASY},
         "algorithm": {"level": "trajectory", "estimator": request.param},
         # 64 groups per iteration: the reward's iteration-to-iteration noise (~0.03) stays well under the rise
-        "rollout": {"tasks_per_iteration": 64, "group_size": 4, "agents_per_worker": 8},
+        "rollout": {"tasks_per_iteration": 64, "group_size": 4, "agents_per_worker": 8, "temperature": 1.5},
         "trainer": {"iterations": 10, "lr": 1e-3, "eval_every": 0, "checkpoint_every": 10},
     })
     return train(cfg)
@@ -33,6 +36,10 @@ def history(request, ray_cluster, tiny_model_path, serve_port, tmp_path_factory)
 def test_reward_rises_over_a_few_iterations(history):
     rewards = [round(h["reward_mean"], 3) for h in history]
     assert all(h["updated"] for h in history), rewards
-    # measured (lr 1e-3, two seeds): ~0.50 over the first three iterations, 0.57–0.62 over the last three; lr 2e-3
-    # collapsed after its first step (0.57 → 0.15)
-    assert mean(rewards[-3:]) > mean(rewards[:3]) + 0.04, rewards
+    first, last = mean(rewards[:3]), mean(rewards[-3:])
+    assert first < 0.35, rewards  # the starting point this test is about: room to learn
+    # Noise-aware: each iteration's mean over n rollouts of rewards in [0, 1] has a variance of at most p(1 - p) / n,
+    # so the difference of two 3-iteration means has a standard error of at most `se`; a rise of 3 se is signal.
+    n = history[0]["rollouts"]
+    se = sqrt((first * (1 - first) + last * (1 - last)) / (3 * n))
+    assert last - first > 3 * se, (rewards, round(3 * se, 3))
