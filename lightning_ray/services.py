@@ -12,7 +12,6 @@ from ray import serve
 from lightning_ray.config import EngineConfig, TrainConfig
 from lightning_ray.models import resolve_model_path
 from lightning_ray.placement import ON_HEAD, actor_options
-from lightning_ray.weight_sync import resolve as resolve_weight_sync
 from lightning_ray.rollout.dispatch import run_to_end
 from lightning_ray.rollout.worker import RolloutWorker
 from lightning_ray.serving.app import APP_NAME, deploy_policy
@@ -23,6 +22,7 @@ from lightning_ray.store.http import deploy_store_api
 from lightning_ray.terminal import console, status
 from lightning_ray.training.weights import WeightRegistry
 from lightning_ray.types import Rollout, RolloutConfig, Task
+from lightning_ray.weight_sync import resolve as resolve_weight_sync
 
 
 class Services:
