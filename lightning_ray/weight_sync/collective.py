@@ -3,8 +3,9 @@
 The learner packs its weights into buckets on its device at each publish and publishes only their layout and
 where to reach it. A replica that wants that version asks for it through the registry (`request_transfer`); a
 sender thread on learner rank 0 takes the request, answers with the version it holds, and broadcasts the buckets
-in a process group of its own with that replica: itself rank 0, the replica (or its tensor-parallel workers) after. So replicas that start late, or come back,
-pull like the others, and the trainer's barrier stays the registry's. Each replica keeps its group across versions
+in a process group of its own with that replica: itself rank 0, the replica (or its tensor-parallel workers)
+after. So replicas that start late, or come back, pull like the others, and the trainer's barrier stays the
+registry's. Each replica keeps its group across versions
 (an NCCL communicator takes ~1 s to build); a failure on either side drops it and the next request builds another.
 
 Groups are made from the learner's own `TCPStore`, not `init_process_group`: the learner's DeepSpeed group stays
