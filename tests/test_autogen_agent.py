@@ -4,6 +4,7 @@ runs from its own venv in a subprocess, and trains from rollout workers in their
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,20 +12,25 @@ from pathlib import Path
 import pytest
 import ray
 
+from lightning_ray.models import content_key
+
 
 ROOT = Path(__file__).resolve().parents[1]
-VENV = ROOT / ".venvs" / "autogen"
+CONSTRAINTS = ROOT / "envs/autogen/constraints.txt"
 
 
 @pytest.fixture(scope="module")
 def autogen_python() -> Path:
-    """AutoGen's pinned venv (envs/autogen), built on first use (~15 s)."""
-    python = VENV / "bin" / "python"
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(ROOT / "envs/autogen/constraints.txt"),
+    """AutoGen's pinned venv (envs/autogen), built on first use (~15 s), named by its pins' hash: new pins, new venv.
+    Built aside and renamed, so a failed install never leaves a venv that looks whole."""
+    venv = ROOT / ".venvs" / f"autogen-{content_key(CONSTRAINTS.read_text(), packages=())}"
+    if not (venv / "bin" / "python").exists():
+        building = venv.with_name(f"{venv.name}.tmp-{os.getpid()}")
+        subprocess.run([sys.executable, "-m", "venv", str(building)], check=True)
+        subprocess.run([str(building / "bin/python"), "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS),
                         "autogen-agentchat", "autogen-ext[openai]"], check=True, timeout=600)
-    return python
+        building.rename(venv)  # scripts in a venv name their interpreter by path: run it as `python -m` only
+    return venv / "bin" / "python"
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     db = sqlite3.connect(run_dir / "traces-spans.sqlite")  # reopened after the run, by a plain sqlite3 client
     spans = [
         {"span_id": r[0], "rollout_id": r[1], "name": r[2], "attributes": unpacked(json.loads(r[3]), r[4])}
-        for r in db.execute("SELECT span_id, rollout_id, name, attributes, arrays FROM spans")
+        for r in db.execute("SELECT span_id, rollout_id, name, attributes, arrays FROM spans ORDER BY start_time")
     ]
     rows = sqlite3.connect(run_dir / "traces.sqlite").execute("SELECT rollout_id, task, reward FROM rollouts")
     rollouts = [{"rollout_id": r[0], "group_id": json.loads(r[1])["group_id"], "reward": r[2]} for r in rows]
@@ -81,9 +81,22 @@ def test_one_transition_per_policy_call(run):
 
 def test_training_health_is_logged(run):
     first, second = run["history"]
-    for h in (first, second):
-        assert h["entropy"] > 0 and h["grad_norm"] > 0 and 0 < h["response_diversity"] <= 1
-        assert 0 <= h["truncation_rate"] <= 1
+    group_of = {r["rollout_id"]: r["group_id"] for r in run["rollouts"]}
+    for i, h in enumerate((first, second)):
+        assert h["entropy"] > 0 and h["grad_norm"] > 0
+        # both figures again from the iteration's calls in the store (every call is a transition, checked above)
+        calls = [s for s in run["spans"] if s["rollout_id"] and s["name"] == "llm.call"  # in the order they started
+                 and s["attributes"]["lightning_ray.policy_version"] == i
+                 and s["attributes"]["lightning_ray.sampling"]["temperature"] > 0]
+        truncated = [s["attributes"]["gen_ai.response.finish_reasons"] == ["length"] for s in calls]
+        assert h["truncation_rate"] == pytest.approx(sum(truncated) / len(calls))
+        episodes: dict[str, dict[str, list]] = {}  # per group, each rollout's responses' token ids end to end
+        for s in calls:
+            group = episodes.setdefault(group_of[s["rollout_id"]], {})
+            ids = s["attributes"]["lightning_ray.completion_token_ids"]
+            group[s["rollout_id"]] = group.get(s["rollout_id"], []) + ids
+        ratios = [len({tuple(ids) for ids in g.values()}) / len(g) for g in episodes.values()]
+        assert h["response_diversity"] == pytest.approx(sum(ratios) / len(ratios))
     assert first["kl_ref"] < 1e-6 < second["kl_ref"]  # the first step starts at the reference; then it moved
     # on-policy: the server sampled with the learner's weights (HF engine, same numerics), so no weight hits the cap
     assert first["tis_capped_frac"] == second["tis_capped_frac"] == 0 and first["value_loss"] == 0
@@ -91,7 +104,12 @@ def test_training_health_is_logged(run):
 
 def test_held_out_evaluation_is_greedy_and_logged(run):
     final = run["history"][-1]["eval"]
-    assert final["tasks"] == 8 and 0.0 <= final["accuracy"] <= 1.0
+    reward = {r["rollout_id"]: r["reward"] for r in run["rollouts"]}
+    after = {s["rollout_id"] for s in run["spans"] if s["name"] == "llm.call" and s["rollout_id"]
+             and s["attributes"]["lightning_ray.sampling"]["temperature"] == 0.0
+             and s["attributes"]["lightning_ray.policy_version"] == 2}  # the final weights' greedy rollouts
+    assert final["tasks"] == len(after) == 8
+    assert final["accuracy"] == sum(reward[r] is not None and reward[r] >= 1 for r in after) / 8
     eval_calls = [s["attributes"] for s in run["spans"] if s["name"] == "llm.call" and s["rollout_id"]
                   and s["attributes"]["lightning_ray.sampling"]["temperature"] == 0.0]
     assert len(eval_calls) >= 16  # 8 problems before training and 8 after, at least one call each

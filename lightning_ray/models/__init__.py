@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -44,9 +45,24 @@ def resolve_model_path(cfg: ModelConfig) -> Path:
             return _from_hub(cfg.path)
         raise FileNotFoundError(f"model.path={cfg.path}: no config.json there (expected an HF model directory, a "
                                 f"Hugging Face Hub id such as Qwen/Qwen2.5-0.5B-Instruct, or `{SMOLLM2}`)")
-    from lightning_ray.models.tiny import build_tiny_model
+    from lightning_ray.models import tiny
+    from lightning_ray.tasks import calc
 
-    return _cached(Path(cfg.cache_dir).expanduser() / "tiny-calc-v3", build_tiny_model)
+    # keyed on what the build reads: its code, the demonstrations' code and the libraries that train and save it
+    key = content_key(Path(tiny.__file__).read_text(), Path(calc.__file__).read_text())
+    return _cached(Path(cfg.cache_dir).expanduser() / f"tiny-calc-{key}", tiny.build_tiny_model)
+
+
+def content_key(*sources: str, packages: tuple[str, ...] = ("torch", "transformers", "tokenizers")) -> str:
+    """A short hash of a build's inputs (source texts, the versions of the packages it runs): a cache entry named by
+    it is rebuilt exactly when one of them changes, never by hand-bumped names."""
+    from importlib.metadata import version
+
+    h = hashlib.sha256()
+    for part in (*sources, *(f"{p}=={version(p)}" for p in packages)):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:12]
 
 
 def _cached(path: Path, build) -> Path:
