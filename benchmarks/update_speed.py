@@ -107,7 +107,8 @@ def learner_steps(model_path, batch, steps: int, token_budget: int, workers: int
     ZeRO stage it ran."""
     cfg = validate({"run_dir": tempfile.mkdtemp(), "trainer": {
         "num_workers": workers, "threads_per_worker": threads, "micro_batch_tokens": token_budget, "lr": 1e-6,
-        "zero_stage": stage, "resources_per_worker": {"CPU": 1, "GPU": 1} if torch.cuda.is_available() else {"CPU": 1}}})
+        "zero_stage": stage, "resources_per_worker": {"CPU": 1, "GPU": 1} if torch.cuda.is_available() else {"CPU": 1},
+        "max_logprob_gap": None}})  # made-up served logprobs
     learner = Learner(cfg, model_path, WeightRegistry.remote())
     times = []
     try:

@@ -1,10 +1,11 @@
 """The Lightning client: an agent that lives elsewhere (another process or machine, no Ray installed) takes rollouts
 from a lightning_ray store over HTTP, runs where it is, and streams its spans and rewards back.
 
-    client = LightningClient("http://head:8000/store", api_key=...)
+    client = LightningClient("http://head:8000/store", api_key=...)   # the operator's key, serve.api_key
     client.work(agent, reward, policy_url="http://head:8000", model="tiny-calc")
 
-It offers the same worker-side calls as the Ray StoreClient, so both drive the same rollout runner.
+The agent never sees that key: it gets one of its own for its attempt (lightning_ray/auth.py). The client offers
+the same worker-side calls as the Ray StoreClient, so both drive the same rollout runner.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class LightningClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=store_url.rstrip("/"), headers=headers, timeout=timeout)
         self.api_key = api_key
+        self.leases: dict[str, str] = {}  # attempt id -> the lease token dequeue gave (with an API key set)
 
     def _call(self, method: str, path: str, **kwargs):
         r = self.http.request(method, path, **kwargs)
@@ -43,15 +45,27 @@ class LightningClient:
 
     def dequeue(self, worker_id: str | None = None, attempt_id: str | None = None) -> Rollout | None:
         r = self._call("POST", "/v1/rollouts/dequeue", json={"worker_id": worker_id, "attempt_id": attempt_id})
-        return None if r is None else Rollout(**r)
+        if r is None:
+            return None
+        if token := r.pop("lease_token", None):
+            self.leases[r["attempt_id"]] = token
+        return Rollout(**r)
+
+    def _lease(self, attempt_id: str) -> dict:
+        return {"x-lease-token": self.leases[attempt_id]} if attempt_id in self.leases else {}
 
     def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
-        return Attempt(**self._call("POST", f"/v1/rollouts/{rollout_id}/attempts/{attempt_id}/heartbeat"))
+        return Attempt(**self._call("POST", f"/v1/rollouts/{rollout_id}/attempts/{attempt_id}/heartbeat",
+                                    headers=self._lease(attempt_id)))
 
     def finish_attempt(self, rollout_id: str, attempt_id: str, status: str, reward: float | None = None,
                        error: str | None = None) -> Rollout:
-        return Rollout(**self._call("POST", f"/v1/rollouts/{rollout_id}/attempts/{attempt_id}/finish",
-                                    json={"status": status, "reward": reward, "error": error}))
+        try:
+            return Rollout(**self._call("POST", f"/v1/rollouts/{rollout_id}/attempts/{attempt_id}/finish",
+                                        json={"status": status, "reward": reward, "error": error},
+                                        headers=self._lease(attempt_id)))
+        finally:
+            self.leases.pop(attempt_id, None)  # the attempt has ended, or cannot be ended by us: no call needs it
 
     def add_spans(self, spans: list[Span]) -> dict:
         return self._call("POST", "/v1/spans", content=_spans_json(spans),
@@ -77,8 +91,9 @@ class LightningClient:
 
     def work(self, agent: Callable, reward: Callable, policy_url: str, model: str, worker_id: str | None = None,
              tracing_backend: str = "embedded") -> int:
-        """Run rollouts until the queue is empty (see rollout.runner); return how many ran."""
-        return work(self, agent, reward, policy_url, model, self.api_key or "EMPTY", worker_id, tracing_backend)
+        """Run rollouts until the queue is empty (see rollout.runner); return how many ran. Each agent gets a key
+        for its own attempt, not this client's."""
+        return work(self, agent, reward, policy_url, model, self.api_key, worker_id, tracing_backend)
 
 
 def _spans_json(spans: list[Span]) -> bytes:

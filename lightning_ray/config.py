@@ -4,6 +4,7 @@ value fails before anything starts, with the key's dotted name in the message.""
 from __future__ import annotations
 
 import functools
+import ipaddress
 import re
 import sys
 from pathlib import Path
@@ -50,6 +51,8 @@ class AIRConfig(_Strict):
     follows; 0 turns a rule off (all off by default). They reach training through algorithm.credit per_step or
     discounted (terminal credit uses the final reward only)."""
 
+    model_config = ConfigDict(allow_inf_nan=False)  # a NaN or infinite reward would poison every advantage
+
     tool_ok: float = 0.0  # a tool call that succeeded
     tool_error: float = 0.0  # a tool call that raised
     tool_timeout: float = 0.0  # a tool call that timed out
@@ -84,6 +87,9 @@ class TaskConfig(_Strict):
     # OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL and the task (JSON on stdin) and prints its answer.
     agent: str | None = Field(None, pattern=r"^[\w.]+:[\w.]+$")
     command: list[str] | None = Field(None, min_length=1)
+    # A command gets its endpoint, its task and the basics (rollout/agents.py: PATH, HOME, ...) of the worker's
+    # environment, not the rest of it (credentials): these names too, e.g. [JAVA_HOME, HTTPS_PROXY]
+    agent_env: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]] = []
     runtime_env: dict[str, Any] | None = None  # the rollout workers' Ray runtime_env (pip, env_vars, working_dir, ...)
 
     @model_validator(mode="after")
@@ -125,12 +131,22 @@ class EngineConfig(_Strict):
         return self
 
 
+def _loopback(host: str) -> bool:
+    """Whether only this machine reaches `host`: a loopback address or `localhost` (any other name may resolve to
+    an interface others reach)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class ServeConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, lt=65536)
     num_replicas: int = Field(1, gt=0)
     autoscaling: dict[str, Any] | None = None  # Serve's autoscaling_config; replaces num_replicas when set
-    api_key: str | None = None
+    # The operator's key: every request needs it (Authorization: Bearer), but an agent's own key (lightning_ray/auth.py)
+    api_key: str | None = Field(None, min_length=1)
     sync_timeout_s: float = Field(120.0, gt=0)
     # a weight update waits this long for in-flight generations, then ends them (503, "drain_timeout")
     drain_timeout_s: float = Field(60.0, gt=0)
@@ -138,6 +154,13 @@ class ServeConfig(_Strict):
     # <tool_call> tools, for models whose template ignores tools, as SmolLM2's does), or a Jinja file's path.
     chat_template: str | None = None
     resources: Resources = {"CPU": 1}  # each replica's (placement.py); e.g. {CPU: 1, GPU: 1} on a GPU node
+
+    @model_validator(mode="after")
+    def _exposed_only_with_a_key(self):
+        if not self.api_key and not _loopback(self.host):  # else anyone who reaches it queues, scores, reads tasks
+            raise ValueError(f"serve.host={self.host} opens the policy and the store API beyond this machine, and "
+                             "serve.api_key is not set: set serve.api_key, or serve.host=127.0.0.1")
+        return self
 
 
 class RolloutConfig(_Strict):
@@ -181,6 +204,11 @@ class AlgorithmConfig(_Strict):
     baseline: Literal["group", "turn"] = "group"
     clip_eps: float = Field(0.2, gt=0)  # PPO clip: the ratio is kept within [1 - clip_eps, 1 + clip_eps_high]
     clip_eps_high: float | None = Field(None, gt=0)  # clip-higher (DAPO); null: clip_eps
+    # PPO's reuse of a batch: mini_batches optimizer steps (each normalized over itself as loss_aggregation says),
+    # the whole repeated ppo_epochs times, all against the logprobs from before the first: the ratio moves, and the
+    # clip acts, from the second step on. 1 and 1: one on-policy step (ratio 1). Still one new version per batch.
+    ppo_epochs: int = Field(1, gt=0)
+    mini_batches: int = Field(1, gt=0)
     overlong_filter: bool = False  # leave out of the loss the calls cut off at max_tokens (DAPO)
     entropy_coef: float = Field(0.0, ge=0)  # entropy bonus in the loss (entropy is reported whatever its value)
     # KL to the frozen initial policy; > 0 keeps a reference copy on every rank (and reports kl_ref)
@@ -213,6 +241,10 @@ class AlgorithmConfig(_Strict):
         if self.level == "trajectory" and (self.credit != "terminal" or self.baseline != "group"):
             raise ValueError("algorithm.credit and algorithm.baseline other than terminal / group give each call "
                              "its own advantage: they need algorithm.level=transition")
+        if self.kl_coef > 0 and self.kl_penalty == "loss" and self.kl_estimator == "k1":
+            raise ValueError("algorithm.kl_estimator=k1 as a loss term has zero expected gradient (that of log π − "
+                             "log π_ref on tokens π sampled is ∇log π, which averages to 0): it would not pull "
+                             "towards the reference. Use k3, or k1 as a reward penalty (kl_penalty=reward, with ppo)")
         if self.kl_penalty == "reward" and self.estimator != "ppo":
             raise ValueError("algorithm.kl_penalty=reward puts the KL in per-token rewards, which only the critic's "
                              "token-level advantages use: it needs algorithm.estimator=ppo (or kl_penalty=loss)")
@@ -258,6 +290,11 @@ class TrainerConfig(_Strict):
     eval_every: int = Field(4, ge=0)  # held-out evaluation before training, every N iterations and at the end; 0: none
     checkpoint_every: int = Field(1, gt=0)
     step_timeout_s: float = Field(600.0, gt=0)
+    # The first step fails, before any update, where the learner's untempered logprobs of the sampled tokens are
+    # further than this from the server's, per token on average (metrics' logprob_abs_diff: ~1e-7 at fp32 on CPUs,
+    # < 0.05 in bf16 on a GPU): the two would not compute the same policy (another model or revision, chat template,
+    # dtype, logit processing). null: no check
+    max_logprob_gap: float | None = Field(0.1, gt=0)
     # each Ray Train worker's resources, and how its placement group spreads the workers over nodes
     resources_per_worker: Resources = {"CPU": 1}
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
@@ -314,17 +351,30 @@ class TrainConfig(_Strict):
 
 # A secret's key (serve.api_key, an env var's name: OPENAI_API_KEY, HF_TOKEN, ...) or a value shaped like a token
 SECRET_KEY = re.compile(r"key|token|secret|passw", re.IGNORECASE)
-SECRET_VALUE = re.compile(r"^(sk-|hf_|ghp_|gho_|github_pat_|xox[abp]-|AKIA)[\w-]{8,}")
+SECRET_VALUE = re.compile(r"(?<![\w-])(sk-|hf_|ghp_|gho_|github_pat_|xox[abp]-|AKIA)[\w-]{8,}")
+ENV_REF = r"\$\{oc\.env:\w+\}"  # where a secret comes from ('serve.api_key=${oc.env:MY_KEY}'), not the secret: kept
+# An override that sets a secret, as Hydra's records of a command line hold it: alone, or one of a k=v,k=v list
+# (override_dirname); its value runs to the next override
+_NEXT = r"(?=,[+~]*[\w.@/-]+=|$)"
+SECRET_OVERRIDE = re.compile(
+    rf"((?:^|,)[+~]*[\w.@/-]*(?:{SECRET_KEY.pattern})[\w.@/-]*=)(?!{ENV_REF}{_NEXT}).+?{_NEXT}", re.IGNORECASE)
 
 
 def masked(node: Any) -> Any:
-    """node with every secret-looking string replaced by '***'."""
+    """node with every secret-looking string, or part of a string, replaced by '***'."""
     if isinstance(node, dict):
-        return {k: "***" if isinstance(v, str) and v and SECRET_KEY.search(str(k)) else masked(v)
-                for k, v in node.items()}
+        return {k: "***" if isinstance(v, str) and v and SECRET_KEY.search(str(k)) and not re.fullmatch(ENV_REF, v)
+                else masked(v) for k, v in node.items()}
     if isinstance(node, list):
         return [masked(v) for v in node]
-    return "***" if isinstance(node, str) and SECRET_VALUE.match(node) else node
+    return SECRET_OVERRIDE.sub(r"\1***", SECRET_VALUE.sub("***", node)) if isinstance(node, str) else node
+
+
+def mask_file(path: Path) -> None:
+    """A YAML record (Hydra's multirun.yaml, .hydra/*.yaml) rewritten with its secrets masked."""
+    text = path.read_text()
+    if (clean := yaml.safe_dump(masked(yaml.safe_load(text)), sort_keys=False)) != text:
+        path.write_text(clean)
 
 
 class APOConfig(_Strict):

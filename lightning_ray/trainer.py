@@ -138,9 +138,11 @@ def _record(iteration, rollouts, spans, transitions, adapted, sampling, version,
         "reward_mean": sum(r.reward or 0.0 for r in rollouts) / len(rollouts),
         "rollouts": len(rollouts),
         "failed_rollouts": sum(r.status == "failed" for r in rollouts),
-        "infra_failed_rollouts": sum(r.reward is None for r in rollouts),  # left out of training
+        # no reward, or not a finite one: left out of training
+        "infra_failed_rollouts": adapted["infra_failed_rollouts"],
         "transitions": len(transitions),
         "policy_calls": adapted["policy_calls"],
+        "unanswered_calls": adapted["unanswered_calls"],  # errored or aborted: the agent never saw them
         "truncation_rate": adapted["truncated_calls"] / max(adapted["policy_calls"], 1),
         # re-tokenization drift between a rollout's consecutive calls
         "prefix_break_rate": adapted["prefix_breaks"] / max(adapted["call_joins"], 1),
@@ -152,7 +154,7 @@ def _record(iteration, rollouts, spans, transitions, adapted, sampling, version,
         "response_diversity": response_diversity(transitions),
         "rollout_policy_versions": sorted({tr.policy_version for tr in transitions}),
         "policy_version": version,
-        "updated": bool(results),
+        "updated": bool(results) and results[0]["updated"],  # not when every step was skipped (non-finite)
         "seconds": seconds,
     }
     if results:
@@ -167,6 +169,8 @@ def _record(iteration, rollouts, spans, transitions, adapted, sampling, version,
             "value_loss": sum(r["value_loss"] for r in results),  # PPO's critic (0 without one)
             "tis_capped_frac": sum(r["tis_capped"] for r in results) / len(results),  # tokens at algorithm.tis_cap
             "grad_norm": results[0]["grad_norm"],
+            # optimizer steps (algorithm.mini_batches × ppo_epochs), those skipped: a loss or gradient not finite
+            "steps": results[0]["steps"], "skipped_nonfinite": results[0]["skipped_nonfinite"],
             "trained_tokens": sum(r["tokens"] for r in results),
             "micro_batches": sum(r["micro_batches"] for r in results),
             "worker_digests": [r["digest"] for r in results],
@@ -196,7 +200,9 @@ def response_diversity(transitions) -> float:
 
 
 def _summary(r: dict) -> str:
-    update = f"policy v{r['policy_version']} served" if r["updated"] else "no signal: policy unchanged"
+    update = (f"policy v{r['policy_version']} served" if r["updated"] else
+              "steps skipped (not finite): policy unchanged" if r.get("skipped_nonfinite") else
+              "no signal: policy unchanged")
     held_out = f" | held-out {r['eval']['accuracy']:.3f}" if "eval" in r else ""
     rounds = f" ({r['sampling_rounds']} rounds)" if r["sampling_rounds"] > 1 else ""
     return (f"iter {r['iteration']}: reward {r['reward_mean']:.3f} | groups with signal {r['groups_with_signal']}"

@@ -22,14 +22,22 @@ def new_id(prefix: str) -> str:
 
 
 class Task(BaseModel):
-    """One problem for the agent. `group_id` ties the GRPO group of rollouts of the same task together.
-    `sampling`: defaults the policy server applies to this rollout's calls where the agent's request leaves them
-    unset (evaluation decodes greedily with {"temperature": 0} whatever the training temperature is)."""
+    """One problem for the agent. `input` is what the agent gets; `reference` what only the reward function reads
+    besides it (the expected answer, a gold query): never handed to the agent. `group_id` ties the GRPO group of
+    rollouts of the same task together. `sampling`: defaults the policy server applies to this rollout's calls where
+    the agent's request leaves them unset (evaluation decodes greedily with {"temperature": 0} whatever the training
+    temperature is)."""
 
     task_id: str
     input: dict[str, Any]
+    reference: dict[str, Any] = Field(default_factory=dict)
     group_id: str | None = None
     sampling: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def reward_input(self) -> dict[str, Any]:
+        """What the task's reward function is given: the input and the reference."""
+        return {**self.input, **self.reference}
 
 
 class RolloutConfig(BaseModel):
@@ -169,6 +177,9 @@ class Transition(ArrayModel):
     # Trajectory level (several calls merged into one sequence): 1 for the policy's response tokens, 0 for the
     # tool results and user turns between them, which are context, not actions. None: every response token is.
     loss_mask: Mask | None = None
+    # Trajectory level: the action tokens of each merged call, in order, so the loss weighs each call as it would
+    # weigh it alone (algorithm/grpo.py token_weights). None: one call.
+    call_tokens: list[int] | None = None
 
     @model_validator(mode="after")
     def _one_logprob_per_response_token(self) -> Transition:

@@ -4,6 +4,7 @@ the real trace store (stored as the platform's, read back, credited to the calls
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from lightning_ray.algorithm.air import RULE, air_spans
 from lightning_ray.algorithm.lightningrl import recorded_calls, transitions_from_spans
@@ -18,7 +19,8 @@ RULES = AIRConfig(tool_ok=0.05, tool_error=-0.2, tool_timeout=-0.3, malformed_to
 def call(start, response, rollout="ro-1"):
     return Span(rollout_id=rollout, attempt_id="at-1", name=semconv.LLM_CALL, start_time=start, origin="server",
                 attributes={semconv.MODEL: "policy", semconv.PROMPT_TOKEN_IDS: [1], semconv.COMPLETION_TOKEN_IDS: [2],
-                            semconv.LOGPROBS: [-0.5], semconv.POLICY_VERSION: 0, "lightning_ray.response": response})
+                            semconv.LOGPROBS: [-0.5], semconv.POLICY_VERSION: 0, "lightning_ray.response": response,
+                            semconv.FINISH_REASONS: ["stop"]})
 
 
 def tool(start, status="ok", error_type=None, message=None):
@@ -59,6 +61,14 @@ def test_air_rewards_become_step_rewards_of_the_calls_they_follow():
     # an agent cannot pass its own reward spans off as AIR: client-origin rewards are not intermediate rewards
     forged = [s.model_copy(update={"origin": "client"}) for s in air_spans(spans, RULES, recorded_calls)]
     assert [t.step_reward for t in transitions_from_spans(rollout, spans + forged, "policy")] == [0.0] * 3
+
+
+def test_air_judges_only_answers_the_agent_got_and_its_rewards_must_be_finite():
+    aborted = call(1.0, "ANSWER 4")  # cut off mid-answer: the agent never saw it, nor will the learner
+    aborted.status, aborted.attributes[semconv.CALL_ERROR] = "error", "GeneratorExit: "
+    assert air_spans([aborted], RULES, recorded_calls) == []
+    with pytest.raises(ValidationError, match="finite"):
+        AIRConfig(tool_error=float("-inf"))
 
 
 def test_air_spans_are_stored_as_the_platforms_and_read_back(ray_cluster, tmp_path):

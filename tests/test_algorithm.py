@@ -14,7 +14,7 @@ from lightning_ray.algorithm.grpo import kl_to_reference, policy_loss, token_wei
 from lightning_ray.algorithm.lightningrl import (adapt, merge_calls, scored_faithfully, spans_read,
                                                 transitions_from_spans)
 from lightning_ray.algorithm.select import Selection
-from lightning_ray.config import SelectConfig
+from lightning_ray.config import AlgorithmConfig, SelectConfig
 from lightning_ray.store.sqlite import SQLiteBackend, span_row
 from lightning_ray.training.learner import micro_batches
 from lightning_ray.tracing import semconv
@@ -25,7 +25,7 @@ def llm_span(rollout, model, start, prompt, completion, attempt="at-1", version=
     return Span(rollout_id=rollout, attempt_id=attempt, name=semconv.LLM_CALL, start_time=start, origin=origin,
                 attributes={semconv.MODEL: model, semconv.PROMPT_TOKEN_IDS: prompt,
                             semconv.COMPLETION_TOKEN_IDS: completion, semconv.LOGPROBS: [-0.5] * len(completion),
-                            semconv.POLICY_VERSION: version})
+                            semconv.POLICY_VERSION: version, semconv.FINISH_REASONS: ["stop"]})
 
 
 def reward_span(value, rollout="ro-1", attempt="at-1"):
@@ -271,6 +271,15 @@ def test_kl_estimators_by_hand():
     assert kl_to_reference(logprobs, logprobs, "k3").tolist() == [0.0, 0.0]
 
 
+def test_k1_is_refused_as_a_loss_term():
+    """As a loss, k1 = log π − log π_ref on tokens π sampled has the gradient ∇log π, whose expectation is 0: it would
+    not pull towards the reference. As a reward penalty (PPO's) it is fine."""
+    with pytest.raises(ValueError, match="algorithm.kl_estimator=k1"):
+        AlgorithmConfig(kl_coef=0.1, kl_estimator="k1")
+    AlgorithmConfig(kl_coef=0.1, kl_estimator="k1", kl_penalty="reward", estimator="ppo")
+    AlgorithmConfig(kl_coef=0.1, kl_estimator="k3")
+
+
 def test_calls_cut_off_at_max_tokens_are_counted():
     rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}), attempt_id="at-1", reward=1.0)
     spans = [llm_span("ro-1", "policy", float(i), [1], [2]) for i in range(4)]
@@ -295,9 +304,12 @@ def sized(response_len, advantage=1.0, prompt_len=4):
 def test_token_weights_sum_the_loss_over_the_whole_batch(aggregation, expected):
     batch = [sized(1), sized(3)]
     weights = token_weights(batch, aggregation, max_tokens=10)
-    assert weights == pytest.approx(expected)
+    assert [w.tolist() for w in weights] == [pytest.approx([expected[0]]), pytest.approx([expected[1]] * 3)]
     if aggregation != "token_sum":  # a mean: the weights of all tokens add up to 1
-        assert sum(w * len(t.response_ids) for w, t in zip(weights, batch)) == pytest.approx(1.0)
+        assert sum(w.sum() for w in weights) == pytest.approx(1.0)
+    # the two calls merged into one sequence (trajectory level): each call weighs what it did alone
+    merged = sized(4).model_copy(update={"call_tokens": [1, 3]})
+    assert token_weights([merged], aggregation, max_tokens=10)[0].tolist() == pytest.approx(np.concatenate(weights))
 
 
 def test_micro_batches_stay_within_the_token_budget_and_keep_every_transition():
@@ -317,6 +329,57 @@ def test_rollouts_the_platform_failed_give_no_transitions():
     scored_zero = rollout.model_copy(update={"reward": 0.0})  # the agent's own failure: the policy scored 0
     assert [t.reward for t in transitions_from_spans(scored_zero, [llm_span("ro-1", "policy", 1.0, [1], [2])],
                                                      "policy")] == [0.0]
+
+
+def test_rollouts_whose_reward_is_not_finite_are_left_out_as_the_platforms_failures():
+    """A NaN or infinite final reward, or AIR reward (the platform's own; one stored as JSON null was infinite),
+    excludes the rollout and is counted with the rollouts the platform failed; the others are adapted as usual."""
+    def rollout(rid, reward):
+        return Rollout(rollout_id=rid, task=Task(task_id="t", input={}, group_id="g"), attempt_id="at-1", reward=reward)
+
+    def air(rid, value):
+        return reward_span(value, rid).model_copy(update={"origin": "server"})
+
+    rollouts = [rollout("ok", 1.0), rollout("inf", float("inf")), rollout("nan", float("nan")), rollout("none", None),
+                rollout("air-inf", 0.0), rollout("air-null", 0.0)]
+    spans = [llm_span(r.rollout_id, "policy", 1.0, [1], [2]) for r in rollouts]
+    spans += [air("ok", 0.1), air("air-inf", float("-inf")), air("air-null", None)]
+    transitions, counts = adapt(rollouts, spans, "policy")
+    assert [(t.rollout_id, t.step_reward) for t in transitions] == [("ok", 0.1)]
+    assert counts["infra_failed_rollouts"] == 5 and counts["policy_calls"] == 1
+    assert all(transitions_from_spans(r, spans, "policy") == [] for r in rollouts[1:])
+
+
+def test_calls_the_agent_never_got_an_answer_to_make_no_transitions():
+    """An errored or aborted call (its partial sample), or one without a finish reason, stays in the trace but is
+    not trained; its siblings are, numbered among themselves, and AIR's rewards go to the calls the agent saw."""
+    rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}), attempt_id="at-1", reward=1.0)
+    first, aborted, unfinished, retry = (llm_span("ro-1", "policy", float(i), [1], [2 + i]) for i in range(4))
+    aborted.status, aborted.status_message = "error", "CancelledError: "
+    aborted.attributes.update({semconv.CALL_ERROR: "CancelledError: ", semconv.FINISH_REASONS: [None]})
+    del unfinished.attributes[semconv.FINISH_REASONS]
+    late = reward_span(-0.5).model_copy(update={"origin": "server", "start_time": 3.5})  # after the retry
+    transitions, counts = adapt([rollout], [first, aborted, unfinished, retry, late], "policy")
+    assert [(t.span_id, t.step, t.step_reward) for t in transitions] == [(first.span_id, 0, 0.0),
+                                                                          (retry.span_id, 1, -0.5)]
+    assert counts["policy_calls"] == 2 and counts["unanswered_calls"] == 2
+    errored = first.model_copy(update={"status": "error"})  # the status alone is enough (any OTel-style recorder)
+    assert transitions_from_spans(rollout, [errored], "policy") == []
+
+
+def test_estimators_leave_out_a_rollout_whose_return_is_not_finite():
+    """Rewards 1, 0, inf, 0 in one group: grpo and reinforce_pp used to raise, rloo and dr_grpo to give ±inf / NaN
+    advantages that counted as signal. The rollout is left out, and the group is judged as if it had not run."""
+    ts = [transition("a", "g", 1.0), transition("b", "g", 0.0), transition("d", "g", 0.0)]
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        poisoned = ts[:2] + [transition("c", "g", bad)] + ts[2:]
+        for estimator in ("grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"):
+            out = compute_advantages(poisoned, estimator)
+            assert [t.rollout_id for t in out] == ["a", "b", "d"], (estimator, bad)
+            assert out == compute_advantages(ts, estimator), (estimator, bad)
+        stepped = ts + [transition("c", "g", 0.0, step=1, step_reward=bad)]  # an intermediate reward, per_step
+        assert [t.rollout_id for t in compute_advantages(stepped, credit="per_step")] == ["a", "b", "d"]
+    assert advantages(ts, estimator="dr_grpo") == pytest.approx([2 / 3, -1 / 3, -1 / 3])
 
 
 def test_transitions_carry_the_temperature_their_call_was_sampled_at():
@@ -344,7 +407,7 @@ def test_calls_whose_prompts_extend_the_context_merge_into_one_masked_sequence()
     assert breaks == 0 and len(merged) == 2
     m = merged[0]
     assert m.prompt_ids.tolist() == [1, 2, 3] and m.response_ids.tolist() == [4, 5, 9, 9, 6, 8, 7]
-    assert m.loss_mask.tolist() == [1, 1, 0, 0, 1, 0, 1] and m.action_tokens == 4
+    assert m.loss_mask.tolist() == [1, 1, 0, 0, 1, 0, 1] and m.action_tokens == 4 and m.call_tokens == [2, 1, 1]
     assert m.logprobs[m.loss_mask == 1].tolist() == [*first.logprobs, *second.logprobs, *third.logprobs]
     assert not m.logprobs[m.loss_mask == 0].any()  # the tool result's tokens were not sampled
     assert merged[1] == other
@@ -364,7 +427,8 @@ def test_adapt_reports_calls_and_drift():
     spans = [llm_span("ro-1", "policy", 1.0, [1, 2], [3]), llm_span("ro-1", "policy", 2.0, [1, 2, 3, 7], [4])]
     transitions, stats = adapt([rollout], spans, "policy", "trajectory")
     assert len(transitions) == 1 and transitions[0].response_ids.tolist() == [3, 7, 4]
-    assert stats == {"policy_calls": 2, "truncated_calls": 0, "call_joins": 1, "prefix_breaks": 0}
+    assert stats == {"policy_calls": 2, "truncated_calls": 0, "unanswered_calls": 0, "call_joins": 1,
+                     "prefix_breaks": 0, "infra_failed_rollouts": 0}
     transitions, stats = adapt([rollout], spans, "policy", "transition")
     assert len(transitions) == 2
 

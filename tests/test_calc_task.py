@@ -17,10 +17,11 @@ def test_tasks_are_deterministic_json_safe_and_scored_by_their_generator():
     assert [t.task_id for t in tasks[:2]] == ["basic_arithmetic-3-0", "basic_arithmetic-3-1"]
     assert len({t.input["question"] for t in tasks}) == 200
     for t in tasks:
-        assert json.loads(json.dumps(t.input)) == t.input  # tuples in the generator's metadata became lists
+        assert json.loads(json.dumps(t.reference)) == t.reference  # tuples in the generator's metadata became lists
         assert (t.input["dataset"], t.input["protocol"]) == ("basic_arithmetic", "tools")
+        assert set(t.input) == {"question", "dataset", "protocol"}  # the agent's: the answer is not among them
         # our calculator, on the generator's own expression, gives the generator's answer
-        assert str(calc.calculate(t.input["metadata"]["expression"])) == t.input["answer"]
+        assert str(calc.calculate(t.reference["metadata"]["expression"])) == t.reference["answer"]
     word = calc.make_tasks(3, seed=3, dataset="gsm_symbolic", protocol="text")
     assert word == calc.make_tasks(3, seed=3, dataset="gsm_symbolic", protocol="text")
     assert word[0].task_id == "gsm_symbolic-3-0" and word[0].input["protocol"] == "text"
@@ -58,14 +59,14 @@ def test_calculator_divides_exactly(expr, value):
 
 def test_reward_is_the_generators_score():
     [task] = calc.make_tasks(1, seed=0)
-    assert (task.input["question"], task.input["answer"]) == ("Calculate -33 / 11 + -22.", "-25")
-    assert calc.reward(task.input, "-25") == 1.0
-    assert calc.reward(task.input, "-24") == 0.0
-    assert calc.reward(task.input, None) == 0.0
-    assert calc.reward(task.input, "-250") == 0.75  # basic_arithmetic's partial credit: the answer inside it
+    assert (task.input["question"], task.reference["answer"]) == ("Calculate -33 / 11 + -22.", "-25")
+    assert calc.reward(task.reward_input, "-25") == 1.0
+    assert calc.reward(task.reward_input, "-24") == 0.0
+    assert calc.reward(task.reward_input, None) == 0.0
+    assert calc.reward(task.reward_input, "-250") == 0.75  # basic_arithmetic's partial credit: the answer inside it
     [word] = calc.make_tasks(1, seed=0, dataset="gsm_symbolic")
-    assert calc.reward(word.input, word.input["answer"]) == 1.0
-    assert calc.reward(word.input, None) == 0.0
+    assert calc.reward(word.reward_input, word.reference["answer"]) == 1.0
+    assert calc.reward(word.reward_input, None) == 0.0
 
 
 @pytest.fixture(scope="module")

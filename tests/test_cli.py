@@ -5,7 +5,6 @@ openai client until Ctrl-C."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import sqlite3
 import subprocess
@@ -202,7 +201,7 @@ def test_the_rayservice_application_serves_the_checkpoint(run_dir, ray_cluster, 
     [application] = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
     assert application["import_path"] == "jobs.serve:app"
     here = {"model.path": str(run_dir / "checkpoint"), "run_root": str(tmp_path), "serve.host": "127.0.0.1",
-            "+serve.resources.GPU": None}
+            "serve.api_key": None, "+serve.resources.GPU": None}  # the key: the pods' Secret; on loopback, none
     overrides = [o for o in application["args"]["overrides"] if o.split("=")[0] not in here]
     overrides += [f"{k}={v}" for k, v in here.items() if v] + ["engine=hf", "engine.max_model_len=512"]
     serve.start(http_options={"host": "127.0.0.1", "port": serve_port})

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import free_port
 import yaml
+from omegaconf import OmegaConf
 
 from lightning_ray.config import APOJobConfig, ConfigError, TrainConfig, compose, masked, validate
 
@@ -53,7 +54,16 @@ def within(chosen, resolved) -> bool:
 @pytest.mark.parametrize("job, schema", [("train", TrainConfig), ("apo", APOJobConfig)])
 def test_each_experiment_composes_and_validates(experiment, job, schema, tmp_path):
     cfg = compose([f"experiment={experiment}", f"run_dir={tmp_path}"], job, schema)
-    assert cfg.run_dir == str(tmp_path)
+    preset = yaml.safe_load((CONFIGS / "experiment" / f"{experiment}.yaml").read_text())
+    expected = OmegaConf.create()  # each group option the preset picks, then the preset's own values over them
+    for entry in preset.get("defaults", []):
+        if isinstance(entry, dict) and (override := next(iter(entry))).startswith("override /"):
+            group, option = override.removeprefix("override /"), entry[override]
+            text = (CONFIGS / group / f"{option}.yaml").read_text()
+            chosen = {k: v for k, v in (yaml.safe_load(text) or {}).items() if k != "defaults"}
+            expected = OmegaConf.merge(expected, chosen if "# @package _global_" in text else {group: chosen})
+    expected = OmegaConf.merge(expected, {k: v for k, v in preset.items() if k != "defaults"})
+    assert within(OmegaConf.to_container(expected), cfg.model_dump(mode="json"))
 
 
 def test_the_default_run_is_the_calc_smollm2_preset(tmp_path):
@@ -142,12 +152,24 @@ def test_every_readme_override_works_as_written(job, overrides, tmp_path):
     ("model.path=runs/<run>/checkpoint", "model.path=runs/<run>/checkpoint"),  # not Hydra's grammar: shown where
     ("+serve.resources.policy_gpu=-1", "serve.resources.policy_gpu"),
     ("trainer.placement_strategy=CLOSE", "trainer.placement_strategy"),
+    ("serve.host=0.0.0.0", "serve.api_key"),  # exposed without a key: refused, the key it needs named
 ])
 def test_bad_values_name_the_key(override, named, tmp_path):
     r = run_job(override, f"hydra.run.dir={tmp_path}")
     assert r.returncode != 0
     assert named in r.stderr and "Traceback" not in r.stderr
     assert {p.suffix for p in tmp_path.iterdir()} <= {".log"}  # nothing started: Hydra's log file at most
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "'::'", "10.1.2.3", "head.example.org"])
+def test_a_host_beyond_loopback_needs_an_api_key(host, tmp_path):
+    with pytest.raises(ConfigError, match=r"serve.host=.* serve\.api_key is not set"):
+        compose([f"serve.host={host}", f"run_dir={tmp_path}"])
+    assert compose([f"serve.host={host}", "serve.api_key=k", f"run_dir={tmp_path}"]).serve.api_key == "k"
+    for loopback in ("127.0.0.1", "localhost", "'::1'", "127.0.0.2"):  # no key needed where only this machine reaches
+        assert compose([f"serve.host={loopback}", f"run_dir={tmp_path}"]).serve.api_key is None
+    with pytest.raises(ConfigError, match="serve.api_key"):  # an empty key would turn the check off
+        compose(["serve.host=0.0.0.0", "serve.api_key=''", f"run_dir={tmp_path}"])
 
 
 def test_cfg_job_prints_the_resolved_config_and_runs_nothing(tmp_path):
@@ -169,6 +191,11 @@ def test_no_secret_reaches_the_run_directory(tmp_path):
     r = run_job("serve.api_key=sk-secret-1", "rollout.group_size=0", f"hydra.run.dir={tmp_path}")
     assert r.returncode != 0 and "rollout.group_size" in r.stderr
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and b"sk-secret-1" in p.read_bytes()]
+    # asked for, .hydra/ is written, then masked before the job runs
+    r = run_job("serve.api_key=plain-secret", "rollout.group_size=0", "hydra.output_subdir=.hydra",
+                f"hydra.run.dir={tmp_path / 'recorded'}")
+    assert r.returncode != 0 and (tmp_path / "recorded" / ".hydra" / "overrides.yaml").exists()
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and b"plain-secret" in p.read_bytes()]
 
     cfg = compose([f"run_dir={tmp_path}", "serve.api_key=sk-secret-1", "trainer.lr=3e-4", "+engine.env.HF_TOKEN=abc",
                    "task.runtime_env={env_vars: {OPENAI_API_KEY: xyz, WANDB_MODE: offline}}",
@@ -186,12 +213,14 @@ def test_no_secret_reaches_the_run_directory(tmp_path):
 
 def test_a_sweep_gives_each_job_its_own_run_directory_and_keeps_a_key_from_the_environment_out(tmp_path, monkeypatch):
     """-m: every job of a sweep resolves ${now:...} alike (OmegaConf caches it), so each gets run_root/multirun/<time>/i
-    instead; Hydra's multirun.yaml (command-line overrides in clear) lies there too, not in the current directory,
-    and a key given as ${oc.env:...} stays an interpolation in it."""
+    instead; Hydra's multirun.yaml lies there too, not in the current directory. Hydra writes it, and .hydra/ when
+    asked, with the command line in clear: masked as each job starts, and a key given as ${oc.env:...} stays an
+    interpolation there."""
     monkeypatch.setenv("SWEEP_TEST_KEY", "sk-secret-2")
     stray = (ROOT / "multirun").exists()
     r = subprocess.run([sys.executable, "jobs/train.py", "-m", "seed=0,1", "experiment=calc_tiny", "trainer.iterations=1",
                         "task.eval_size=4", "serve.api_key=${oc.env:SWEEP_TEST_KEY}", f"serve.port={free_port()}",
+                        "+engine.env.HF_TOKEN=hf_sweepsecret0123", "hydra.output_subdir=.hydra",
                         f"run_root={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     [sweep] = tmp_path.glob("multirun/*")
@@ -199,8 +228,12 @@ def test_a_sweep_gives_each_job_its_own_run_directory_and_keeps_a_key_from_the_e
         assert len((sweep / job / "metrics.jsonl").read_text().splitlines()) == 1
         saved = yaml.safe_load((sweep / job / "config.yaml").read_text())
         assert (saved["seed"], saved["serve"]["api_key"], saved["run_dir"]) == (int(job), "***", str(sweep / job))
-    assert yaml.safe_load((sweep / "multirun.yaml").read_text())["serve"]["api_key"] == "${oc.env:SWEEP_TEST_KEY}"
-    assert not [p for p in tmp_path.rglob("*") if p.is_file() and b"sk-secret-2" in p.read_bytes()]
+        assert "+engine.env.HF_TOKEN=***" in yaml.safe_load((sweep / job / ".hydra" / "overrides.yaml").read_text())
+    multirun = yaml.safe_load((sweep / "multirun.yaml").read_text())
+    assert multirun["serve"]["api_key"] == "${oc.env:SWEEP_TEST_KEY}" and multirun["engine"]["env"]["HF_TOKEN"] == "***"
+    assert "+engine.env.HF_TOKEN=***" in multirun["hydra"]["overrides"]["task"]
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and (b"sk-secret-2" in p.read_bytes()
+                                                                    or b"hf_sweepsecret0123" in p.read_bytes())]
     assert (ROOT / "multirun").exists() == stray
 
 

@@ -1,26 +1,39 @@
-"""The learner's scoring and gradient accumulation, on a small random Llama in one process (no Ray needed)."""
+"""The learner's scoring, gradient accumulation and steps, on a small random Llama in one process (no Ray needed;
+the steps through a real DeepSpeed engine on a one-rank process group)."""
 
 from __future__ import annotations
 
+import math
 import random
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import torch.distributed as dist
+from conftest import free_port
+from transformers import (Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig,
+                          LlamaForCausalLM)
 
 from lightning_ray.algorithm.grpo import policy_loss, token_weights
 from lightning_ray.algorithm.lightningrl import merge_calls
-from lightning_ray.training.learner import micro_batches
-from lightning_ray.training.loop import collate, parameter_digest, score
+from lightning_ray.config import AlgorithmConfig
+from lightning_ray.training.learner import batch_plan, micro_batches
+from lightning_ray.training.loop import collate, deepspeed_config, parameter_digest, score, train_step
 from lightning_ray.types import Transition
+
+TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, pad_token_id=0)
+
+
+def fresh() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**TINY)).float()
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                        pad_token_id=0)).float()
+    return fresh()
 
 
 def batch_of(n: int, seed: int = 0) -> list[Transition]:
@@ -76,25 +89,29 @@ def test_micro_batches_accumulate_the_gradient_of_the_whole_batch(model, aggrega
     assert torch.allclose(whole, split, atol=1e-6, rtol=1e-4)
 
 
-def test_a_merged_episode_gets_the_gradient_of_its_separate_calls(model):
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "token_sum"])
+def test_a_merged_episode_gets_the_gradient_of_its_separate_calls(model, aggregation):
     """Trajectory level: one sequence with the tool result masked out scores each action exactly as the separate
-    calls do (causal attention: the same context before each token), so the gradient is the same."""
+    calls do (causal attention: the same context before each token), and each call keeps its weight in the loss
+    (calls of 2 and 1 tokens, beside another episode's single call), so the gradient is the same."""
     first = Transition(rollout_id="a", group_id="g", span_id="1", prompt_ids=[5, 6, 7], response_ids=[8, 9],
                        logprobs=[-1.0, -1.0], reward=1.0, advantage=1.0, policy_version=0)
     second = Transition(**{**first.model_dump(), "span_id": "2", "prompt_ids": [5, 6, 7, 8, 9, 40, 41],
                            "response_ids": [10], "logprobs": [-1.0]})
-    merged, breaks = merge_calls([first, second])
-    assert breaks == 0 and len(merged) == 1
+    alone = Transition(**{**first.model_dump(), "rollout_id": "b", "span_id": "3", "response_ids": [11, 12, 13],
+                          "logprobs": [-1.0] * 3, "advantage": -0.5})
+    merged, breaks = merge_calls([first, second, alone])
+    assert breaks == 0 and len(merged) == 2 and merged[0].call_tokens == [2, 1]
 
     def gradient(transitions):
         model.zero_grad()
-        batch = collate(list(zip(transitions, token_weights(transitions, "token_mean", 10))), pad_id=0)
+        batch = collate(list(zip(transitions, token_weights(transitions, aggregation, 10))), pad_id=0)
         logprobs, *_ = score(model, batch)
         loss, _ = policy_loss(logprobs, logprobs.detach(), batch["advantages"], batch["weights"], 0.2)
         loss.backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()]), logprobs.detach()
 
-    (g_sep, lp_sep), (g_merged, lp_merged) = gradient([first, second]), gradient(merged)
+    (g_sep, lp_sep), (g_merged, lp_merged) = gradient([first, second, alone]), gradient(merged)
     assert torch.allclose(lp_sep, lp_merged, atol=1e-5)
     assert torch.allclose(g_sep, g_merged, atol=1e-6, rtol=1e-4)
 
@@ -134,3 +151,150 @@ def test_the_parameter_digest_is_the_values_whatever_their_dtype_or_order(model)
         w = same.model.layers[0].mlp.up_proj.weight
         w[0, 0], w[0, 1] = w[0, 1].clone(), w[0, 0].clone()  # a permutation keeps every plain sum
     assert parameter_digest(same) != parameter_digest(bf16)
+
+
+@pytest.mark.parametrize("model_class, config", [
+    (Gemma2ForCausalLM, Gemma2Config(**TINY, final_logit_softcapping=0.05)),  # tanh soft-capping of the logits
+    (GraniteForCausalLM, GraniteConfig(**TINY, logits_scaling=0.25)),  # logits divided by it
+])
+def test_score_applies_the_models_own_logit_processing(model_class, config):
+    torch.manual_seed(0)
+    model = model_class(config).float()
+    transitions = batch_of(4, seed=6)
+    _, untempered, *_ = score(model, collate([(t, 1.0) for t in transitions], pad_id=0))
+    expected = []
+    with torch.no_grad():
+        for t in transitions:
+            ids = torch.tensor([[*t.prompt_ids, *t.response_ids]], dtype=torch.long)
+            logits = model(ids).logits[0, len(t.prompt_ids) - 1 : -1]
+            target = torch.from_numpy(t.response_ids).long()[:, None]
+            expected += torch.log_softmax(logits.float(), -1).gather(-1, target).squeeze(-1).tolist()
+    assert torch.allclose(untempered, torch.tensor(expected), atol=1e-5)
+
+
+# ---- train_step: the steps a batch takes, through a real DeepSpeed engine ----------------------------------------
+
+LOSS = {"critic": False, "clip_eps": 0.2, "clip_eps_high": None, "entropy_coef": 0.0, "kl_coef": 0.0,
+        "kl_penalty": "loss", "kl_estimator": "k3", "tis_cap": None, "value_coef": 0.5, "ppo_epochs": 1}
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A process group of one rank in this process, as Ray Train gives each worker: DeepSpeed needs one."""
+    with pytest.MonkeyPatch.context() as env:
+        for k, v in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
+                     # where the learner has DeepSpeed's CPU comm op built (once)
+                     "TORCH_EXTENSIONS_DIR": str(Path("~/.cache/lightning_ray/torch_extensions").expanduser())}.items():
+            env.setenv(k, v)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
+        yield
+        dist.destroy_process_group()
+
+
+def engine_for(model: torch.nn.Module, stage: int = 0, lr: float = 1e-2):
+    import deepspeed
+
+    cfg = {"zero_stage": stage, "offload_optimizer": False, "lr": lr, "weight_decay": 0.0, "grad_clip": 1.0,
+           "dtype": "float32"}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[{"params": list(model.parameters())}],
+                                      config=deepspeed_config(cfg, on_cuda=False), dist_init_required=False)
+    return engine
+
+
+def step(engine, transitions: list[Transition], max_logprob_gap: float | None = None, **algorithm) -> dict:
+    """train_step on one rank, the batch planned as the learner plans it."""
+    alg = AlgorithmConfig(**algorithm)
+    cfg = {**LOSS, **{k: getattr(alg, k) for k in ("clip_eps_high", "ppo_epochs", "entropy_coef", "kl_coef")}}
+    plan = batch_plan(transitions, alg, max_tokens=12, token_budget=256, ranks=1)[0]
+    return train_step(engine, plan, 0, cfg, 1, max_logprob_gap=max_logprob_gap)
+
+
+def test_the_default_is_one_on_policy_step(one_rank):
+    """ppo_epochs = mini_batches = 1: one step whose ratio is 1 (the old logprobs are the current ones), the
+    textbook step: the loss's gradient, clipped to norm 1, one AdamW step."""
+    transitions = batch_of(6, seed=3)
+    engine = engine_for(fresh())
+    stats = step(engine, transitions)
+    assert stats["steps"] == 1 and stats["clip_frac"] == 0 and stats["updated"] and not stats["skipped_nonfinite"]
+    expected = fresh()
+    batch = collate(list(zip(transitions, token_weights(transitions, "token_mean", 12))), pad_id=0)
+    logprobs, *_ = score(expected, batch)
+    loss, _ = policy_loss(logprobs, logprobs.detach(), batch["advantages"], batch["weights"], 0.2)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(expected.parameters(), 1.0)
+    torch.optim.AdamW(expected.parameters(), lr=1e-2, weight_decay=0.0).step()
+    assert stats["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert stats["grad_norm"] == pytest.approx(norm.item(), rel=1e-5)
+    for trained, textbook in zip(engine.module.parameters(), expected.parameters()):
+        # Adam's first step is ~lr × sign(gradient): a gradient entry of ~0 may take either sign
+        assert torch.allclose(trained, textbook, atol=1e-5)
+
+
+def test_more_epochs_and_mini_batches_move_the_ratio_and_the_clip_acts(one_rank):
+    transitions = batch_of(8, seed=3)
+    runs = {}
+    for high in (None, 0.28):
+        engine = engine_for(fresh())
+        stats = step(engine, transitions, ppo_epochs=2, mini_batches=2, clip_eps_high=high)
+        runs[high] = stats, parameter_digest(engine.module)
+    stats, digest = runs[None]
+    assert stats["steps"] == 4 and stats["clip_frac"] > 0 and stats["updated"]
+    assert runs[0.28][1] != digest  # clip-higher let some ratios rise further: another update
+
+
+def test_each_mini_batch_normalizes_its_own_loss_and_every_rank_steps_alike():
+    transitions = batch_of(9, seed=5)
+    plan = batch_plan(transitions, AlgorithmConfig(mini_batches=2), max_tokens=12, token_budget=64, ranks=2)
+    assert [len(mini_batches) for mini_batches in plan] == [2, 2]  # two optimizer steps on each rank
+    for m in range(2):
+        assert len(plan[0][m]) == len(plan[1][m])  # as many backward passes on each rank (some empty)
+        rows = [row for rank in plan for mb in rank[m] for row in mb]
+        assert sum(float(np.sum(w)) for _, w in rows) == pytest.approx(1.0)  # token_mean over this mini-batch
+    assert sorted(t.span_id for rank in plan for mini in rank for mb in mini for t, _ in mb) == \
+        sorted(t.span_id for t in transitions)
+
+
+def test_kl_and_entropy_terms_keep_the_transitions_without_advantage():
+    """Zero advantage, no policy-gradient signal: left out, unless a KL or entropy term is in the loss, which acts
+    on every token."""
+    transitions = [t.model_copy(update={"advantage": 0.0}) if i % 2 else t for i, t in enumerate(batch_of(6))]
+
+    def trained(**algorithm) -> int:
+        plan = batch_plan(transitions, AlgorithmConfig(**algorithm), max_tokens=12, token_budget=256, ranks=1)
+        return sum(len(mb) for mini in plan[0] for mb in mini)
+
+    assert trained() == 3
+    assert trained(entropy_coef=0.01) == trained(kl_coef=0.1) == 6
+
+
+@pytest.mark.parametrize("stage", [0, 1])  # our own check, and DeepSpeed's ZeRO optimizer's
+def test_a_step_whose_loss_is_not_finite_is_skipped(one_rank, stage):
+    engine = engine_for(fresh(), stage)
+    good = batch_of(6, seed=4)
+    before = parameter_digest(engine.module)
+    for bad in (math.inf, math.nan):
+        poisoned = [good[0].model_copy(update={"advantage": bad}), *good[1:]]
+        stats = step(engine, poisoned)
+        assert stats["skipped_nonfinite"] == stats["steps"] == 1 and not stats["updated"]
+        assert parameter_digest(engine.module) == before
+    # one of two mini-batches poisoned: only its step is skipped
+    stats = step(engine, poisoned, mini_batches=2)
+    assert stats["skipped_nonfinite"] == 1 and stats["steps"] == 2 and stats["updated"]
+    # and nothing of it was left behind (gradients, Adam's moments): the next batch trains as usual
+    stats = step(engine, good)
+    assert stats["updated"] and math.isfinite(stats["grad_norm"]) and math.isfinite(stats["loss"])
+    assert all(torch.isfinite(p).all() for p in engine.module.parameters())
+
+
+def test_a_first_step_far_from_the_servers_logprobs_fails_before_any_update(one_rank):
+    transitions = batch_of(4, seed=7)  # served logprobs of -1: nothing like this model's
+    engine = engine_for(fresh())
+    before = parameter_digest(engine.module)
+    with pytest.raises(ValueError, match="trainer.max_logprob_gap=0.1"):
+        step(engine, transitions, max_logprob_gap=0.1)
+    assert parameter_digest(engine.module) == before
+    with torch.no_grad():  # what a server running these weights reports
+        served = [score(fresh(), collate([(t, 1.0)], pad_id=0)).untempered.numpy() for t in transitions]
+    transitions = [t.model_copy(update={"logprobs": lp.astype(np.float64)}) for t, lp in zip(transitions, served)]
+    stats = step(engine_for(fresh()), transitions, max_logprob_gap=0.1)
+    assert stats["updated"] and stats["logprob_abs_diff"] < 1e-5

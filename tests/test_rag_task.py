@@ -41,11 +41,11 @@ def test_each_question_is_answered_by_following_its_supporting_facts():
     documents = make_world(0, 500).documents
     facts = {f.text: f for f in make_world(0, 500).facts}
     for t in rag.make_tasks(200, seed=0, options={"templates": list(TEMPLATES)}):
-        hops = [facts[documents[i]] for i in t.input["supporting"]]
+        hops = [facts[documents[i]] for i in t.reference["supporting"]]
         assert len(hops) == len(TEMPLATES[t.input["template"]][1])
         assert hops[0].subject in t.input["question"]  # the first hop is about the person asked about
         assert all(a.object == b.subject for a, b in zip(hops, hops[1:]))  # each hop starts where the last ended
-        assert t.input["answers"] == [hops[-1].object]
+        assert t.reference["answers"] == [hops[-1].object] and not set(rag.REFERENCE) & set(t.input)
         # the answer is nowhere in the question: it has to be looked up
         assert rag.f1(t.input["question"], hops[-1].object) == 0.0
 
@@ -108,16 +108,16 @@ def test_retrieval_finds_the_supporting_fact_of_every_hop(world_index):
     documents = world_index.documents
     tasks = rag.make_tasks(60, seed=0, options={"templates": list(TEMPLATES)})
     for t in tasks:
-        for query, position in zip(t.input["decomposition"], t.input["supporting"], strict=True):
+        for query, position in zip(t.reference["decomposition"], t.reference["supporting"], strict=True):
             assert documents[position] in world_index.search(query, rag.TOP_K), query
-    first_hop = [documents[t.input["supporting"][0]] in world_index.search(t.input["question"], rag.TOP_K)
+    first_hop = [documents[t.reference["supporting"][0]] in world_index.search(t.input["question"], rag.TOP_K)
                  for t in tasks]
     assert sum(first_hop) >= 0.9 * len(tasks)
 
 
 def test_agents_in_threads_search_one_index(world_index):
     """A rollout worker's agents share its index and its model from several threads: each gets its own answer."""
-    queries = [q for t in rag.make_tasks(12, seed=5) for q in t.input["decomposition"]]
+    queries = [q for t in rag.make_tasks(12, seed=5) for q in t.reference["decomposition"]]
     with ThreadPoolExecutor(8) as pool:
         assert list(pool.map(world_index.search, queries)) == [world_index.search(q) for q in queries]
 
@@ -178,7 +178,7 @@ def test_musique_files_load_as_tasks_with_their_own_paragraphs(tmp_path):
 
     tasks = rag.make_tasks(2, seed=0, dataset="musique", options={"path": str(path)})
     assert sorted(t.task_id for t in tasks) == ["2hop__1_2", "3hop1__5_6_7"]
-    [task] = [t.input for t in tasks if t.task_id == "2hop__1_2"]
+    [task] = [t.reward_input for t in tasks if t.task_id == "2hop__1_2"]
     corpus = rag.index(task)
     assert corpus.documents == rag.documents(task) and corpus.documents[0].startswith("Ostrel: ")
     for hop, position in zip(MUSIQUE[0]["question_decomposition"], (2, 0)):  # each hop finds its paragraph first

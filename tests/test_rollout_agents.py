@@ -4,8 +4,11 @@ attempt, never a lost or duplicated transition. Real Ray, Serve, the HF engine o
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -15,9 +18,9 @@ import pytest
 import ray
 
 from lightning_ray.algorithm.lightningrl import adapt, recorded_calls
-from lightning_ray.config import validate
+from lightning_ray.config import TaskConfig, validate
 from lightning_ray.models.tiny import EASY
-from lightning_ray.rollout.agents import CommandAgent
+from lightning_ray.rollout.agents import AGENT_ENV, CommandAgent, resolve_agent
 from lightning_ray.services import Services
 from lightning_ray.tasks import load_splits
 from lightning_ray.trainer import train
@@ -101,3 +104,22 @@ def test_a_command_gets_the_endpoint_and_task_and_its_failures_are_the_attempts(
     with pytest.raises(Exception, match="killed"):
         slow({}, base_url="u", model="m", api_key="k")
     assert time.monotonic() - started < 5
+
+
+def test_a_command_gets_no_secret_from_the_workers_environment(tmp_path, monkeypatch):
+    """The worker's environment holds credentials (cloud keys, HF_TOKEN, the operator's own): a command gets the
+    basics, its endpoint and task, and the names task.agent_env gives; nothing else."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "worker-secret")
+    monkeypatch.setenv("HF_TOKEN", "hf_workertoken123")
+    monkeypatch.setenv("AGENT_SETTING", "passed on")
+    script = tmp_path / "agent.py"
+    script.write_text("import json, os\nprint(json.dumps(dict(os.environ)))\n")
+    # this interpreter itself: `python3` may be a shell shim that adds variables of its own
+    agent = resolve_agent(TaskConfig(command=[sys.executable, str(script)], agent_env=["AGENT_SETTING"]), 30)
+    env = json.loads(agent({"question": "q"}, base_url="http://x/v1", model="m", api_key="the-attempts-key"))
+    assert "worker-secret" not in json.dumps(env) and "hf_workertoken123" not in json.dumps(env)
+    assert set(env) <= {*AGENT_ENV, "AGENT_SETTING", "OPENAI_BASE_URL", "OPENAI_API_KEY", "OPENAI_MODEL",
+                        "LIGHTNING_RAY_TASK"}
+    assert (env["AGENT_SETTING"], env["PATH"], env["OPENAI_API_KEY"]) == ("passed on", os.environ["PATH"],
+                                                                          "the-attempts-key")
+    assert json.loads(env["LIGHTNING_RAY_TASK"]) == {"question": "q"}

@@ -11,8 +11,9 @@ import pytest
 from lightning_ray.algorithm.lightningrl import recorded_calls, transitions_from_spans
 from lightning_ray.algorithm.select import Selection, agent_of
 from lightning_ray.tasks import sql
+from lightning_ray.tasks.sql.workflow import extract_sql
 from lightning_ray.tracing import trace_attempt
-from lightning_ray.types import Rollout, Task
+from lightning_ray.types import Rollout
 
 MODEL = "tiny-calc"
 
@@ -60,7 +61,7 @@ def test_selection_trains_the_writer_and_the_rewriter_but_not_the_checker(episod
     for ep in episodes:
         spans, by_id = ep["spans"], {s.span_id: s for s in ep["spans"]}
         rollout = Rollout(rollout_id=ep["rollout_id"], task=ep["task"], attempt_id="at-1",
-                          reward=sql.reward(ep["task"].input, ep["answer"]))
+                          reward=sql.reward(ep["task"].reward_input, ep["answer"]))
         trained = transitions_from_spans(rollout, spans, MODEL,
                                          select=Selection.of(MODEL, agents=["writer", "rewriter"]))
         made_by = Counter(agent_of(by_id[t.span_id], by_id) for t in trained)
@@ -73,6 +74,11 @@ def test_selection_trains_the_writer_and_the_rewriter_but_not_the_checker(episod
 
 def test_the_answer_is_the_last_query_and_the_reward_is_its_execution_match(episodes):
     for ep in episodes:
-        assert isinstance(ep["answer"], str)
-        assert sql.reward(ep["task"].input, ep["answer"]) in (0.0, 1.0)
-        assert sql.reward(ep["task"].input, ep["task"].input["gold"]) == 1.0
+        by_id = {s.span_id: s for s in ep["spans"]}
+        query = None  # the writer's query, then each rewrite that has one: what the workflow's state ends with
+        for c in sorted(recorded_calls(ep["spans"]), key=lambda s: s.start_time):
+            if agent_of(c, by_id) in ("writer", "rewriter"):
+                query = extract_sql(c.attributes["lightning_ray.response"]) or query
+        assert ep["answer"] == query
+        task = ep["task"].reward_input
+        assert sql.reward(task, task["gold"]) == 1.0 and sql.reward(task, "SELECT 1 WHERE 0") == 0.0

@@ -60,15 +60,16 @@ def test_questions_are_varied_with_gold_sql_that_answers_them(db):
     tasks = sql.make_tasks(120, seed=3)
     families = Counter(t.input["family"] for t in tasks)
     assert len(families) == len(chinook.FAMILIES) and max(families.values()) <= 8  # drawn family by family
-    golds = " ".join(t.input["gold"] for t in tasks).upper()
+    golds = " ".join(t.reference["gold"] for t in tasks).upper()
     for construct in ("COUNT(", "SUM(", "AVG(", "JOIN", "WHERE", "GROUP BY", "HAVING", "ORDER BY", "LIMIT",
                       "DISTINCT"):
         assert construct in golds
     assert len({t.input["question"] for t in tasks}) == 120
     for t in tasks:
         assert t.input["db"] == "chinook" and "Track(TrackId, Name, AlbumId -> Album.AlbumId" in t.input["schema"]
-        assert execute(db, t.input["gold"]).rows  # a non-empty answer ...
-        assert sql.reward(t.input, t.input["gold"]) == 1.0  # ... that the gold query matches
+        assert "gold" not in t.input  # the agent's input: the gold query is the reward's only
+        assert execute(db, t.reference["gold"]).rows  # a non-empty answer ...
+        assert sql.reward(t.reward_input, t.reference["gold"]) == 1.0  # ... that the gold query matches
 
 
 def test_tasks_are_deterministic_and_the_splits_do_not_overlap():
@@ -266,10 +267,10 @@ def test_spider_tasks_split_and_score(tmp_path):
     assert not {t.input["question"] for t in train} & {t.input["question"] for t in held_out}
     assert len({t.input["question"] for t in train + held_out}) == 6
     for t in train + held_out:
-        assert sql.reward(t.input, t.input["gold"]) == 1.0
-        assert sql.reward(t.input, "SELECT 42") == 0.0
+        assert sql.reward(t.reward_input, t.reference["gold"]) == 1.0
+        assert sql.reward(t.reward_input, "SELECT 42") == 0.0
         assert Path(t.input["db"]).is_file() and t.input["schema"] == spider.load_schemas(root)[t.input["db_id"]]
-    ordered = next(t for t in train + held_out if "2014" in t.input["question"]).input
+    ordered = next(t for t in train + held_out if "2014" in t.input["question"]).reward_input
     reversed_names = ("SELECT Name FROM singer WHERE Singer_ID IN (SELECT Singer_ID FROM concert WHERE Year = '2014') "
                       "ORDER BY Name DESC")
     assert sql.reward(ordered, reversed_names) == 0.0  # the gold orders its result: so must the answer

@@ -13,7 +13,8 @@ import pytest
 import ray
 
 from lightning_ray.store.client import StoreClient
-from lightning_ray.store.errors import BatchTooLarge, InvalidSpans, InvalidTransition, StaleAttempt, UnknownAttempt, UnknownRollout
+from lightning_ray.store.errors import (BatchTooLarge, InvalidReward, InvalidSpans, InvalidTransition, StaleAttempt,
+                                       UnknownAttempt, UnknownRollout)
 from lightning_ray.store.sqlite import SQLiteBackend, span_row
 from lightning_ray.tracing.spans import new_span_id
 from lightning_ray.types import Rollout, RolloutConfig, Span, Task
@@ -269,6 +270,54 @@ def test_store_rejects_bad_input_counts_it_and_keeps_serving(ray_cluster):
         client.heartbeat("r", "at-nope")
     assert client.add_spans([Span(name="fine")])["accepted"] == 1
     assert client.stats()["errors"] == {"invalid_spans": 3, "batch_too_large": 1, "attempt_not_found": 1}
+
+
+def test_rewards_that_are_not_finite_are_refused_inside_ray_too(ray_cluster):
+    """The store's own client (what workers and the HTTP API use): a NaN or infinite verdict is refused before
+    anything changes (the attempt runs on, and a finite verdict is taken); a reward span holding one is rejected and
+    counted, the batch's other spans stored."""
+    client = StoreClient.start()
+    [rollout] = client.enqueue([Task(task_id="t", input={})])
+    leased = client.dequeue("w")
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        with pytest.raises(InvalidReward, match="not a finite number"):
+            client.finish_attempt(rollout.rollout_id, leased.attempt_id, "succeeded", bad)
+    assert [a.status for a in client.get_attempts(rollout.rollout_id)] == ["running"]
+    assert client.finish_attempt(rollout.rollout_id, leased.attempt_id, "succeeded", 0.5).reward == 0.5
+    ok = Span(rollout_id=rollout.rollout_id, name="reward", attributes={"lightning_ray.reward": 1.0})
+    infinite = Span(rollout_id=rollout.rollout_id, name="reward", attributes={"lightning_ray.reward": float("inf")})
+    nan_dimension = Span(rollout_id=rollout.rollout_id, name="reward",
+                         attributes={"lightning_ray.reward": 1.0, "lightning_ray.reward.format": float("nan")})
+    with pytest.raises(InvalidSpans, match="not a finite number"):
+        client.add_spans([infinite])
+    result = client.add_spans([ok, infinite, nan_dimension], strict=False)
+    assert (result["accepted"], result["rejected"]) == (1, 2)
+    assert [s.attributes for s in client.query_spans([rollout.rollout_id])] == [{"lightning_ray.reward": 1.0}]
+    assert client.stats()["errors"] == {"invalid_reward": 3, "invalid_spans": 3}
+
+
+def test_a_reward_that_is_not_finite_fails_the_attempt_without_a_reward(ray_cluster):
+    """A task's reward function that returns NaN, or an agent that emits an infinite reward: the rollout fails for the
+    platform's reasons, with no reward (so training leaves it out), saying why; nothing non-finite is stored."""
+    from lightning_ray import tracing
+    from lightning_ray.rollout.runner import run_attempt
+
+    client = StoreClient.start()
+    ids = [r.rollout_id for r in client.enqueue([Task(task_id="nan", input={"emits": False}),
+                                                  Task(task_id="emitted", input={"emits": True})])]
+
+    def agent(task, **openai_settings):  # no LLM here
+        if task["emits"]:
+            tracing.emit_reward({"correct": float("inf")})  # raises ValueError: the agent fails, as on any bug
+        return "answer"
+
+    for reward in (lambda task, answer: float("nan"), lambda task, answer: 1.0):  # in the queue's order
+        run_attempt(client, client.dequeue("w"), agent, reward, "http://unused", "m")
+    nan, emitted = client.get_rollouts(ids)
+    assert (nan.status, nan.reward) == ("failed", None) and "returned nan, not a finite number" in nan.error
+    assert (emitted.status, emitted.reward) == ("failed", 0.0) and "rewards must be finite" in emitted.error
+    rewards = [s.attributes["lightning_ray.reward"] for s in client.query_spans(ids, name="reward")]
+    assert rewards == [0.0]  # the emitting agent's failure, scored as every agent error is; no NaN, no inf
 
 
 def test_waiting_for_rollouts_and_expiring_silent_attempts(ray_cluster):

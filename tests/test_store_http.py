@@ -16,6 +16,7 @@ import pytest
 from google.protobuf.json_format import MessageToJson
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -71,10 +72,11 @@ def test_an_agent_outside_ray_pulls_rollouts_and_streams_its_spans_back(app, tmp
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(run.stdout.strip().splitlines()[-1]) == {"ran": 3, "ray_imported": False}
     for r in store.get_rollouts([r.rollout_id for r in rollouts]):
-        assert r.status == "succeeded" and r.reward in (0.0, 1.0)
         [attempt] = store.get_attempts(r.rollout_id)
         assert attempt.worker_id == "outside" and attempt.status == "succeeded"
         spans = store.query_spans([r.rollout_id])
+        [answer] = [s.attributes.get("answer") for s in spans if s.name == "rollout"]
+        assert r.status == "succeeded" and r.reward == calc.reward(r.task.reward_input, answer)  # scored again here
         names = [s.name for s in spans]
         # the server recorded the policy calls, the client streamed the agent's own spans: one attempt, one trace
         assert names.count(semconv.LLM_CALL) >= 1 and "execute_tool checker" in names
@@ -207,6 +209,46 @@ def test_spans_posted_to_the_store_api_never_become_training_data(app):
     assert stored.origin == "client"
     [ended] = store.get_rollouts([rollout.rollout_id])
     assert transitions_from_spans(ended, [stored], MODEL) == []
+
+
+def test_rewards_that_are_not_finite_get_400_and_are_never_stored(app):
+    """Infinity and NaN, as Python's json writes (and the API's parser reads) them: a verdict holding one is a 400 and
+    the attempt runs on; so is a reward span posted to the API; over OTLP such a span is rejected as a partial
+    success."""
+    store, http = app["store"], httpx.Client(base_url=app["store_url"], timeout=30)
+
+    def post(path, body):  # httpx's json= refuses them
+        return http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+    [rollout] = store.enqueue([Task(task_id="inf", input={})])
+    leased = store.dequeue("w")
+    while leased.rollout_id != rollout.rollout_id:  # other tests' rollouts may be queued too
+        leased = store.dequeue("w")
+    path = f"/v1/rollouts/{rollout.rollout_id}/attempts/{leased.attempt_id}/finish"
+    for bad in (float("inf"), float("nan")):
+        r = post(path, {"status": "succeeded", "reward": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reward", r.text
+        assert "finite" in r.json()["error"]["message"]
+    reward = {"name": "reward", "rollout_id": rollout.rollout_id, "attempt_id": leased.attempt_id,
+              "attributes": {semconv.REWARD_VALUE: float("inf")}}
+    r = post("/v1/spans", {"spans": [reward]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_spans" and "finite" in r.text
+
+    provider = TracerProvider(resource=Resource.create({semconv.ROLLOUT_ID: rollout.rollout_id,
+                                                        semconv.ATTEMPT_ID: leased.attempt_id}))
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with provider.get_tracer("agent").start_as_current_span("invoke_agent calc"):
+        provider.get_tracer("agent").start_span("reward", attributes={semconv.REWARD_VALUE: float("nan")}).end()
+    r = httpx.post(app["store_url"] + "/v1/traces", content=encode_spans(exporter.get_finished_spans())
+                   .SerializeToString(), headers={"content-type": "application/x-protobuf"})
+    reply = ExportTraceServiceResponse.FromString(r.content)
+    assert r.status_code == 200 and reply.partial_success.rejected_spans == 1, reply
+    assert "not a finite number" in reply.partial_success.error_message
+
+    assert [a.status for a in store.get_attempts(rollout.rollout_id)] == ["running"]
+    assert http.post(path, json={"status": "succeeded", "reward": 1.0}).json()["reward"] == 1.0
+    assert [s.name for s in store.query_spans([rollout.rollout_id])] == ["invoke_agent calc"]
 
 
 def test_many_waiters_leave_the_store_api_free(app):

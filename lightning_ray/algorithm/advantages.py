@@ -25,10 +25,14 @@ With algorithm.objective=sft none of this applies: best_rollouts picks each grou
 
 from __future__ import annotations
 
+import logging
+import math
 from collections import defaultdict
 from statistics import mean, pstdev
 
 from lightning_ray.types import Transition
+
+logger = logging.getLogger(__name__)
 
 
 def step_returns(steps: list[Transition], credit: str, gamma: float = 1.0) -> list[float]:
@@ -52,14 +56,22 @@ def step_returns(steps: list[Transition], credit: str, gamma: float = 1.0) -> li
 
 def compute_advantages(transitions: list[Transition], estimator: str = "grpo", credit: str = "terminal",
                        gamma: float = 1.0, baseline: str = "group", eps: float = 1e-6) -> list[Transition]:
-    """Every transition with its advantage (input: any order; each rollout's steps numbered by `step`)."""
+    """Every transition with its advantage (input: any order; each rollout's steps numbered by `step`). A rollout
+    whose returns are not all finite (a NaN or infinite reward that got past the adapter) is left out of the batch,
+    and out of its group's baseline, which it would turn into NaN for every other rollout of the group."""
     by_rollout: dict[str, list[Transition]] = defaultdict(list)
     for t in transitions:
         by_rollout[t.rollout_id].append(t)
     returns: dict[tuple[str, int], float] = {}
-    for rollout_id, steps in by_rollout.items():
+    for rollout_id, steps in list(by_rollout.items()):
         steps.sort(key=lambda t: t.step)
-        returns.update({(rollout_id, t.step): g for t, g in zip(steps, step_returns(steps, credit, gamma))})
+        gs = step_returns(steps, credit, gamma)
+        if not all(map(math.isfinite, gs)):
+            logger.warning("rollout %s has a return that is not finite (%s): left out of the batch", rollout_id, gs)
+            del by_rollout[rollout_id]
+            continue
+        returns.update({(rollout_id, t.step): g for t, g in zip(steps, gs)})
+    transitions = [t for t in transitions if t.rollout_id in by_rollout]
     # baseline pools: per group, each rollout's average return; per (group, step), each rollout's return there
     group_pool: dict[str, dict[str, float]] = defaultdict(dict)
     turn_pool: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
@@ -83,6 +95,9 @@ def compute_advantages(transitions: list[Transition], estimator: str = "grpo", c
     if estimator == "reinforce_pp" and len(advantages) > 1:
         scale = pstdev(advantages) + eps
         advantages = [a / scale for a in advantages]
+    if not all(map(math.isfinite, advantages)):  # finite returns, yet an overflow: rewards far out of any sane range
+        raise ValueError(f"advantages overflowed to {sorted(set(advantages))[:5]}: rewards must be finite and of a "
+                         f"sane scale (returns {sorted(set(returns.values()))[:5]})")
     return [t.model_copy(update={"advantage": a, "returns": returns[t.rollout_id, t.step]})
             for t, a in zip(transitions, advantages)]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+from lightning_ray.algorithm.lightningrl import answered
 from lightning_ray.config import AIRConfig
 from lightning_ray.serving.tools import TOOL_CALL_FORMATS, parse_tool_calls
 from lightning_ray.tracing import semconv
@@ -26,7 +27,7 @@ def air_spans(spans: list[Span], rules: AIRConfig, recorded_calls) -> list[Span]
     for s in spans:
         if s.attributes.get(semconv.OPERATION) == semconv.EXECUTE_TOOL:
             out += _reward(s, _tool_rule(s), rules)
-    for call in recorded_calls(spans):
+    for call in filter(answered, recorded_calls(spans)):  # an answer the agent never got is not judged
         text = call.attributes.get(semconv.RESPONSE_TEXT) or ""
         content, _ = parse_tool_calls(text)
         # a well-formed block would have been parsed out of the content

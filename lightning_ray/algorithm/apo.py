@@ -131,7 +131,7 @@ class PromptOptimizer:
         worst = sorted(failed, key=lambda r: r.reward)[:self.apo.failures]
         spans = self.services.store.query_spans([r.rollout_id for r in worst], name=semconv.LLM_CALL)
         return [{"rollout_id": r.rollout_id, "question": r.task.input.get("question", json.dumps(r.task.input)),
-                 "answer": r.task.input.get("answer"), "reward": r.reward,
+                 "answer": r.task.reward_input.get("answer"), "reward": r.reward,
                  "replies": [s.attributes.get(semconv.RESPONSE_TEXT, "") for s in spans
                              if s.rollout_id == r.rollout_id and s.attempt_id == r.attempt_id]} for r in worst]
 

@@ -1,8 +1,9 @@
 """Dynamic sampling (DAPO): a group whose rollouts all earned the same return gives every transition a zero
-advantage, no learning signal (the learner leaves it out), so the batch shrinks, and the gradient gets noisier, as
-more tasks become always solved or never solved. With algorithm.dynamic_sampling such groups are dropped and new
-tasks rolled out in further rounds, one per group missing, until the batch has rollout.tasks_per_iteration groups
-with a signal or algorithm.max_sampling_rounds rounds have run."""
+advantage, no learning signal (the learner leaves it out, unless a KL or entropy term is in the loss), so the batch
+shrinks, and the gradient gets noisier, as more tasks become always solved or never solved. With
+algorithm.dynamic_sampling such groups are dropped and new tasks rolled out in further rounds, one per group missing,
+until the batch has rollout.tasks_per_iteration groups with a signal or algorithm.max_sampling_rounds rounds have
+run."""
 
 from __future__ import annotations
 

@@ -3,24 +3,30 @@ algorithm/advantages.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from lightning_ray.config import LossAggregation
 from lightning_ray.types import Transition
 
 
-def token_weights(transitions: list[Transition], aggregation: LossAggregation, max_tokens: int) -> list[float]:
-    """The weight of each response token of each transition in the batch loss, so that the loss is one sum over
-    all tokens whatever the micro-batches and ranks it is split into. Transitions with zero advantage carry no
-    gradient and are not in the batch, so they do not dilute the others' tokens."""
-    tokens = sum(t.action_tokens for t in transitions)
-    if aggregation == "token_mean":
-        return [1.0 / tokens] * len(transitions)
-    if aggregation == "sequence_mean":
-        return [1.0 / (t.action_tokens * len(transitions)) for t in transitions]
-    if aggregation == "token_sum":
-        return [1.0 / (max_tokens * len(transitions))] * len(transitions)
-    raise ValueError(f"unknown loss aggregation {aggregation!r}")
+def token_weights(transitions: list[Transition], aggregation: LossAggregation, max_tokens: int) -> list[np.ndarray]:
+    """The weight of each action token of each transition in the batch loss, so that the loss is one sum over all
+    tokens whatever the micro-batches and ranks it is split into. The unit is the policy call: a trajectory's merged
+    calls (Transition.call_tokens) weigh what they would as separate transitions, so both levels give one gradient."""
+    calls = [t.call_tokens or [t.action_tokens] for t in transitions]
+    n, tokens = sum(map(len, calls)), sum(map(sum, calls))
+
+    def weight(k: int) -> float:  # of each token of a call with k of them
+        if aggregation == "token_mean":
+            return 1.0 / tokens
+        if aggregation == "sequence_mean":
+            return 1.0 / (k * n)
+        if aggregation == "token_sum":
+            return 1.0 / (max_tokens * n)
+        raise ValueError(f"unknown loss aggregation {aggregation!r}")
+
+    return [np.repeat(np.array([weight(k) for k in c], np.float32), c) for c in calls]
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,

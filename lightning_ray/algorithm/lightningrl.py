@@ -2,11 +2,13 @@
 
 Only the policy's calls become transitions (an agent may call other models too, and a multi-agent workflow may train
 one of its agents: algorithm/select.py picks them by model and agent name), ordered by time, and only
-as the policy server recorded them (origin "server"): spans sent through the store's API cannot make training data.
+as the policy server recorded them (origin "server"): spans sent through the store's API cannot make training data;
+and only the calls the agent got an answer to (`answered`): an errored or aborted one stays in the trace, untrained.
 Each transition carries the episode's final reward — the task's reward function's verdict, or, where a task opts in
 (`task.agent_rewards`), the last reward its agent emitted — and, as its step reward, the intermediate rewards
 recorded after that call and before the next: automatic ones (AIR, algorithm/air.py, stored by the platform) and,
-where the task opts in, the agent's earlier ones; algorithm/advantages.py assigns the credit.
+where the task opts in, the agent's earlier ones; algorithm/advantages.py assigns the credit. A rollout whose final
+reward or any of the platform's intermediate ones is not a finite number is left out, like one the platform failed.
 """
 
 from __future__ import annotations
@@ -23,17 +25,28 @@ from lightning_ray.types import Rollout, Span, Transition
 def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: str,
                            agent_rewards: bool = False, select: Selection | None = None) -> list[Transition]:
     """A rollout without a reward failed for the platform's reasons (a timeout, a lost worker, a server error),
-    not the policy's: it gives no transitions, rather than teaching the policy that it scored 0. `select`: which
-    calls are the policy's (default: those to `policy_model`); steps are numbered among the selected calls."""
+    not the policy's: it gives no transitions, rather than teaching the policy that it scored 0; so does one whose
+    reward is not a finite number. `select`: which calls are the policy's (default: those to `policy_model`);
+    steps are numbered among the selected calls, of those the agent got an answer to (`answered`)."""
+    return _transitions(rollout, spans, policy_model, agent_rewards, select)[0] or []
+
+
+def _transitions(rollout: Rollout, spans: list[Span], policy_model: str, agent_rewards: bool,
+                 select: Selection | None) -> tuple[list[Transition] | None, int]:
+    """transitions_from_spans' transitions, None when the platform failed the rollout; and the selected calls left
+    out as never answered."""
     spans = [s for s in spans if s.attempt_id == rollout.attempt_id]  # the attempt that ended the rollout
-    rewards = sorted((s for s in spans if s.name == semconv.REWARD and _number(s)), key=lambda s: s.start_time)
-    reward, intermediate = rollout.reward, [s for s in rewards if s.origin == "server"]  # AIR's
-    if agent_rewards and (emitted := [s for s in rewards if s.origin == "client"]):
+    rewards = sorted((s for s in spans if s.name == semconv.REWARD), key=lambda s: s.start_time)
+    intermediate = [s for s in rewards if s.origin == "server"]  # AIR's: the platform's own, each must be a number
+    reward, emitted = rollout.reward, [s for s in rewards if s.origin == "client" and _number(s)]
+    if agent_rewards and emitted:
         reward, intermediate = emitted[-1].attributes[semconv.REWARD_VALUE], intermediate + emitted[:-1]
-    if reward is None:
-        return []
+    # a NaN or infinite reward would poison its whole group's baseline: the rollout is left out, as a failed one
+    if reward is None or not _finite(reward) or not all(map(_number, intermediate)):
+        return None, 0
     select = select or Selection.of(policy_model)
-    calls = sorted(select.calls(recorded_calls(spans), spans), key=lambda s: s.start_time)
+    selected = select.calls(recorded_calls(spans), spans)
+    calls = sorted(filter(answered, selected), key=lambda s: s.start_time)
     step_rewards = [0.0] * len(calls)
     for r in intermediate if calls else []:  # to the last call that started before it (one before any: the first)
         step = max(sum(c.start_time <= r.start_time for c in calls) - 1, 0)
@@ -49,12 +62,20 @@ def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: st
             reward=reward,
             step=i,
             step_reward=step_rewards[i],
-            finish_reason=(s.attributes.get(semconv.FINISH_REASONS) or [None])[0],
+            finish_reason=s.attributes[semconv.FINISH_REASONS][0],
             policy_version=s.attributes[semconv.POLICY_VERSION],
             temperature=_temperature(s),
         )
         for i, s in enumerate(calls)
-    ]
+    ], len(selected) - len(calls)
+
+
+def answered(call: Span) -> bool:
+    """Whether the agent got this call's answer: not one that errored or was aborted (a client that disconnected,
+    an engine error, a drain timeout), nor one without a finish reason. The others hold tokens the agent never saw
+    (a client that retries sends the call again, and the retry is the one it saw): recorded, never trained."""
+    finish = (call.attributes.get(semconv.FINISH_REASONS) or [None])[0]
+    return call.status != "error" and not call.attributes.get(semconv.CALL_ERROR) and bool(finish)
 
 
 def spans_read(select: Selection, air: bool) -> list[str] | None:
@@ -73,22 +94,29 @@ def recorded_calls(spans: list[Span]) -> list[Span]:
 def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str, level: str = "transition",
           agent_rewards: bool = False, select: Selection | None = None) -> tuple[list[Transition], dict]:
     """Every rollout's spans to transitions (or, at the trajectory level, to one sequence per episode where the
-    tokens allow). Counts (they add up over batches): policy calls, those cut off at max_tokens, and the joins
-    between a rollout's consecutive calls, with those where a call's prompt did not extend the previous context."""
+    tokens allow). Counts (they add up over batches): policy calls, those cut off at max_tokens, those never
+    answered (left out), the joins between a rollout's consecutive calls, with those where a call's prompt did not
+    extend the previous context, and the rollouts left out as the platform's failures (no reward, or not a finite
+    one)."""
     by_rollout: dict[str, list[Span]] = {}
     for s in spans:
         by_rollout.setdefault(s.rollout_id, []).append(s)
-    out, calls, truncated, joins, breaks = [], 0, 0, 0, 0
+    out, calls, truncated, unanswered, joins, breaks, failed = [], 0, 0, 0, 0, 0, 0
     for r in rollouts:
-        transitions = transitions_from_spans(r, by_rollout.get(r.rollout_id, []), policy_model, agent_rewards, select)
+        transitions, left_out = _transitions(r, by_rollout.get(r.rollout_id, []), policy_model, agent_rewards, select)
+        if transitions is None:
+            failed += 1
+            continue
         calls += len(transitions)
         truncated += sum(t.finish_reason == "length" for t in transitions)
+        unanswered += left_out
         joins += max(len(transitions) - 1, 0)
         if level == "trajectory":
             transitions, broken = merge_calls(transitions)
             breaks += broken
         out += transitions
-    return out, {"policy_calls": calls, "truncated_calls": truncated, "call_joins": joins, "prefix_breaks": breaks}
+    return out, {"policy_calls": calls, "truncated_calls": truncated, "unanswered_calls": unanswered,
+                 "call_joins": joins, "prefix_breaks": breaks, "infra_failed_rollouts": failed}
 
 
 def merge_calls(transitions: list[Transition]) -> tuple[list[Transition], int]:
@@ -133,7 +161,8 @@ def _merged(run: list[Transition]) -> Transition:
         mask += [np.zeros(len(between), np.int8), t.action_mask]
     finish = "length" if any(t.finish_reason == "length" for t in run) else run[-1].finish_reason
     return first.model_copy(update={"response_ids": np.concatenate(ids), "logprobs": np.concatenate(logprobs),
-                                    "loss_mask": np.concatenate(mask), "finish_reason": finish})
+                                    "loss_mask": np.concatenate(mask), "finish_reason": finish,
+                                    "call_tokens": [t.action_tokens for t in run]})
 
 
 def scored_faithfully(span: Span) -> bool:
@@ -150,6 +179,10 @@ def _temperature(span: Span) -> float:
 
 
 def _number(span: Span) -> bool:
-    """A reward span whose value is a finite number; an agent's malformed one is passed over, not a crash."""
-    value = span.attributes.get(semconv.REWARD_VALUE)
+    """A reward span whose value is a finite number; an agent's malformed one is passed over, not a crash (the
+    platform's own, AIR's, must be one)."""
+    return _finite(span.attributes.get(semconv.REWARD_VALUE))
+
+
+def _finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

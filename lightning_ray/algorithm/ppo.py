@@ -53,6 +53,7 @@ def whiten(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 
 
 def value_loss(values: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """½ (V − R)², summed with the tokens' loss weights. Unclipped: the batch takes one step from the values that
-    made its targets, so PPO's value clipping (against the old values) would be a no-op."""
+    """½ (V − R)², summed with the tokens' loss weights. Unclipped: PPO's value clipping (against the values that
+    made the targets) matters only from a batch's second step on (algorithm.ppo_epochs, mini_batches), and is left
+    out."""
     return 0.5 * ((values - targets) ** 2 * weights).sum()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -66,11 +67,17 @@ def content_key(*sources: str, packages: tuple[str, ...] = ("torch", "transforme
 
 
 def _cached(path: Path, build) -> Path:
-    if not (path / "model.safetensors").exists():
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")  # one per process: builds may run side by side
-        build(tmp)
-        try:
-            tmp.rename(path)  # atomic: a crash mid-build never leaves a half-written model behind
-        except OSError:  # another process finished first; the build is deterministic, keep theirs
-            shutil.rmtree(tmp)
+    """`path`, built first if it is not there. One process builds while the others wait on its lock (the kernel
+    drops a lock with its process, so a crashed build never blocks anyone), into a temporary directory renamed
+    whole: a crash mid-build never leaves a half-written model behind."""
+    if (path / "model.safetensors").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f"{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "model.safetensors").exists():  # else built while we waited
+            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            tmp.rename(path)
     return path

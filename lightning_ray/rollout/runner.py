@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import math
 import threading
 import time
 
@@ -16,7 +17,7 @@ import openai
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from lightning_ray import tracing
+from lightning_ray import auth, tracing
 from lightning_ray.store.errors import StaleAttempt
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Rollout, new_id
@@ -29,7 +30,7 @@ INFRASTRUCTURE_ERRORS = (openai.APIConnectionError, openai.InternalServerError, 
                          TimeoutError)
 
 
-def work(store, agent: Callable, reward: Callable, policy_url: str, model: str, api_key: str = "EMPTY",
+def work(store, agent: Callable, reward: Callable, policy_url: str, model: str, api_key: str | None = None,
          worker_id: str | None = None, tracing_backend: str = "embedded") -> int:
     """Run rollouts from the queue until it is empty; return how many this worker ran."""
     done = 0
@@ -58,19 +59,22 @@ def _dequeue(store, worker_id: str | None, tries: int = 5) -> Rollout | None:
 
 
 def run_attempt(store, rollout: Rollout, agent: Callable, reward: Callable, policy_url: str, model: str,
-                api_key: str = "EMPTY", tracing_backend: str = "embedded") -> None:
+                api_key: str | None = None, tracing_backend: str = "embedded") -> None:
     """Run the unmodified agent on the rollout's task. It sees an ordinary OpenAI base URL whose path carries the
     rollout and attempt to the policy server; its spans and emitted rewards stream to the store; heartbeats keep
-    the lease; the task's reward function gives the reward, so the agent needs no emitter at all."""
+    the lease; the task's reward function gives the reward, so the agent needs no emitter at all. `api_key`: the
+    operator's (serve.api_key); the agent gets a key for this attempt only, and the task's input without its
+    reference (the expected answer), which only the reward function reads."""
     rid, aid = rollout.rollout_id, rollout.attempt_id
     base_url = f"{policy_url}/rollouts/{rid}/attempts/{aid}/v1"
+    agent_key = auth.agent_key(api_key, rid, aid) if api_key else "EMPTY"
     with (_heartbeats(store, rollout) as lease_lost,
           tracing.trace_attempt(rid, aid, store.add_spans, tracing_backend),
           tracing.span(semconv.ROLLOUT, {"task_id": rollout.task.task_id}) as root):
         try:
             answer = _within(rollout.config.timeout_seconds, agent, rollout.task.input, base_url=base_url,
-                             model=model, api_key=api_key)
-            value, status, error = reward(rollout.task.input, answer), "succeeded", None
+                             model=model, api_key=agent_key)
+            value, status, error = reward(rollout.task.reward_input, answer), "succeeded", None
         except AttemptTimeout as e:  # the store times the attempt out too; the agent's thread is left behind
             answer, status, error, value = None, "timeout", str(e), None
         except Exception as e:  # the agent's failure is the rollout's outcome, not the worker's
@@ -78,6 +82,10 @@ def run_attempt(store, rollout: Rollout, agent: Callable, reward: Callable, poli
             answer, status, error = None, "failed", f"{type(e).__name__}: {e}"
             value = None if isinstance(e, INFRASTRUCTURE_ERRORS) else 0.0
             tracing.emit_exception(e)
+        if value is not None and not math.isfinite(value):  # the reward function's fault, not the policy's: no reward
+            status, error = "failed", f"the task's reward function returned {value!r}, not a finite number"
+            value = None
+            logger.warning("rollout %s: %s", rid, error)
         root.set_attributes({"answer": answer, "status": status, "error": error})
         if value is not None:
             tracing.emit_reward(value)

@@ -19,7 +19,7 @@ class RolloutWorker:
                  tracing_backend: str = "embedded", timeout_seconds: float | None = None):
         self.agent, self.reward = resolve_agent(task, timeout_seconds), load_task(task.name).reward
         self.server_url, self.model_name = server_url, model_name
-        self.api_key, self.tracing_backend = api_key or "EMPTY", tracing_backend
+        self.api_key, self.tracing_backend = api_key, tracing_backend  # the operator's: its agents get their own
         self.worker_id = ray.get_runtime_context().get_actor_id()
 
     def work(self, store) -> int:

@@ -37,6 +37,9 @@ from lightning_ray.weight_sync import Receiver, engine_weight_transfer
 logger = logging.getLogger(__name__)
 api = FastAPI(title="lightning_ray policy")
 http.install(api)
+# what an agent's own key may call (lightning_ray/auth.py); the rest (/health) needs the operator's key
+api.state.agent_routes = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
+                          ("GET", "/v1/models")}
 APP_NAME = "policy"
 
 
@@ -201,7 +204,7 @@ class PolicyServer:
         if self.engine.broken:
             raise ApiError(503, f"this replica is being replaced: {self.engine.broken}", type="server_error",
                            code="replica_unhealthy")
-        start, choices, error = time.time(), {}, None
+        start, choices, error, error_type = time.time(), {}, None, None
         try:
             try:
                 async with self.gate.admit():
@@ -212,14 +215,20 @@ class PolicyServer:
                 raise ApiError(503, str(e), type="server_error", code="drain_timeout") from None
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
-            if isinstance(e, Exception):  # not a client that went away (GeneratorExit, CancelledError)
-                count_error("policy_server", getattr(e, "code", None) or type(e).__name__)
+            if isinstance(e, Exception):
+                error_type = getattr(e, "code", None) or type(e).__name__
+                count_error("policy_server", error_type)
+            else:  # GeneratorExit, CancelledError: the client went away mid-answer
+                error_type = "aborted"
             raise
         finally:
             metrics().generated_tokens.inc(sum(len(c.token_ids) for c in choices.values()))
+            # a call that ended in an error was never answered: recorded as such, never trained (lightningrl.answered)
+            failed = {semconv.ERROR_TYPE: error_type} if error else {}
             spans = [Span(rollout_id=trace.rollout_id, attempt_id=trace.attempt_id, trace_id=trace.trace_id,
                           parent_id=trace.parent_id, name=semconv.LLM_CALL, start_time=start,
-                          end_time=time.time(), attributes={
+                          end_time=time.time(), status="error" if error else "unset", status_message=error,
+                          attributes={
                               **attrs,
                               "gen_ai.operation.name": operation,
                               semconv.MODEL: self.model_name,
@@ -233,8 +242,9 @@ class PolicyServer:
                               semconv.FINISH_REASONS: [c.finish_reason],
                               semconv.RESPONSE_TEXT: c.text,
                               "lightning_ray.choice_index": i,
-                              "lightning_ray.error": error,
+                              semconv.CALL_ERROR: error,
                               "lightning_ray.replica": self.replica_id,
+                              **failed,
                           }) for i, c in sorted(choices.items())]
             if spans:
                 # recorded before the answer completes; "server": the only spans training data is made of

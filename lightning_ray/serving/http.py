@@ -21,6 +21,8 @@ from opentelemetry.trace import get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lightning_ray import auth
+
 logger = logging.getLogger(__name__)
 
 ROLLOUT_HEADER, ATTEMPT_HEADER = "x-rollout-id", "x-attempt-id"
@@ -72,7 +74,8 @@ def rollout_of(scope: dict) -> str | None:
 
 
 class PolicyMiddleware:
-    """Pure ASGI middleware (streaming-safe). Settings come from app.state: api_key, max_request_bytes, replica_id."""
+    """Pure ASGI middleware (streaming-safe). Settings come from app.state: api_key, max_request_bytes, replica_id,
+    agent_routes (the (method, path)s an agent's own key may call: lightning_ray/auth.py)."""
 
     def __init__(self, app):
         self.app = app
@@ -91,8 +94,12 @@ class PolicyMiddleware:
         api_key = getattr(state, "api_key", None)
         # bytes, in constant time: no timing oracle, and a header that is not UTF-8 is just a wrong key
         if api_key and not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {api_key}".encode()):
-            return await _send(send, ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                                              code="invalid_api_key"))
+            if (agent := auth.agent_of(api_key, headers.get(b"authorization", b""))) is None:
+                return await _send(send, ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                                  code="invalid_api_key"))
+            if (denied := _agent_denied(scope, agent, getattr(state, "agent_routes", ()))) is not None:
+                return await _send(send, denied)
+            scope = _as_agent(scope, agent)
         if limit := getattr(state, "max_request_bytes", None):
             # Counted as it arrives, whatever Content-Length says (or a chunked body does not): the app then reads
             # the body from memory, never more than `limit` bytes of it.
@@ -104,6 +111,29 @@ class PolicyMiddleware:
                                                   code="request_too_large"))
             receive = _replay(messages, receive)
         await self.app(scope, receive, send)
+
+
+def _agent_denied(scope: dict, agent: tuple[str, str], routes) -> ApiError | None:
+    """Why an agent's key may not make this request: only the app's agent routes (app.state.agent_routes), and only
+    for the attempt the key was minted for."""
+    route = (scope["method"], scope["path"].removeprefix(scope.get("root_path", "")))
+    if route not in routes:
+        return ApiError(403, f"an agent's key cannot call {' '.join(route)}: it reaches the policy and its own "
+                             f"attempt's spans only", code="permission_denied")
+    named = dict(scope["headers"])
+    for header, value in zip((ROLLOUT_HEADER, ATTEMPT_HEADER), agent):
+        if named.get(header.encode(), value.encode()) != value.encode():
+            return ApiError(403, f"this key is rollout {agent[0]}'s, attempt {agent[1]}'s: it cannot call for "
+                                 f"another", code="permission_denied")
+    return None
+
+
+def _as_agent(scope: dict, agent: tuple[str, str]) -> dict:
+    """The request as its key's attempt's (the ids filled in where it named none); request.state.agent names it."""
+    ids = (ROLLOUT_HEADER.encode(), ATTEMPT_HEADER.encode())
+    return dict(scope, headers=[*[(k, v) for k, v in scope["headers"] if k not in ids],
+                                *zip(ids, (a.encode() for a in agent))],
+                state={**scope.get("state", {}), "agent": agent})
 
 
 async def _read_body(receive, limit: int, content_length: bytes) -> list[dict] | None:

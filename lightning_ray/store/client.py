@@ -8,6 +8,7 @@ the reader's: not on the store's.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import zlib
 from collections import defaultdict
@@ -18,6 +19,7 @@ import ray
 from lightning_ray.store.errors import InvalidSpans, UnknownRollout
 from lightning_ray.store.sqlite import span_from_row, span_row
 from lightning_ray.store.trace_store import TraceStore
+from lightning_ray.tracing import semconv
 from lightning_ray.types import Attempt, CancelOutcome, Rollout, RolloutConfig, Span, Task, new_id
 
 
@@ -128,10 +130,23 @@ class StoreClient:
     def add_spans(self, spans: list[Span], strict: bool = True, origin: str = "client") -> dict:
         """Store spans; with `strict`, raise on any rejected span (the valid ones are stored all the same).
         `origin="server"` is for the policy server's own records; the HTTP store API never passes it."""
-        return _merged(ray.get(self._add_span_refs(spans, origin)), strict)
+        spans, refused = self._refuse(spans)
+        return _merged([refused, *ray.get(self._add_span_refs(spans, origin))], strict)
 
     async def add_spans_async(self, spans: list[Span], strict: bool = True, origin: str = "client") -> dict:
-        return _merged(await asyncio.gather(*self._add_span_refs(spans, origin)), strict)
+        spans, refused = self._refuse(spans)
+        return _merged([refused, *await asyncio.gather(*self._add_span_refs(spans, origin))], strict)
+
+    def _refuse(self, spans: list[Span]) -> tuple[list[Span], dict]:
+        """The spans left to store, and a result for those refused here, counted as the store's rejects are:
+        rewards that are not finite numbers (checked before encoding: JSON would store NaN and infinity as null)."""
+        errors = [(i, p) for i, s in enumerate(spans) if (p := _reward_problem(s))]
+        if errors:
+            self.count_error("invalid_spans", len(errors))
+            bad = {i for i, _ in errors}
+            spans = [s for i, s in enumerate(spans) if i not in bad]
+        return spans, {"accepted": 0, "duplicates": 0, "rejected": len(errors),
+                       "errors": [f"span #{i}: {p}" for i, p in errors[:10]]}
 
     def _add_span_refs(self, spans: list[Span], origin: str) -> list:
         groups = self._by_shard([s.rollout_id or s.span_id for s in spans])
@@ -162,6 +177,17 @@ class StoreClient:
 
     def count_error(self, kind: str, n: int = 1) -> None:
         self.shards[0].count_error.remote(kind, n)
+
+
+def _reward_problem(span: Span) -> str | None:
+    """Why a reward span cannot be stored: a value (the reward or one of its dimensions) that is NaN or infinite."""
+    if span.name != semconv.REWARD:
+        return None
+    for key, value in span.attributes.items():
+        if (key == semconv.REWARD_VALUE or key.startswith(f"{semconv.REWARD_VALUE}.")) and isinstance(value, float) \
+                and not math.isfinite(value):
+            return f"reward {key}={value!r} is not a finite number"
+    return None
 
 
 def _merged(results: list[dict], strict: bool) -> dict:

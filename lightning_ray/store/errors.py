@@ -32,5 +32,11 @@ class InvalidSpans(StoreError):
     status, code = 400, "invalid_spans"
 
 
+class InvalidReward(StoreError):
+    """A reward that is not a finite number: NaN or infinity would poison every advantage of its group."""
+
+    status, code = 400, "invalid_reward"
+
+
 class BatchTooLarge(StoreError):
     status, code = 413, "batch_too_large"

@@ -2,18 +2,22 @@
 trace receiver (POST /v1/traces, protobuf or JSON) so any OpenTelemetry exporter or collector can send us spans.
 
 It runs as a Ray Serve app next to the policy (same proxy and port, under /store) and forwards to the StoreClient.
+With serve.api_key set, that key opens all of it; an agent's own key posts its attempt's spans only
+(lightning_ray/auth.py), and an attempt's heartbeats and finish need the lease token dequeue gave with it.
 """
 
 from __future__ import annotations
 
+import hmac
 import zlib
 
-from fastapi import FastAPI, Query, Request, Response
+from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from google.protobuf.json_format import MessageToJson
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, FiniteFloat
 from ray import serve
 
+from lightning_ray import auth
 from lightning_ray.serving.http import ApiError, error_response, install
 from lightning_ray.store.client import StoreClient
 from lightning_ray.store.errors import StoreError
@@ -23,6 +27,8 @@ from lightning_ray.types import Attempt, AttemptStatus, CancelOutcome, Rollout, 
 APP_NAME, ROUTE_PREFIX = "store", "/store"
 api = FastAPI(title="lightning_ray trace store")
 install(api)
+# what an agent's own key may call (lightning_ray/auth.py): posting its attempt's spans; the rest needs the operator's
+api.state.agent_routes = {("POST", "/v1/spans"), ("POST", "/v1/traces")}
 
 
 @api.exception_handler(StoreError)
@@ -42,9 +48,13 @@ class DequeueRequest(BaseModel):
     attempt_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,128}$")
 
 
+class Lease(Rollout):
+    lease_token: str | None = None  # its heartbeats and finish show it (X-Lease-Token); None: no serve.api_key
+
+
 class FinishRequest(BaseModel):
     status: AttemptStatus
-    reward: float | None = None
+    reward: FiniteFloat | None = None  # NaN or infinity: 400, never stored
     error: str | None = None
 
 
@@ -88,6 +98,21 @@ def otlp_response(content_type: str, rejected: int, message: str) -> Response:
     return Response(reply.SerializeToString(), media_type="application/x-protobuf")
 
 
+def check_lease(request: Request, rollout_id: str, attempt_id: str, x_lease_token: str = Header("")) -> None:
+    """Only the worker holding an attempt's lease beats for it and ends it: it shows the token dequeue gave it."""
+    key = request.app.state.api_key
+    if key and not hmac.compare_digest(x_lease_token.encode(), auth.lease_token(key, rollout_id, attempt_id).encode()):
+        raise ApiError(403, f"attempt {attempt_id}: missing or wrong X-Lease-Token (the lease_token dequeue returned "
+                            f"with it)", code="invalid_lease_token")
+
+
+def own_spans(request: Request, spans: list[Span]) -> None:
+    """An agent's key posts its own attempt's spans only."""
+    if (agent := getattr(request.state, "agent", None)) and any((s.rollout_id, s.attempt_id) != agent for s in spans):
+        raise ApiError(403, f"this key posts spans of rollout {agent[0]}, attempt {agent[1]} only",
+                       code="permission_denied")
+
+
 # (Serve captures a deployment's module globals when it is decorated: helpers go above it.)
 @serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0},
                   logging_config={"enable_access_log": False})
@@ -103,14 +128,18 @@ class StoreApi:
         return self.store.enqueue(body.tasks, body.config)
 
     @api.post("/v1/rollouts/dequeue")
-    def dequeue(self, body: DequeueRequest) -> Rollout | None:
-        return self.store.dequeue(body.worker_id, body.attempt_id)
+    def dequeue(self, body: DequeueRequest) -> Lease | None:
+        if (rollout := self.store.dequeue(body.worker_id, body.attempt_id)) is None:
+            return None
+        key = api.state.api_key
+        return Lease(**rollout.model_dump(),
+                     lease_token=key and auth.lease_token(key, rollout.rollout_id, rollout.attempt_id))
 
-    @api.post("/v1/rollouts/{rollout_id}/attempts/{attempt_id}/heartbeat")
+    @api.post("/v1/rollouts/{rollout_id}/attempts/{attempt_id}/heartbeat", dependencies=[Depends(check_lease)])
     def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
         return self.store.heartbeat(rollout_id, attempt_id)
 
-    @api.post("/v1/rollouts/{rollout_id}/attempts/{attempt_id}/finish")
+    @api.post("/v1/rollouts/{rollout_id}/attempts/{attempt_id}/finish", dependencies=[Depends(check_lease)])
     def finish_attempt(self, rollout_id: str, attempt_id: str, body: FinishRequest) -> Rollout:
         return self.store.finish_attempt(rollout_id, attempt_id, body.status, body.reward, body.error)
 
@@ -139,7 +168,8 @@ class StoreApi:
         return self.store.get_attempts(rollout_id)
 
     @api.post("/v1/spans")
-    def add_spans(self, body: SpansRequest) -> dict:
+    def add_spans(self, body: SpansRequest, request: Request) -> dict:
+        own_spans(request, body.spans)
         return self.store.add_spans(body.spans)
 
     @api.get("/v1/spans")
@@ -166,6 +196,7 @@ class StoreApi:
         except (OtlpDecodeError, OSError, EOFError, zlib.error) as e:
             self.store.count_error("otlp_malformed")
             raise ApiError(400, f"malformed OTLP payload: {e}", code="otlp_malformed") from None
+        own_spans(request, spans)
         result = await self.store.add_spans_async(spans, strict=False) if spans else {"rejected": 0, "errors": []}
         return otlp_response(content_type, result["rejected"], "; ".join(result["errors"]))
 

@@ -8,6 +8,7 @@ two rollouts' spans never collide.
 
 from __future__ import annotations
 
+import math
 import operator
 import sqlite3
 import struct
@@ -17,7 +18,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from lightning_ray.store.errors import InvalidTransition, StaleAttempt, UnknownAttempt, UnknownRollout
+from lightning_ray.store.errors import InvalidReward, InvalidTransition, StaleAttempt, UnknownAttempt, UnknownRollout
 from lightning_ray.store.lifecycle import check_move
 from lightning_ray.types import FINISHED, Attempt, CancelOutcome, Rollout, RolloutConfig, Span, SpanEvent, Task, new_id
 
@@ -258,6 +259,8 @@ class SQLiteBackend:
     def finish_attempt(self, attempt_id: str, status: str, now: float, reward: float | None = None,
                        error: str | None = None, rollout_id: str | None = None) -> Rollout:
         """The worker's verdict on its attempt; decides whether the rollout ends or goes back to the queue."""
+        if reward is not None and not math.isfinite(reward):  # refused here, whichever path the verdict came by
+            raise InvalidReward(f"reward {reward!r} is not a finite number; the attempt stays running")
         attempt, _ = self._attempt(attempt_id, rollout_id)
         if attempt.status != "running":
             raise StaleAttempt(f"attempt {attempt_id} already ended as {attempt.status}; its result is not taken")

@@ -71,10 +71,11 @@ def make_tasks(n: int, seed: int, dataset: str = "basic_arithmetic", options: di
             if entry["question"] in seen:
                 continue
             seen.add(entry["question"])
-            tasks.append(Task(task_id=f"{dataset}-{seed}-{len(tasks)}", input={
-                "question": entry["question"], "answer": entry["answer"],
-                "metadata": json.loads(json.dumps(entry["metadata"])),  # JSON-safe: tuples become lists
-                "dataset": dataset, "protocol": protocol}))
+            tasks.append(Task(task_id=f"{dataset}-{seed}-{len(tasks)}",
+                              input={"question": entry["question"], "dataset": dataset, "protocol": protocol},
+                              # the scorer's; the metadata holds the expression, which gives the answer away too
+                              reference={"answer": entry["answer"],
+                                         "metadata": json.loads(json.dumps(entry["metadata"]))}))  # tuples: lists
             if len(tasks) == n:
                 return tasks
         if size >= 64 * (n + len(exclude)):
@@ -218,7 +219,7 @@ def demonstrations(tasks: list[Task]) -> list[list[dict]]:
     expression is the generator's)."""
     out = []
     for t in tasks:
-        expr = t.input["metadata"]["expression"]
+        expr = t.reference["metadata"]["expression"]
         out.append([
             *opening({**t.input, "protocol": "text"}),
             {"role": "user", "content": t.input["question"]},
@@ -233,7 +234,7 @@ def tool_demonstrations(tasks: list[Task]) -> list[list[dict]]:
     """Correct transcripts of the function-calling protocol (render them with tools=[CALCULATOR_TOOL])."""
     out = []
     for i, t in enumerate(tasks):
-        expr = t.input["metadata"]["expression"]
+        expr = t.reference["metadata"]["expression"]
         call = {"id": f"call_{i}", "type": "function",
                 "function": {"name": "calculator", "arguments": {"expression": expr}}}
         out.append([

@@ -13,6 +13,7 @@ contextvars: a thread the agent starts itself needs `contextvars.copy_context().
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -79,7 +80,8 @@ def span(name: str, attributes: dict[str, Any] | None = None):
 
 def emit_reward(value: float | dict[str, float], primary: str | None = None) -> None:
     """A `reward` span. A dict is a multi-dimensional reward: each dimension as f"lightning_ray.reward.{name}", and
-    `lightning_ray.reward` (what LightningRL optimises) is the `primary` dimension, by default the first."""
+    `lightning_ray.reward` (what LightningRL optimises) is the `primary` dimension, by default the first. NaN or
+    infinity raises ValueError."""
     attempt = current_attempt.get()
     if attempt is None:
         return
@@ -90,6 +92,8 @@ def emit_reward(value: float | dict[str, float], primary: str | None = None) -> 
         attributes[semconv.REWARD_VALUE] = float(value[primary if primary is not None else next(iter(value))])
     else:
         attributes = {semconv.REWARD_VALUE: float(value)}
+    if not all(map(math.isfinite, attributes.values())):  # the store refuses it: said here, not at the attempt's end
+        raise ValueError(f"emit_reward: rewards must be finite numbers, got {value!r}")
     attempt.tracer.record(semconv.REWARD, attributes)
 
 

@@ -12,7 +12,7 @@ from ray.util.queue import Empty, Queue
 
 from lightning_ray.algorithm.advantages import has_signal
 from lightning_ray.algorithm.grpo import token_weights
-from lightning_ray.config import TrainConfig, TrainerConfig
+from lightning_ray.config import AlgorithmConfig, TrainConfig, TrainerConfig
 from lightning_ray.training.loop import MicroBatch, train_loop_per_worker
 from lightning_ray.types import Transition
 from lightning_ray.weight_sync import resolve as resolve_weight_sync
@@ -22,8 +22,7 @@ class Learner:
     def __init__(self, cfg: TrainConfig, model_path: Path, registry):
         t = cfg.trainer
         self.n, self.timeout_s, self.token_budget = t.num_workers, t.step_timeout_s, t.micro_batch_tokens
-        self.aggregation, self.max_tokens = cfg.algorithm.loss_aggregation, cfg.rollout.max_tokens
-        self.estimator = cfg.algorithm.estimator
+        self.algorithm, self.max_tokens = cfg.algorithm, cfg.rollout.max_tokens
         self.version = 0
         label = cfg.run_path.name  # the queues' names in the Ray dashboard
         self.inboxes = [Queue(actor_options={"num_cpus": 0, "name": f"learner-inbox-{i}@{label}"})
@@ -42,6 +41,7 @@ class Learner:
                 "clip_eps_high": cfg.algorithm.clip_eps_high, "entropy_coef": cfg.algorithm.entropy_coef,
                 "kl_coef": cfg.algorithm.kl_coef, "kl_estimator": cfg.algorithm.kl_estimator,
                 "kl_penalty": cfg.algorithm.kl_penalty, "tis_cap": cfg.algorithm.tis_cap,
+                "ppo_epochs": cfg.algorithm.ppo_epochs, "max_logprob_gap": t.max_logprob_gap,
                 "critic": cfg.algorithm.estimator == "ppo", "gae_lambda": cfg.algorithm.gae_lambda,
                 "value_coef": cfg.algorithm.value_coef, "value_lr": cfg.algorithm.value_lr,
                 "extensions_dir": str(Path("~/.cache/lightning_ray/torch_extensions").expanduser()),
@@ -81,21 +81,18 @@ class Learner:
         return sorted(replies, key=lambda r: r["rank"])
 
     def step(self, transitions: list[Transition]) -> list[dict]:
-        """One optimizer step over the transitions that carry a learning signal (a nonzero advantage, or any with
-        a critic), publishing policy version v+1. The caller skips batches without any: an empty step would still
-        move the weights (Adam's momentum) and bump the version for nothing."""
-        batch = [t for t in transitions if has_signal(t, self.estimator)]
-        if not batch:
-            raise ValueError("no transition with a learning signal: nothing to learn from")
-        weighted = list(zip(batch, token_weights(batch, self.aggregation, self.max_tokens)))
-        per_rank: list[list[MicroBatch]] = [[] for _ in range(self.n)]
-        for i, micro_batch in enumerate(micro_batches(weighted, self.token_budget)):
-            per_rank[i % self.n].append(micro_batch)
-        rounds = max(len(mbs) for mbs in per_rank)  # ranks with fewer micro-batches pad with empty ones
+        """The optimizer steps over the batch (batch_plan), publishing policy version v+1, unless every step was
+        skipped (a gradient not finite: replies' `updated` false), which leaves the weights and the version as they
+        were. The caller skips batches without any signal: an empty step would still move the weights (Adam's
+        momentum) and bump the version for nothing."""
+        plan = batch_plan(transitions, self.algorithm, self.max_tokens, self.token_budget, self.n)
         self.version += 1
-        for inbox, mbs in zip(self.inboxes, per_rank):
-            inbox.put({"kind": "step", "version": self.version, "micro_batches": mbs + [[]] * (rounds - len(mbs))})
-        return self._gather()
+        for inbox, mini_batches in zip(self.inboxes, plan):
+            inbox.put({"kind": "step", "version": self.version, "mini_batches": mini_batches})
+        replies = self._gather()
+        if not replies[0]["updated"]:  # every rank skipped the same steps
+            self.version -= 1
+        return replies
 
     def save(self, path: Path) -> None:
         for inbox in self.inboxes:
@@ -126,7 +123,28 @@ def zero_stage(t: TrainerConfig) -> int:
     return 1 if learner_dtype(t) == "bfloat16" else 0
 
 
-def micro_batches(weighted: list[tuple[Transition, float]], token_budget: int) -> list[MicroBatch]:
+def batch_plan(transitions: list[Transition], alg: AlgorithmConfig, max_tokens: int, token_budget: int,
+               ranks: int) -> list[list[list[MicroBatch]]]:
+    """Each rank's micro-batches, per mini-batch (algorithm.mini_batches, one optimizer step each; a strided split, so
+    each holds part of every group). A transition without a learning signal (zero advantage) is left out, unless a
+    KL or entropy term is in the loss, which acts on every token. Each mini-batch's loss weights normalize over it;
+    every rank gets as many micro-batches in each as the others (some empty)."""
+    regularized = alg.entropy_coef > 0 or (alg.kl_coef > 0 and alg.kl_penalty == "loss")
+    batch = [t for t in transitions if regularized or has_signal(t, alg.estimator)]
+    if not batch:
+        raise ValueError("no transition with a learning signal: nothing to learn from")
+    n = min(alg.mini_batches, len(batch))
+    plan: list[list[list[MicroBatch]]] = [[] for _ in range(ranks)]
+    for mini in (batch[i::n] for i in range(n)):
+        packed = micro_batches(list(zip(mini, token_weights(mini, alg.loss_aggregation, max_tokens))), token_budget)
+        rounds = -(-len(packed) // ranks)
+        for rank, mini_batches in enumerate(plan):
+            mine = packed[rank::ranks]
+            mini_batches.append(mine + [[]] * (rounds - len(mine)))
+    return plan
+
+
+def micro_batches(weighted: MicroBatch, token_budget: int) -> list[MicroBatch]:
     """Rows sorted by length, packed while rows × the longest row (the padded size) stays within the budget, so a
     micro-batch's memory is bounded whatever the batch size. A row longer than the budget goes alone."""
     out: list[MicroBatch] = []

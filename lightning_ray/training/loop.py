@@ -4,6 +4,7 @@ and publishes the new weights. It lives for the whole job: a fit() costs tens of
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import time
 from contextlib import contextmanager, suppress
@@ -15,12 +16,14 @@ import ray
 import ray.train
 import ray.train.torch
 import torch
+import torch.distributed as dist
 
 from lightning_ray.algorithm.grpo import kl_to_reference, policy_loss, truncated_is_weights
 from lightning_ray.algorithm.ppo import gae, token_rewards, value_loss, whiten
 from lightning_ray.types import Transition
 
-MicroBatch = list[tuple[Transition, float]]  # transitions with the weight of each of their tokens in the loss
+# transitions with the weights of their action tokens in the loss (one for all, or one each: grpo.token_weights)
+MicroBatch = list[tuple[Transition, float | np.ndarray]]
 
 
 def deepspeed_config(cfg: dict, on_cuda: bool) -> dict:
@@ -32,7 +35,7 @@ def deepspeed_config(cfg: dict, on_cuda: bool) -> dict:
             **({"fused": True} if on_cuda and not cfg["offload_optimizer"] else {})}
     return {
         "train_micro_batch_size_per_gpu": 1,  # batches are variable-sized; DeepSpeed only needs a nominal size
-        # We accumulate over as many micro-batches as a batch needs (its token budget decides) and step once:
+        # We accumulate over as many micro-batches as a mini-batch needs (its token budget decides) and step once:
         # backward() only accumulates, step() is the boundary. Losses come pre-weighted (grpo.token_weights).
         "managed_gradient_accumulation": False,
         "gradient_clipping": cfg["grad_clip"],
@@ -40,7 +43,8 @@ def deepspeed_config(cfg: dict, on_cuda: bool) -> dict:
         "optimizer": {"type": "AdamW", "params": adam},
         # bf16 compute; fp32 master weights and optimizer state (ZeRO's, stage >= 1: learner.zero_stage), and
         # gradients accumulated over the micro-batches in fp32
-        "bf16": {"enabled": cfg["dtype"] == "bfloat16"},
+        # check_grad_overflow: a step whose gradient is not finite is skipped (optimizer_step)
+        "bf16": {"enabled": cfg["dtype"] == "bfloat16", "check_grad_overflow": True},
         **({"data_types": {"grad_accum_dtype": "fp32"}} if cfg["dtype"] == "bfloat16" else {}),
         "steps_per_print": 2**31,
     }
@@ -106,6 +110,7 @@ def train_loop_per_worker(cfg: dict) -> None:
     publisher = make_publisher(cfg["weight_sync"], registry, engine.device) if rank == 0 else None
     with whole_weights(engine) as module:
         outbox.put({"rank": rank, "ready": True, "digest": parameter_digest(module)})
+    first = True
     while (msg := inbox.get()) is not None:
         if msg["kind"] == "save":
             with whole_weights(engine) as module:
@@ -115,10 +120,14 @@ def train_loop_per_worker(cfg: dict) -> None:
             outbox.put({"rank": rank, "saved": msg["path"]})
             continue
         started = time.perf_counter()
-        stats = train_step(engine, msg["micro_batches"], pad_id, cfg, world, reference)
+        stats = train_step(engine, msg["mini_batches"], pad_id, cfg, world, reference,
+                           cfg["max_logprob_gap"] if first else None)
+        first = False
         trained = time.perf_counter()
         with whole_weights(engine) as module:
-            if rank == 0:  # copied here: ZeRO-3 frees the gathered parameters when the block ends
+            # copied here: ZeRO-3 frees the gathered parameters when the block ends. Weights that no step moved
+            # (each was skipped) are no new version.
+            if rank == 0 and stats["updated"]:
                 ray.get(registry.publish.remote(msg["version"], publisher.publish(msg["version"], module)))
             published = time.perf_counter()
             digest = parameter_digest(module)
@@ -156,61 +165,113 @@ def whole_weights(engine):
         yield policy_of(engine.module)
 
 
-def train_step(engine, micro_batches: list[MicroBatch], pad_id: int, cfg: dict, world_size: int,
-               reference: torch.nn.Module | None = None) -> dict:
-    """One optimizer step over this rank's micro-batches, gradients accumulated. Every rank gets the same number
-    of micro-batches (some may be empty): ZeRO reduces gradients inside backward, and all ranks must join.
+def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, cfg: dict, world_size: int,
+               reference: torch.nn.Module | None = None, max_logprob_gap: float | None = None) -> dict:
+    """This rank's share of a batch: one optimizer step per mini-batch, gradients accumulated over its
+    micro-batches, and all of it algorithm.ppo_epochs times. Every rank gets the same number of mini-batches, and of
+    micro-batches in each (some may be empty): ZeRO reduces gradients inside backward, and all ranks must join.
 
-    The batch is on-policy (sampled by exactly these weights) and takes one step, so the behaviour policy's
-    logprobs are the ones computed here, detached: the ratio starts at 1, as PPO's first step does. Where the
-    sampler differed after all (an older version, the engine's numerics), tis_cap reweighs each token."""
-    batches = [to_device(collate(mb, pad_id), engine.device) for mb in micro_batches]
-    totals = {"loss": 0.0, "tokens": 0, "clip_frac": 0.0, "logprob_abs_diff": 0.0, "entropy": 0.0, "kl_ref": 0.0,
-              "value_loss": 0.0, "tis_capped": 0.0}
-    if cfg["critic"]:  # PPO: every token's advantage from the value head, before any weight moves
-        totals["kl_ref"] += critic_advantages(engine.module, batches, cfg, reference)
-    for batch in batches:
-        scores = score(engine.module, batch, entropy_grad=cfg["entropy_coef"] > 0)
-        # DeepSpeed averages gradients over ranks; the weights already normalize over the whole batch.
-        weights = batch["weights"] * world_size
-        is_weights = None
-        if cfg["tis_cap"]:
-            is_weights = truncated_is_weights(scores.untempered, batch["served_logprobs"], cfg["tis_cap"])
-            totals["tis_capped"] += (is_weights >= cfg["tis_cap"]).sum().item()
-        loss, stats = policy_loss(scores.logprobs, scores.logprobs.detach(), batch["advantages"], weights,
-                                  cfg["clip_eps"], cfg["clip_eps_high"], is_weights)
-        loss = loss - cfg["entropy_coef"] * (scores.entropy * weights).sum()
-        if scores.values is not None:
-            critic_loss = value_loss(scores.values, batch["returns"], batch["weights"])
-            loss = loss + cfg["value_coef"] * critic_loss * world_size
-            totals["value_loss"] += critic_loss.item()
-        if reference is not None and cfg["kl_penalty"] == "loss":
-            with torch.no_grad():
-                ref_logprobs = score(reference, batch).logprobs
-            kl = kl_to_reference(scores.logprobs, ref_logprobs, cfg["kl_estimator"])
-            loss = loss + cfg["kl_coef"] * (kl * weights).sum()
-            totals["kl_ref"] += kl.detach().sum().item()
-        engine.backward(loss, scale_wrt_gas=False)
-        n = len(scores.logprobs)
-        totals["loss"] += loss.item() / world_size
-        totals["tokens"] += n
-        totals["clip_frac"] += stats["clip_frac"] * n
-        totals["entropy"] += scores.entropy.detach().sum().item()
-        # how far the trainer is from the server on the same tokens (both untempered): ~1e-7 when they agree
-        totals["logprob_abs_diff"] += (scores.untempered - batch["served_logprobs"]).abs().sum().item()
-    stepped = time.perf_counter()
-    grad_norm = None
-    if engine.zero_optimization_stage() == 0:  # DeepSpeed reports the norm only from its ZeRO optimizers
-        grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]
-        grad_norm = torch.linalg.vector_norm(torch.stack(grads)).item() if grads else 0.0
-    engine.step()
-    optimizer_s = time.perf_counter() - stepped
-    tokens = max(totals["tokens"], 1)
-    grad_norm = engine.get_global_grad_norm() or grad_norm  # before clipping (DeepSpeed computes it to clip)
-    return {"optimizer_s": optimizer_s, "loss": totals["loss"], "value_loss": totals["value_loss"],
-            "tokens": totals["tokens"], "micro_batches": len(micro_batches),
-            "grad_norm": None if grad_norm is None else float(grad_norm),
-            **{k: totals[k] / tokens for k in ("clip_frac", "logprob_abs_diff", "entropy", "kl_ref", "tis_capped")}}
+    The batch is on-policy (sampled by exactly these weights), so the behaviour policy's logprobs are the ones
+    computed here before the first update: the ratio starts at 1, as PPO's first step does, and moves from the
+    second step on, where the clip acts. Where the sampler differed after all (an older version, the engine's
+    numerics), tis_cap reweighs each token. max_logprob_gap (trainer's, on the first batch): fail before any update
+    if the learner's logprobs are further than that from the server's."""
+    steps = [[to_device(collate(mb, pad_id), engine.device) for mb in mini] for mini in mini_batches]
+    batches = [b for mini in steps for b in mini]
+    tokens = sum(len(b["served_logprobs"]) for b in batches)
+    totals = {"loss": 0.0, "value_loss": 0.0, "clip_frac": 0.0, "entropy": 0.0, "kl_ref": 0.0, "tis_capped": 0}
+    # PPO: every token's advantage from the value head, before any weight moves
+    critic_kl = critic_advantages(engine.module, batches, cfg, reference) if cfg["critic"] else 0.0
+    with torch.no_grad():  # the old policy, for the steps after the first (the first's come with its own forward)
+        for batch in (b for mini in steps[1:] for b in mini):
+            old = score(engine.module, batch)
+            batch["old_logprobs"], batch["old_untempered"] = old.logprobs, old.untempered
+    norms, optimizer_s = [], 0.0
+    for epoch in range(cfg["ppo_epochs"]):
+        for m, mini in enumerate(steps):
+            for batch in mini:
+                scores = score(engine.module, batch, entropy_grad=cfg["entropy_coef"] > 0)
+                if "old_logprobs" not in batch:  # the first step: no weight has moved yet
+                    batch["old_logprobs"], batch["old_untempered"] = scores.logprobs.detach(), scores.untempered
+                # DeepSpeed averages gradients over ranks; the weights already normalize over the whole mini-batch.
+                weights = batch["weights"] * world_size
+                is_weights = None
+                if cfg["tis_cap"]:  # sampler → old policy; the ratio takes it on from there
+                    is_weights = truncated_is_weights(batch["old_untempered"], batch["served_logprobs"], cfg["tis_cap"])
+                    if epoch == 0:
+                        totals["tis_capped"] += (is_weights >= cfg["tis_cap"]).sum().item()
+                loss, stats = policy_loss(scores.logprobs, batch["old_logprobs"], batch["advantages"], weights,
+                                          cfg["clip_eps"], cfg["clip_eps_high"], is_weights)
+                loss = loss - cfg["entropy_coef"] * (scores.entropy * weights).sum()
+                if scores.values is not None:
+                    critic_loss = value_loss(scores.values, batch["returns"], batch["weights"])
+                    loss = loss + cfg["value_coef"] * critic_loss * world_size
+                    totals["value_loss"] += critic_loss.item()
+                if reference is not None and cfg["kl_penalty"] == "loss":
+                    if "ref_logprobs" not in batch:
+                        with torch.no_grad():
+                            batch["ref_logprobs"] = score(reference, batch).logprobs
+                    kl = kl_to_reference(scores.logprobs, batch["ref_logprobs"], cfg["kl_estimator"])
+                    loss = loss + cfg["kl_coef"] * (kl * weights).sum()
+                    totals["kl_ref"] += kl.detach().sum().item()
+                totals["loss"] += (value := loss.item()) / world_size
+                if not math.isfinite(value):  # a NaN gradient, so the step is skipped (a clipped token's may be 0)
+                    loss = scores.logprobs.sum() * math.nan
+                engine.backward(loss, scale_wrt_gas=False)
+                totals["clip_frac"] += stats["clip_frac"] * len(scores.logprobs)
+                totals["entropy"] += scores.entropy.detach().sum().item()
+            if epoch == m == 0:  # every old logprob is known, and no weight has moved yet
+                # how far the trainer is from the server on the same tokens (both untempered): ~1e-7 when they agree
+                gap = torch.tensor([sum((b["old_untempered"] - b["served_logprobs"]).abs().sum().item()
+                                        for b in batches), tokens], dtype=torch.float64, device=engine.device)
+                totals["logprob_abs_diff"] = gap[0].item()
+                if max_logprob_gap is not None:
+                    check_logprob_gap(gap, max_logprob_gap, world_size)
+            stepped = time.perf_counter()
+            norms.append(optimizer_step(engine, world_size))
+            optimizer_s += time.perf_counter() - stepped
+    skipped = sum(not applied for _, applied in norms)
+    updates, per_token = max(tokens * cfg["ppo_epochs"], 1), max(tokens, 1)
+    return {"optimizer_s": optimizer_s, "loss": totals["loss"] / len(norms),
+            "value_loss": totals["value_loss"] / len(norms), "tokens": tokens, "micro_batches": len(batches),
+            "steps": len(norms), "skipped_nonfinite": skipped, "updated": skipped < len(norms),
+            "grad_norm": sum(n for n, _ in norms) / len(norms),  # each before clipping
+            "clip_frac": totals["clip_frac"] / updates, "entropy": totals["entropy"] / updates,
+            "kl_ref": critic_kl / per_token + totals["kl_ref"] / updates,
+            "logprob_abs_diff": totals["logprob_abs_diff"] / per_token, "tis_capped": totals["tis_capped"] / per_token}
+
+
+def check_logprob_gap(gap: torch.Tensor, max_gap: float, world_size: int) -> None:
+    """gap: this rank's summed |learner − served| untempered logprob and its token count. Every rank raises, or none:
+    a step some ranks took without the others would wait for them forever."""
+    if world_size > 1:
+        dist.all_reduce(gap)
+    mean = gap[0].item() / max(gap[1].item(), 1)
+    if mean > max_gap:
+        raise ValueError(f"the learner's logprobs of the sampled tokens differ from the server's by {mean:.3g} per "
+                         f"token on average, above trainer.max_logprob_gap={max_gap}: the two do not compute the same "
+                         "policy (another model or revision, tokenizer or chat template, dtype, logit processing). "
+                         "Training on them would weigh every token wrongly; raise trainer.max_logprob_gap, or null "
+                         "to train anyway")
+
+
+def optimizer_step(engine, world_size: int) -> tuple[float, bool]:
+    """engine.step(), unless the gradient is not finite: then no rank steps, and the gradient is dropped. DeepSpeed's
+    ZeRO optimizers check the global norm themselves; without ZeRO we do. Returns the gradient norm before clipping
+    and whether the step was taken."""
+    if engine.zero_optimization_stage() > 0:
+        engine.step()
+        return float(engine.get_global_grad_norm()), engine.was_step_applied()
+    grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack(grads)) if grads else torch.zeros((), device=engine.device)
+    finite = torch.isfinite(norm).float()
+    if world_size > 1:  # step() all-reduces the gradients: every rank steps, or none
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if finite.item():
+        engine.step()
+    else:
+        engine.zero_grad()
+    return norm.item(), bool(finite.item())
 
 
 def critic_advantages(module: torch.nn.Module, batches: list[dict], cfg: dict,
@@ -254,12 +315,23 @@ def score(module: torch.nn.Module, batch: dict[str, torch.Tensor], entropy_grad:
     """Per response token, flat in row order: its logprob under the call's sampling temperature (with gradient)
     and untempered; the entropy of the position's sampling distribution (with gradient for an entropy bonus); a
     critic's value estimate. Only the positions that predict a response token go through the LM head, so the
-    [rows, width, vocabulary] logits of the whole micro-batch never exist."""
+    [rows, width, vocabulary] logits of the whole micro-batch never exist; they do go through the model's own
+    forward after the decoder, whatever it does to the logits (Gemma-2's soft-capping, Granite's scaling, ...)."""
     model = policy_of(module)
-    hidden = model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
     predicts = batch["mask"].bool()
-    states = hidden[:, :-1][predicts]  # [response tokens, hidden]: the context each action was taken in
-    logits = model.get_output_embeddings()(states).float()  # [response tokens, vocabulary]
+    kept = {}
+
+    def actions_only(decoder, inputs, out):
+        kept["states"] = out.last_hidden_state[:, :-1][predicts]  # [response tokens, hidden]: each action's context
+        out.last_hidden_state = kept["states"][None]  # the head's input: one row of just those
+        return out
+
+    hook = model.get_decoder().register_forward_hook(actions_only)
+    try:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    finally:
+        hook.remove()
+    states, logits = kept["states"], out.logits[0].float()  # [response tokens, vocabulary]
     targets = batch["input_ids"][:, 1:][predicts]
     temperature = batch["temperature"][:, None].expand_as(predicts)[predicts]
     picked = logits.gather(-1, targets[:, None]).squeeze(-1)
@@ -294,9 +366,10 @@ def collate(micro_batch: MicroBatch, pad_id: int) -> dict[str, torch.Tensor]:
         return torch.from_numpy(np.repeat(np.array(values, np.float32), tokens))
 
     served = np.concatenate([np.zeros(0), *(t.logprobs[t.action_mask == 1] for t, _ in rows)], dtype=np.float32)
+    weights = np.concatenate([np.zeros(0), *(np.broadcast_to(w, t.action_tokens) for t, w in rows)], dtype=np.float32)
     return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention_mask),
             "mask": torch.from_numpy(mask), "temperature": torch.tensor([t.temperature for t, _ in rows] or [1.0]),
-            "advantages": per_action([t.advantage for t, _ in rows]), "weights": per_action([w for _, w in rows]),
+            "advantages": per_action([t.advantage for t, _ in rows]), "weights": torch.from_numpy(weights),
             "served_logprobs": torch.from_numpy(served), "row_tokens": tokens,
             "sample_returns": [t.returns for t, _ in rows]}
 

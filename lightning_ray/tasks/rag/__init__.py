@@ -42,6 +42,8 @@ from lightning_ray.tracing import emit_tool
 from lightning_ray.types import Task
 
 _OPTIONS = {"facts": {"people", "world_seed", "templates"}, "musique": {"path"}}
+# the gold answers and the path to them: the reward's and the demonstrations', never the agent's (Task.reference)
+REFERENCE = ("answers", "supporting", "decomposition")
 FORMAT_WEIGHT, F1_WEIGHT = 0.1, 0.9
 TOP_K = 3  # passages per search
 MAX_TURNS = 4  # model calls per episode: a search per hop, the answer, and one spare
@@ -84,7 +86,9 @@ def make_tasks(n: int, seed: int, dataset: str = "facts", options: dict | None =
         if entry["question"] in seen:
             continue
         seen.add(entry["question"])
-        tasks.append(Task(task_id=entry.pop("id", None) or f"{dataset}-{seed}-{len(tasks)}", input=entry))
+        tasks.append(Task(task_id=entry.pop("id", None) or f"{dataset}-{seed}-{len(tasks)}",
+                          input={k: v for k, v in entry.items() if k not in REFERENCE},
+                          reference={k: entry[k] for k in REFERENCE if k in entry}))
         if len(tasks) == n:
             return tasks
     more = "a larger world: task.generator.people" if dataset == "facts" else "a larger file"
@@ -182,9 +186,9 @@ def demonstrations(tasks: list[Task]) -> list[list[dict]]:
     out = []
     for t in tasks:
         corpus, items = index(t.input), [*opening(), {"role": "user", "content": t.input["question"]}]
-        for i, query in enumerate(t.input["decomposition"]):
+        for i, query in enumerate(t.reference["decomposition"]):
             items += _searched(f"call_{i}", query, corpus.search(query, TOP_K))
-        out.append([*items, {"role": "assistant", "content": f"ANSWER: {t.input['answers'][0]}"}])
+        out.append([*items, {"role": "assistant", "content": f"ANSWER: {t.reference['answers'][0]}"}])
     return out
 
 

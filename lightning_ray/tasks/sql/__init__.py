@@ -66,8 +66,10 @@ def make_tasks(n: int, seed: int, dataset: str = "chinook", options: dict | None
     if len(drawn) < n:
         raise ValueError(f"the sql task's {dataset} has only {len(drawn)} questions outside `exclude`; "
                          f"{n} were asked for")
-    return [Task(task_id=f"sql-{dataset}-{seed}-{i}", input={**item, "max_rounds": max_rounds})
-            for i, item in enumerate(drawn)]
+    # the gold query is the reward's only (Task.reference): an agent given it would just copy it
+    return [Task(task_id=f"sql-{dataset}-{seed}-{i}",
+                 input={**{k: v for k, v in item.items() if k != "gold"}, "max_rounds": max_rounds},
+                 reference={"gold": item["gold"]}) for i, item in enumerate(drawn)]
 
 
 def _chinook_pools(db: Path, families: list[str] | None) -> dict[str, list[tuple[str, str]]]:
