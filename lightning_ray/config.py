@@ -171,9 +171,11 @@ class RolloutConfig(_Strict):
     max_tokens: int = Field(96, gt=0)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    max_attempts: int = Field(1, gt=0)  # tries per rollout; a failed/timed-out/silent attempt is retried
+    max_attempts: int = Field(1, gt=0)  # tries per rollout; only a platform failure is retried (README: failures)
     # wall-clock limit of one attempt, enforced by the store and the worker (which leaves a stuck agent behind)
     timeout_seconds: float | None = Field(600.0, gt=0)
+    # a timeout is the policy's doing (scored 0, never retried) or the platform's (no reward, retried, left out)
+    timeout_policy: Literal["policy", "platform"] = "policy"
     unresponsive_seconds: float | None = Field(60.0, gt=0)  # lease: longest silence between worker heartbeats
     tracing: Literal["embedded", "otel"] = "embedded"  # how the agent's own spans are traced
     # each worker's; {}: none, anywhere. A worker reaches the policy through the Serve proxy of its own node, which

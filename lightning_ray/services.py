@@ -50,7 +50,8 @@ class Services:
         # On the head, beside the driver: the store's SQLite files are the run directory's.
         self.store = StoreClient.start(cfg.run_path, cfg.store.num_shards, label=label, actor_options=ON_HEAD)
         self.attempts = RolloutConfig(max_attempts=cfg.rollout.max_attempts, timeout_seconds=cfg.rollout.timeout_seconds,
-                                      unresponsive_seconds=cfg.rollout.unresponsive_seconds)
+                                      unresponsive_seconds=cfg.rollout.unresponsive_seconds,
+                                      timeout_policy=cfg.rollout.timeout_policy)
         self.registry = WeightRegistry.options(name=f"weight-registry@{label}").remote()
         with status(f"starting the policy server ({cfg.engine.kind} engine)"):
             self.server_url = deploy_policy(str(self.model_path), cfg.model.name, self.store, self.registry,

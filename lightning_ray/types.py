@@ -46,7 +46,12 @@ class RolloutConfig(BaseModel):
     max_attempts: int = Field(1, ge=1)
     timeout_seconds: float | None = Field(None, gt=0)  # wall-clock limit of one attempt
     unresponsive_seconds: float | None = Field(None, gt=0)  # longest silence between heartbeats (the lease)
+    # Which endings retry. Only a platform failure is retried (one without a reward: endpoint down, a lost lease):
+    # a failure the policy caused is scored and final, or retries would replace its 0 by a luckier try.
     retry_on: list[AttemptStatus] = ["failed", "timeout", "unresponsive"]
+    # A timeout is the policy's (an answer that loops or never ends: scored 0, not retried) or the platform's (a
+    # slow endpoint: no reward, retried, left out of training).
+    timeout_policy: Literal["policy", "platform"] = "policy"
 
 
 class Rollout(BaseModel):

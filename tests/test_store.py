@@ -57,6 +57,19 @@ def test_retry_condition_decides_which_failures_are_retried():
     assert store.finish_attempt(attempt.attempt_id, "failed", now=1.0).status == "failed"  # not a timeout: final
 
 
+def test_a_failure_the_policy_caused_is_scored_and_never_retried():
+    """A failed attempt with a reward (the agent crashed on the policy's answer: 0) ends the rollout; retrying it
+    would replace the 0 by a luckier try and bias the data towards success. One without (the platform's) retries."""
+    store = SQLiteBackend()
+    store.enqueue(rollouts(2, max_attempts=3))
+    (_, policy), (_, platform) = store.dequeue(None, now=0.0), store.dequeue(None, now=0.0)
+    ended = store.finish_attempt(policy.attempt_id, "failed", now=1.0, reward=0.0, error="ValueError: bad answer")
+    assert (ended.status, ended.reward) == ("failed", 0.0)
+    assert store.finish_attempt(platform.attempt_id, "failed", now=1.0, error="APIConnectionError").status == "requeued"
+    retry, _ = store.dequeue(None, now=2.0)
+    assert retry.rollout_id == "r1" and store.dequeue(None, now=2.0) is None
+
+
 def test_success_ends_the_rollout_with_its_reward():
     store = SQLiteBackend()
     store.enqueue(rollouts(1, max_attempts=2))
@@ -120,16 +133,21 @@ def test_dequeue_under_the_same_attempt_id_gets_the_same_lease_back():
 
 def test_timeouts_and_lost_leases_end_attempts_and_retry_them():
     store = SQLiteBackend()
-    store.enqueue([*rollouts(1, timeout_seconds=10, max_attempts=2),
+    store.enqueue([*rollouts(1, timeout_seconds=10, max_attempts=2, timeout_policy="platform"),
                    Rollout(rollout_id="quiet", task=Task(task_id="q", input={}),
-                           config=RolloutConfig(unresponsive_seconds=2))])
+                           config=RolloutConfig(unresponsive_seconds=2)),
+                   Rollout(rollout_id="loops", task=Task(task_id="l", input={}),
+                           config=RolloutConfig(timeout_seconds=10, max_attempts=2))])  # timeout_policy: policy
     _, slow = store.dequeue(None, now=0.0)
     _, quiet = store.dequeue(None, now=0.0)
+    store.dequeue(None, now=0.0)
     store.heartbeat(quiet.attempt_id, now=1.5)  # the lease now runs to 3.5
     assert store.expire(now=3.0) == []
-    assert sorted(store.expire(now=11.0)) == ["quiet", "r0"]
+    assert sorted(store.expire(now=11.0)) == ["loops", "quiet", "r0"]
     assert [a.status for a in store.get_attempts("r0")] == ["timeout"]
-    assert store.get_rollouts(["r0"])[0].status == "requeued"  # one attempt left
+    assert store.get_rollouts(["r0"])[0].status == "requeued"  # the platform's timeout: one attempt left
+    loops = store.get_rollouts(["loops"])[0]
+    assert (loops.status, loops.reward) == ("failed", 0.0)  # the policy's timeout: scored, not retried
     assert [a.status for a in store.get_attempts("quiet")] == ["unresponsive"]
     assert store.get_rollouts(["quiet"])[0].status == "failed"
     with pytest.raises(StaleAttempt):
@@ -425,15 +443,18 @@ def test_the_queue_wal_stays_bounded_over_a_long_run(tmp_path):
     assert largest < 16 << 20, f"the queue's WAL reached {largest / 2**20:.1f} MiB"
 
 
-def test_a_stuck_agent_cannot_hold_its_worker(ray_cluster):
+@pytest.mark.parametrize("timeout_policy", ["platform", "policy"])
+def test_a_stuck_agent_cannot_hold_its_worker(ray_cluster, timeout_policy):
     """An agent that never returns: at the attempt's deadline the worker gives up on it (its thread is left
-    behind), the store ends the attempt as a timeout and retries it, and the worker goes on to the next rollouts."""
+    behind), the store ends the attempt as a timeout, and the worker goes on to the next rollouts. The platform's
+    timeout is retried (no reward); the policy's is scored 0 and stands."""
     from lightning_ray.rollout.runner import work
 
     client = StoreClient.start(expire_every_s=0.05)
     stuck = threading.Event()
     tasks = [Task(task_id="stuck", input={"stuck": True}), Task(task_id="fine", input={"stuck": False})]
-    ids = [r.rollout_id for r in client.enqueue(tasks, RolloutConfig(timeout_seconds=1.0, max_attempts=2))]
+    config = RolloutConfig(timeout_seconds=1.0, max_attempts=2, timeout_policy=timeout_policy)
+    ids = [r.rollout_id for r in client.enqueue(tasks, config)]
 
     def agent(task, **openai_settings):
         if task["stuck"] and not stuck.is_set():  # the first attempt hangs for good; the retry answers
@@ -447,9 +468,16 @@ def test_a_stuck_agent_cannot_hold_its_worker(ray_cluster):
     worker.start()
     worker.join(30)
     assert not worker.is_alive(), "the worker is still waiting on the stuck agent"
-    assert ran == [3]  # the stuck attempt, its retry, and the other rollout
-    assert [a.status for a in client.get_attempts(ids[0])] == ["timeout", "succeeded"]
-    assert [r.status for r in client.get_rollouts(ids)] == ["succeeded", "succeeded"]
+    stuck_rollout, fine = client.get_rollouts(ids)
+    assert fine.status == "succeeded" and fine.reward == 1.0
+    if timeout_policy == "platform":
+        assert ran == [3]  # the stuck attempt, its retry, and the other rollout
+        assert [a.status for a in client.get_attempts(ids[0])] == ["timeout", "succeeded"]
+        assert stuck_rollout.status == "succeeded" and stuck_rollout.reward == 1.0
+    else:
+        assert ran == [2]  # the stuck attempt, scored, and the other rollout
+        assert [a.status for a in client.get_attempts(ids[0])] == ["timeout"]
+        assert stuck_rollout.status == "failed" and stuck_rollout.reward == 0.0
 
 
 @ray.remote(max_concurrency=2)

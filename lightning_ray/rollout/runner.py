@@ -76,7 +76,9 @@ def run_attempt(store, rollout: Rollout, agent: Callable, reward: Callable, poli
                              model=model, api_key=agent_key)
             value, status, error = reward(rollout.task.reward_input, answer), "succeeded", None
         except AttemptTimeout as e:  # the store times the attempt out too; the agent's thread is left behind
-            answer, status, error, value = None, "timeout", str(e), None
+            # scored 0 when a timeout is the policy's doing (rollout.timeout_policy), else left out of training
+            answer, status, error = None, "timeout", str(e)
+            value = 0.0 if rollout.config.timeout_policy == "policy" else None
         except Exception as e:  # the agent's failure is the rollout's outcome, not the worker's
             # ... and scores 0, unless the platform failed it (no reward: LightningRL leaves it out of training)
             answer, status, error = None, "failed", f"{type(e).__name__}: {e}"

@@ -300,10 +300,12 @@ class SQLiteBackend:
                      error: str | None) -> Rollout:
         self._move_attempt(attempt, status, now, error)
         rollout = self.get_rollouts([attempt.rollout_id])[0]
+        if status == "timeout" and reward is None and rollout.config.timeout_policy == "policy":
+            reward = 0.0  # the policy ran past the deadline (a store-side expiry, or a worker that did not score it)
         if status == "succeeded":
             new = "succeeded"
-        elif status in rollout.config.retry_on and rollout.attempts < rollout.config.max_attempts:
-            new = "requeued"
+        elif reward is None and status in rollout.config.retry_on and rollout.attempts < rollout.config.max_attempts:
+            new = "requeued"  # a platform failure; one the policy caused was scored, and stands
         else:
             new = "failed"
         check_move("rollout", rollout.rollout_id, rollout.status, new)
