@@ -173,7 +173,7 @@ class RolloutConfig(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     max_attempts: int = Field(1, gt=0)  # tries per rollout; only a platform failure is retried (README: failures)
     # wall-clock limit of one attempt, enforced by the store and the worker (which leaves a stuck agent behind)
-    timeout_seconds: float | None = Field(600.0, gt=0)
+    timeout_seconds: float = Field(600.0, gt=0)  # no null: heartbeats would keep a stuck agent's lease forever
     # a timeout is the policy's doing (scored 0, never retried) or the platform's (no reward, retried, left out)
     timeout_policy: Literal["policy", "platform"] = "policy"
     unresponsive_seconds: float | None = Field(60.0, gt=0)  # lease: longest silence between worker heartbeats

@@ -44,7 +44,8 @@ class RolloutConfig(BaseModel):
     """How long an attempt may take and when the store retries it."""
 
     max_attempts: int = Field(1, ge=1)
-    timeout_seconds: float | None = Field(None, gt=0)  # wall-clock limit of one attempt
+    # wall-clock limit of one attempt: every rollout has one, or heartbeats would keep a stuck agent's lease forever
+    timeout_seconds: float = Field(600.0, gt=0)
     unresponsive_seconds: float | None = Field(None, gt=0)  # longest silence between heartbeats (the lease)
     # Which endings retry. Only a platform failure is retried (one without a reward: endpoint down, a lost lease):
     # a failure the policy caused is scored and final, or retries would replace its 0 by a luckier try.

@@ -153,6 +153,7 @@ def test_every_readme_override_works_as_written(job, overrides, tmp_path):
     ("+serve.resources.policy_gpu=-1", "serve.resources.policy_gpu"),
     ("trainer.placement_strategy=CLOSE", "trainer.placement_strategy"),
     ("serve.host=0.0.0.0", "serve.api_key"),  # exposed without a key: refused, the key it needs named
+    ("rollout.timeout_seconds=null", "rollout.timeout_seconds"),  # every rollout has a deadline
 ])
 def test_bad_values_name_the_key(override, named, tmp_path):
     r = run_job(override, f"hydra.run.dir={tmp_path}")
