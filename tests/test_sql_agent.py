@@ -77,8 +77,11 @@ def test_the_answer_is_the_last_query_and_the_reward_is_its_execution_match(epis
         by_id = {s.span_id: s for s in ep["spans"]}
         query = None  # the writer's query, then each rewrite that has one: what the workflow's state ends with
         for c in sorted(recorded_calls(ep["spans"]), key=lambda s: s.start_time):
-            if agent_of(c, by_id) in ("writer", "rewriter"):
-                query = extract_sql(c.attributes["lightning_ray.response"]) or query
+            written = extract_sql(c.attributes["lightning_ray.response"])
+            if agent_of(c, by_id) == "writer":
+                query = written
+            elif agent_of(c, by_id) == "rewriter":
+                query = written or query
         assert ep["answer"] == query
         task = ep["task"].reward_input
         assert sql.reward(task, task["gold"]) == 1.0 and sql.reward(task, "SELECT 1 WHERE 0") == 0.0
