@@ -90,6 +90,6 @@ def test_rewards_are_execution_matches_of_the_final_query(run):
     assert len(rewards) == len(run["rollouts"]) and set(rewards) <= {0.0, 1.0}
     for rid, (task, _, reward) in run["rollouts"].items():
         assert task.input["db"] == "chinook" and reward in (0.0, 1.0)
-        assert sql.reward(task.input, answers[rid]) == reward  # the final query, scored again here
+        assert sql.reward(task.reward_input, answers[rid]) == reward  # the final query, scored again here
     for h in run["history"]:
         assert 0.0 <= h["reward_mean"] <= 1.0
