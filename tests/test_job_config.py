@@ -220,7 +220,7 @@ def test_a_sweep_gives_each_job_its_own_run_directory_and_keeps_a_key_from_the_e
     monkeypatch.setenv("SWEEP_TEST_KEY", "sk-secret-2")
     stray = (ROOT / "multirun").exists()
     r = subprocess.run([sys.executable, "jobs/train.py", "-m", "seed=0,1", "experiment=calc_tiny", "trainer.iterations=1",
-                        "task.eval_size=4", "serve.api_key=${oc.env:SWEEP_TEST_KEY}", f"serve.port={free_port()}",
+                        "trainer.eval_every=0", "serve.api_key=${oc.env:SWEEP_TEST_KEY}", f"serve.port={free_port()}",
                         "+engine.env.HF_TOKEN=hf_sweepsecret0123", "hydra.output_subdir=.hydra",
                         f"run_root={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
