@@ -145,7 +145,8 @@ class ServeConfig(_Strict):
     port: int = Field(8000, ge=0, lt=65536)
     num_replicas: int = Field(1, gt=0)
     autoscaling: dict[str, Any] | None = None  # Serve's autoscaling_config; replaces num_replicas when set
-    # The operator's key: every request needs it (Authorization: Bearer), but an agent's own key (lightning_ray/auth.py)
+    # The operator's key (Authorization: Bearer): it opens every endpoint; agents get keys of their own instead
+    # (lightning_ray/auth.py)
     api_key: str | None = Field(None, min_length=1)
     sync_timeout_s: float = Field(120.0, gt=0)
     # a weight update waits this long for in-flight generations, then ends them (503, "drain_timeout")
