@@ -112,6 +112,7 @@ def learner_steps(model_path, batch, steps: int, token_budget: int, workers: int
     learner = Learner(cfg, model_path, WeightRegistry.remote())
     times = []
     try:
+        learner.wait_ready()  # the ranks' start is not a step
         for _ in range(steps):
             start = time.perf_counter()
             replies = learner.step(batch)

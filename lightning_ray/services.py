@@ -20,15 +20,18 @@ from lightning_ray.store.client import StoreClient
 from lightning_ray.store.http import APP_NAME as STORE_APP
 from lightning_ray.store.http import deploy_store_api
 from lightning_ray.terminal import console, status
+from lightning_ray.training.learner import Learner
 from lightning_ray.training.weights import WeightRegistry
 from lightning_ray.types import Rollout, RolloutConfig, Task
 from lightning_ray.weight_sync import resolve as resolve_weight_sync
 
 
 class Services:
-    def __init__(self, cfg: TrainConfig, rollout_workers: bool = True):
-        """rollout_workers=False: the policy and the store only, for agents that run elsewhere (jobs/serve.py)."""
-        self.cfg = cfg
+    def __init__(self, cfg: TrainConfig, rollout_workers: bool = True, learner: bool = False):
+        """rollout_workers=False: the policy and the store only, for agents that run elsewhere (jobs/serve.py);
+        learner=True: the learner too (training/learner.py), its ranks starting while the policy server does. What
+        started is stopped again if a later part fails to start."""
+        self.cfg, self.learner, self.apps = cfg, None, []
         cfg.run_path.mkdir(parents=True, exist_ok=True)
         cfg.save(cfg.run_path / "config.yaml")
         print(f"run directory: {cfg.run_path}", flush=True)
@@ -44,6 +47,13 @@ class Services:
             _link_ray_logs(context.address_info["session_dir"], cfg.run_path / "logs")
             if context.dashboard_url:
                 console.print(f"Ray dashboard at http://{context.dashboard_url} (metrics: lightning_ray_*)")
+        try:
+            self._start(cfg, rollout_workers, learner)
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def _start(self, cfg: TrainConfig, rollout_workers: bool, learner: bool) -> None:
         with status("building the model"):
             self.model_path: Path = resolve_model_path(cfg.model)
         label = cfg.run_path.name  # names that read well in the Ray dashboard, unique per run
@@ -53,11 +63,15 @@ class Services:
                                       unresponsive_seconds=cfg.rollout.unresponsive_seconds,
                                       timeout_policy=cfg.rollout.timeout_policy)
         self.registry = WeightRegistry.options(name=f"weight-registry@{label}").remote()
+        if learner:  # ~5 s sooner ready than one after the other, on 2 cores
+            self.learner = Learner(cfg, self.model_path, self.registry)
         with status(f"starting the policy server ({cfg.engine.kind} engine)"):
+            self.apps.append(APP_NAME)
             self.server_url = deploy_policy(str(self.model_path), cfg.model.name, self.store, self.registry,
                                             host=cfg.serve.host, port=cfg.serve.port, **policy_options(cfg))
         console.print(f"policy served at {self.server_url}/v1 as {cfg.model.name!r}")
         if cfg.store.http:
+            self.apps.append(STORE_APP)
             store_url = deploy_store_api(self.store, cfg.serve.host, cfg.serve.port, cfg.serve.api_key)
             console.print(f"trace store at {store_url} (OTLP/HTTP: {store_url}/v1/traces)")
         # Each worker runs agents_per_worker agents at once (threads): the engine batches their calls. A worker
@@ -68,14 +82,18 @@ class Services:
         ).remote(cfg.task, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing,
                  cfg.rollout.timeout_seconds) for i in range(cfg.rollout.num_workers if rollout_workers else 0)]
         ray.get([w.__ray_ready__.remote() for w in self.workers])  # an agent that cannot load fails here, named
+        if self.learner:
+            with status("starting the learner (Ray Train, DeepSpeed)"):
+                self.learner.wait_ready()
 
     def __enter__(self) -> Services:
         return self
 
     def __exit__(self, *exc) -> None:
-        serve.delete(APP_NAME)
-        if self.cfg.store.http:
-            serve.delete(STORE_APP)
+        if self.learner:
+            self.learner.close()
+        for app in self.apps:
+            serve.delete(app)
         if self.owns_ray:
             ray.shutdown()
 

@@ -24,7 +24,6 @@ from lightning_ray.report import plot_learning_curve
 from lightning_ray.services import Services
 from lightning_ray.tasks import load_splits
 from lightning_ray.terminal import status
-from lightning_ray.training.learner import Learner
 from lightning_ray.types import Task, Transition
 
 PROBE = [{"role": "user", "content": "What is 3 + 4?"}]  # a fixed prompt whose served logprobs track each update
@@ -32,94 +31,89 @@ PROBE = [{"role": "user", "content": "What is 3 + 4?"}]  # a fixed prompt whose 
 
 def train(cfg: TrainConfig) -> list[dict]:
     run, t, alg = cfg.run_path, cfg.trainer, cfg.algorithm
-    with Services(cfg) as services:
-        train_tasks, held_out = load_splits(cfg.task)
-        with status("starting the learner (Ray Train, DeepSpeed)"):
-            learner = Learner(cfg, services.model_path, services.registry)
+    with Services(cfg, learner=True) as services:
+        train_tasks, held_out, learner = *load_splits(cfg.task), services.learner
         rng = random.Random(cfg.seed)
         select = Selection.of(cfg.model.name, alg.select.models, alg.select.agents)  # which calls are the policy's
         history, evals = [], []
-        try:
-            if t.eval_every:
-                evals.append({"after": 0, **evaluate(services, held_out, cfg.eval.pass_k, "eval before")})
-                print(f"held-out accuracy before training: {evals[-1]['accuracy']:.3f}", flush=True)
-            probe = _probe(services.server_url, cfg)
-            deadline = time.monotonic() + 60 * t.max_minutes if t.max_minutes else float("inf")
-            for iteration in range(t.iterations):
-                phase = _PhaseTimer()
-                rollouts, spans, adapted = [], [], Counter()  # of every round
+        if t.eval_every:
+            evals.append({"after": 0, **evaluate(services, held_out, cfg.eval.pass_k, "eval before")})
+            print(f"held-out accuracy before training: {evals[-1]['accuracy']:.3f}", flush=True)
+        probe = _probe(services.server_url, cfg)
+        deadline = time.monotonic() + 60 * t.max_minutes if t.max_minutes else float("inf")
+        for iteration in range(t.iterations):
+            phase = _PhaseTimer()
+            rollouts, spans, adapted = [], [], Counter()  # of every round
 
-                def rollout_round(tasks: list[Task]) -> list[Transition]:  # a group of rollouts per task
-                    with phase("rollout"):
-                        groups = [task.model_copy(update={"group_id": f"{task.task_id}@{iteration}"})
-                                  for task in tasks for _ in range(cfg.rollout.group_size)]
-                        done = services.run_rollouts(groups, f"iter {iteration} rollouts")
-                    with phase("adapt"):
-                        found = services.store.query_spans([r.rollout_id for r in done],
-                                                           name=spans_read(select, cfg.task.air.enabled))
-                        if cfg.task.air.enabled:  # stored with the trace, where each sits beside the call it judges
-                            air = air_spans(found, cfg.task.air, lambda sp: select.calls(recorded_calls(sp), sp))
-                            services.store.add_spans(air, origin="server")
-                            found += air
-                        transitions, counts = adapt(done, found, cfg.model.name, alg.level, cfg.task.agent_rewards,
-                                                    select)
-                        transitions = (best_rollouts(transitions, alg.sft_min_reward) if alg.objective == "sft" else
-                                       compute_advantages(transitions, alg.estimator, alg.credit, alg.gamma,
-                                                          alg.baseline))
-                        if alg.overlong_filter:  # a cut-off answer's reward says little about it: left out of the loss
-                            transitions = [tr for tr in transitions if tr.finish_reason != "length"]
-                    rollouts.extend(done)
-                    spans.extend(found)
-                    adapted.update(counts)
-                    return transitions
+            def rollout_round(tasks: list[Task]) -> list[Transition]:  # a group of rollouts per task
+                with phase("rollout"):
+                    groups = [task.model_copy(update={"group_id": f"{task.task_id}@{iteration}"})
+                              for task in tasks for _ in range(cfg.rollout.group_size)]
+                    done = services.run_rollouts(groups, f"iter {iteration} rollouts")
+                with phase("adapt"):
+                    found = services.store.query_spans([r.rollout_id for r in done],
+                                                       name=spans_read(select, cfg.task.air.enabled))
+                    if cfg.task.air.enabled:  # stored with the trace, where each sits beside the call it judges
+                        air = air_spans(found, cfg.task.air, lambda sp: select.calls(recorded_calls(sp), sp))
+                        services.store.add_spans(air, origin="server")
+                        found += air
+                    transitions, counts = adapt(done, found, cfg.model.name, alg.level, cfg.task.agent_rewards,
+                                                select)
+                    transitions = (best_rollouts(transitions, alg.sft_min_reward) if alg.objective == "sft" else
+                                   compute_advantages(transitions, alg.estimator, alg.credit, alg.gamma,
+                                                      alg.baseline))
+                    if alg.overlong_filter:  # a cut-off answer's reward says little about it: left out of the loss
+                        transitions = [tr for tr in transitions if tr.finish_reason != "length"]
+                rollouts.extend(done)
+                spans.extend(found)
+                adapted.update(counts)
+                return transitions
 
-                # one round of tasks_per_iteration groups; with dynamic sampling, more rounds for the groups whose
-                # rollouts all scored the same (zero advantages: no learning signal; a critic still has one, its
-                # baseline being the value head, not the group)
-                rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
-                tasks = rng.sample(train_tasks, min(cfg.rollout.tasks_per_iteration * rounds, len(train_tasks)))
-                transitions, sampling = sample_groups(tasks, cfg.rollout.tasks_per_iteration, rounds, rollout_round,
-                                                      alg.estimator)
-                results = []
-                last = iteration + 1 == t.iterations or time.monotonic() >= deadline
-                if sampling["groups_with_signal"]:  # else the policy stays as it is: no step, no new version
-                    # versions the learner is ahead of the oldest policy that generated this data
-                    metrics().staleness.set(learner.version - min(tr.policy_version for tr in transitions))
-                    with phase("train"), status(f"iter {iteration}: training on {len(transitions)} transitions",
-                                                report=False):
-                        if cfg.engine.sleep_while_training:  # the GPU they share is the learner's till the sync
-                            services.sleep_engines()
-                        results = learner.step(transitions)
-                    with phase("sync"), status(f"iter {iteration}: syncing weights", report=False):
-                        ray.get(services.registry.wait_synced.remote(learner.version, cfg.serve.sync_timeout_s))
-                    metrics().weight_sync_seconds.observe(phase.seconds["sync"])
-                    if (iteration + 1) % t.checkpoint_every == 0 or last:
-                        with phase("checkpoint"), status(f"iter {iteration}: checkpoint", report=False):
-                            learner.save(run / "checkpoint")
-                if t.eval_every and ((iteration + 1) % t.eval_every == 0 or last):
-                    with phase("eval"):
-                        evals.append({"after": iteration + 1, **evaluate(services, held_out, cfg.eval.pass_k,
-                                                                         f"eval after {iteration + 1}")})
-                record = _record(iteration, rollouts, spans, transitions, adapted, sampling, learner.version, results,
-                                 phase.seconds)
-                if results:
-                    served_before, probe = probe, _probe(services.server_url, cfg)
-                    record.update({"served_policy_version": probe["version"],
-                                   "probe_logprob_before": served_before["logprob_mean"],
-                                   "probe_logprob_after": probe["logprob_mean"]})
-                if iteration == 0 and evals:
-                    record["eval_before"] = evals[0]
-                if evals and evals[-1]["after"] == iteration + 1:
-                    record["eval"] = evals[-1]
-                history.append(record)
-                _export(record)
-                with open(run / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                print(_summary(record), flush=True)
-                if last:
-                    break
-        finally:
-            learner.close()
+            # one round of tasks_per_iteration groups; with dynamic sampling, more rounds for the groups whose
+            # rollouts all scored the same (zero advantages: no learning signal; a critic still has one, its
+            # baseline being the value head, not the group)
+            rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
+            tasks = rng.sample(train_tasks, min(cfg.rollout.tasks_per_iteration * rounds, len(train_tasks)))
+            transitions, sampling = sample_groups(tasks, cfg.rollout.tasks_per_iteration, rounds, rollout_round,
+                                                  alg.estimator)
+            results = []
+            last = iteration + 1 == t.iterations or time.monotonic() >= deadline
+            if sampling["groups_with_signal"]:  # else the policy stays as it is: no step, no new version
+                # versions the learner is ahead of the oldest policy that generated this data
+                metrics().staleness.set(learner.version - min(tr.policy_version for tr in transitions))
+                with phase("train"), status(f"iter {iteration}: training on {len(transitions)} transitions",
+                                            report=False):
+                    if cfg.engine.sleep_while_training:  # the GPU they share is the learner's till the sync
+                        services.sleep_engines()
+                    results = learner.step(transitions)
+                with phase("sync"), status(f"iter {iteration}: syncing weights", report=False):
+                    ray.get(services.registry.wait_synced.remote(learner.version, cfg.serve.sync_timeout_s))
+                metrics().weight_sync_seconds.observe(phase.seconds["sync"])
+                if (iteration + 1) % t.checkpoint_every == 0 or last:
+                    with phase("checkpoint"), status(f"iter {iteration}: checkpoint", report=False):
+                        learner.save(run / "checkpoint")
+            if t.eval_every and ((iteration + 1) % t.eval_every == 0 or last):
+                with phase("eval"):
+                    evals.append({"after": iteration + 1, **evaluate(services, held_out, cfg.eval.pass_k,
+                                                                     f"eval after {iteration + 1}")})
+            record = _record(iteration, rollouts, spans, transitions, adapted, sampling, learner.version, results,
+                             phase.seconds)
+            if results:
+                served_before, probe = probe, _probe(services.server_url, cfg)
+                record.update({"served_policy_version": probe["version"],
+                               "probe_logprob_before": served_before["logprob_mean"],
+                               "probe_logprob_after": probe["logprob_mean"]})
+            if iteration == 0 and evals:
+                record["eval_before"] = evals[0]
+            if evals and evals[-1]["after"] == iteration + 1:
+                record["eval"] = evals[-1]
+            history.append(record)
+            _export(record)
+            with open(run / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            print(_summary(record), flush=True)
+            if last:
+                break
         if history:
             title = f"{cfg.task.dataset} · {cfg.model.path or 'tiny test model'}"
             plot_learning_curve(history, evals, run / "learning_curve.png", title)

@@ -1,7 +1,7 @@
 """Every ZeRO stage the config accepts trains, publishes whole weights a server can load, and saves a checkpoint that
-loads back: two Ray Train ranks on the tiny model. (Stage 2 also runs in test_train_e2e, stage 0 in test_learning.)
-Stage 3 runs PPO: its value head is partitioned with the policy, its advantages whitened across the ranks, and
-neither the head nor its optimizer state may leak into what a server loads."""
+loads back: two Ray Train ranks on the tiny model. (Stage 2 also runs in test_train_e2e and below, beside one rank on
+the same batch; stage 0 in test_learning.) Stage 3 runs PPO: its value head is partitioned with the policy, its
+advantages whitened across the ranks, and neither the head nor its optimizer state may leak into what a server loads."""
 
 from __future__ import annotations
 
@@ -28,6 +28,16 @@ def transitions(vocab: int, n: int = 8) -> list[Transition]:
                        prompt_ids=[rng.randrange(vocab) for _ in range(24)],
                        response_ids=[rng.randrange(vocab) for _ in range(8)], logprobs=[-1.0] * 8, reward=i % 2,
                        returns=i % 2, advantage=1.0 if i % 2 else -1.0, policy_version=0, temperature=1.0) for i in range(n)]
+
+
+def uneven_transitions(vocab: int, n: int = 12) -> list[Transition]:
+    """Rewards and lengths that differ along the batch, so its halves (the ranks' shares) differ too."""
+    rng = random.Random(1)
+    return [Transition(rollout_id=f"r{i}", group_id=f"g{i // 4}", span_id=f"s{i}",
+                       prompt_ids=[rng.randrange(vocab) for _ in range(20 + i)],
+                       response_ids=[rng.randrange(vocab) for _ in range(4 + i % 5)], logprobs=[-1.0] * (4 + i % 5),
+                       reward=0.25 * (i % 5), returns=0.25 * (i % 5), policy_version=0, temperature=1.0)
+            for i in range(n)]
 
 
 PPO = {"estimator": "ppo", "kl_coef": 0.1, "kl_penalty": "reward", "tis_cap": 2.0}
@@ -60,6 +70,31 @@ def test_each_zero_stage_publishes_and_saves_whole_weights(ray_cluster, tiny_mod
     served.load_state_dict(published)  # strict: every tensor whole, in the model's own shapes
     assert version == 1 and parameter_digest(served) == digest
     assert parameter_digest(AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")) == digest
+
+
+def test_two_ranks_train_like_one(ray_cluster, tiny_model_path, tmp_path):
+    """The same PPO batch on one rank and on two (ZeRO-2, each rank half the batch in its own micro-batches): the loss
+    is scaled by the world size where DeepSpeed averages the ranks' gradients, and the advantages are whitened over
+    the whole batch, not per rank, so the two runs see the same loss and gradient, and publish the same weights."""
+    vocab = AutoModelForCausalLM.from_pretrained(tiny_model_path).config.vocab_size
+    runs = []
+    for ranks in (1, 2):
+        cfg = validate({"run_dir": str(tmp_path / str(ranks)), "algorithm": PPO, "trainer": {
+            "num_workers": ranks, "threads_per_worker": 1, "lr": 1e-3, "micro_batch_tokens": 96,
+            "max_logprob_gap": None}})  # made-up served logprobs
+        registry = WeightRegistry.remote()
+        learner = Learner(cfg, tiny_model_path, registry)
+        try:
+            replies = learner.step(uneven_transitions(vocab))
+            published = ray.get(ray.get(registry.wait_newer.remote(0, 10.0))[1][0])
+        finally:
+            learner.close()
+        runs.append({"loss": sum(r["loss"] for r in replies), "value_loss": sum(r["value_loss"] for r in replies),
+                     "grad_norm": replies[0]["grad_norm"], "weights": published})
+    one, two = runs
+    for key in ("loss", "value_loss", "grad_norm"):
+        assert two[key] == pytest.approx(one[key], rel=1e-6), key  # equal to the bit here; a bug moves ~1e-4
+    assert max((one["weights"][k] - two["weights"][k]).abs().max().item() for k in one["weights"]) < 1e-5
 
 
 def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path):

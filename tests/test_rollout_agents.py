@@ -34,6 +34,25 @@ def config(tmp_path, serve_port, tiny_model_path, **overrides) -> dict:
             "task": {"generator": EASY, "eval_size": 4, **overrides.pop("task", {})}, **overrides}
 
 
+def test_a_run_that_fails_to_start_stops_what_it_started(ray_cluster, tiny_model_path, serve_port, tmp_path):
+    """The rollout workers start last, after the policy app and while the learner's ranks start: an agent that
+    cannot be imported fails the start, naming it, and takes the app and the learner down with it."""
+    from ray import serve
+
+    def reserved() -> set[str]:  # placement groups holding resources: Ray Train's, while its ranks live
+        return {pg for pg, t in ray.util.placement_group_table().items() if t["state"] != "REMOVED"}
+
+    before = reserved()
+    cfg = validate(config(tmp_path, serve_port, tiny_model_path, task={"agent": "tests.agents.no_such_agent:agent"}))
+    with pytest.raises(Exception, match="no_such_agent"):
+        Services(cfg, learner=True)
+    assert "policy" not in serve.status().applications
+    deadline = time.monotonic() + 60
+    while reserved() - before:
+        assert time.monotonic() < deadline, "the learner's ranks outlived the failed start"
+        time.sleep(0.5)
+
+
 def test_a_worker_killed_mid_rollout_costs_an_attempt_not_a_transition(ray_cluster, tiny_model_path, serve_port,
                                                                         tmp_path):
     cfg = validate(config(tmp_path, serve_port, tiny_model_path, task={"agent": "tests.agents.slow_calc:agent"},

@@ -203,23 +203,6 @@ def test_load_weights_during_generation_lands_between_requests(engine, hf_model)
     assert {d.policy_version for _, ds in after for d in ds} == {v}
 
 
-def test_load_weights_with_tied_embeddings(loop, tiny_model_path, tmp_path):
-    """A tied lm_head (as in SmolLM2) is not in vLLM's checkpoint: the reload must still refresh it."""
-    tied = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    tied.config.tie_word_embeddings = True
-    tied.tie_weights()
-    assert tied.lm_head.weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
-    tied.save_pretrained(tmp_path)
-    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(tmp_path)
-    new = perturbed(tied, seed=2)
-    with running_engine(loop, tmp_path) as eng:
-        assert eng.tied
-        prompt = prompts(eng, 1)[0]
-        eng.run(eng.load_weights(new.state_dict(), version=1))
-        g = gen(eng, prompt, max_tokens=16, temperature=1.0, seed=0)
-    assert g.policy_version == 1 and logprob_error(new, prompt, g.token_ids, g.logprobs) < ATOL
-
-
 def test_weights_that_do_not_fit_are_refused_before_anything_loads(engine, hf_model):
     prompt, v = prompts(engine, 1)[0], engine.policy_version
     before = gen(engine, prompt, max_tokens=8, temperature=0.0)
@@ -263,21 +246,33 @@ def logprob_error(model, prompt: list[int], ids: list[int], logprobs: list[float
     return (torch.tensor(logprobs) - expected).abs().max().item()
 
 
-def test_both_engines_stop_on_every_end_of_sequence_id(loop, engine, tiny_model_path, tmp_path):
-    """Chat models list end-of-turn ids of their own in generation_config.eos_token_id beside the tokenizer's.
-    vLLM stops on each; the HF engine stopped only on the tokenizer's, so the two engines made different training
-    data of the same model. On a copy whose generation config names the 3rd greedy token an end of sequence, both
-    stop there."""
-    prompt = prompts(engine, 1)[0]
-    greedy = gen(engine, prompt, max_tokens=8, temperature=0.0)
-    stop = greedy.token_ids[2]
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    model.generation_config.eos_token_id = [engine.tokenizer.eos_token_id, stop]
-    model.save_pretrained(tmp_path)
-    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(tmp_path)
+def test_a_model_with_tied_embeddings_and_end_of_turn_ids(loop, tiny_model_path, tmp_path):
+    """Two ways a real model differs from the tiny one, on one copy of it (an engine start is ~40 s):
+    - Chat models list end-of-turn ids of their own in generation_config.eos_token_id beside the tokenizer's. vLLM
+      stops on each; the HF engine stopped only on the tokenizer's, so the two engines made different training data of
+      the same model. The copy's generation config names its 3rd greedy token an end of sequence: both stop there.
+    - A tied lm_head (as in SmolLM2) is not in vLLM's checkpoint: a weight reload must still refresh it."""
+    tied = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    tied.config.tie_word_embeddings = True
+    tied.tie_weights()
+    assert tied.lm_head.weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
+    tied.save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    tokenizer.save_pretrained(tmp_path)
+    greedy_params = SamplingParams(max_tokens=8, temperature=0.0)
     hf = make_engine("hf", str(tmp_path), max_model_len=512)
-    by_hf = asyncio.run(generate(hf, prompt, SamplingParams(max_tokens=8, temperature=0.0)))
+    prompt = prompts(hf, 1)[0]
+    greedy = asyncio.run(generate(hf, prompt, greedy_params))
+    stop = greedy.token_ids[2]
+    tied.generation_config.eos_token_id = [tokenizer.eos_token_id, stop]
+    tied.generation_config.save_pretrained(tmp_path)
+    by_hf = asyncio.run(generate(make_engine("hf", str(tmp_path), max_model_len=512), prompt, greedy_params))
+    new = perturbed(tied, seed=2)
     with running_engine(loop, tmp_path) as eng:
         by_vllm = gen(eng, prompt, max_tokens=8, temperature=0.0)
+        assert eng.tied
+        eng.run(eng.load_weights(new.state_dict(), version=1))
+        g = gen(eng, prompt, max_tokens=16, temperature=1.0, seed=0)
     expected = greedy.token_ids[:greedy.token_ids.index(stop) + 1]
     assert (by_hf.token_ids, by_hf.finish_reason) == (by_vllm.token_ids, by_vllm.finish_reason) == (expected, "stop")
+    assert g.policy_version == 1 and logprob_error(new, prompt, g.token_ids, g.logprobs) < ATOL

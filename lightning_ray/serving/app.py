@@ -44,7 +44,9 @@ APP_NAME = "policy"
 
 
 # Each proxy routes a rollout's calls to one replica (its prefix cache), another only if that one is dead or full.
+# A stopping replica checks for requests still running every 0.1 s, not Serve's 2 s: a run's end waits ~2 s less.
 @serve.deployment(max_ongoing_requests=256, logging_config={"enable_access_log": False},
+                  graceful_shutdown_wait_loop_s=0.1,
                   request_router_config={"request_router_class": RolloutAffinityRouter})
 @serve.ingress(api)
 class PolicyServer:

@@ -115,7 +115,7 @@ def own_spans(request: Request, spans: list[Span]) -> None:
 
 # (Serve captures a deployment's module globals when it is decorated: helpers go above it.)
 @serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0},
-                  logging_config={"enable_access_log": False})
+                  logging_config={"enable_access_log": False}, graceful_shutdown_wait_loop_s=0.1)
 @serve.ingress(api)
 class StoreApi:
     def __init__(self, store: StoreClient, api_key: str | None = None, max_request_bytes: int = 64 << 20):

@@ -56,8 +56,14 @@ class Learner:
         )
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._fit, args=(trainer,), daemon=True, name="learner-fit")
-        self.thread.start()
-        self.initial = self._gather()  # every rank built its DeepSpeed engine
+        self.thread.start()  # returns at once: the ranks start while the caller starts other things (services.py)
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        """Until every rank has built its DeepSpeed engine (the first step or save waits for it too)."""
+        if not self.ready:
+            self._gather()
+            self.ready = True
 
     def _fit(self, trainer: TorchTrainer) -> None:
         try:
@@ -86,6 +92,7 @@ class Learner:
         were. The caller skips batches without any signal: an empty step would still move the weights (Adam's
         momentum) and bump the version for nothing."""
         plan = batch_plan(transitions, self.algorithm, self.max_tokens, self.token_budget, self.n)
+        self.wait_ready()
         self.version += 1
         for inbox, mini_batches in zip(self.inboxes, plan):
             inbox.put({"kind": "step", "version": self.version, "mini_batches": mini_batches})
@@ -95,6 +102,7 @@ class Learner:
         return replies
 
     def save(self, path: Path) -> None:
+        self.wait_ready()
         for inbox in self.inboxes:
             inbox.put({"kind": "save", "path": str(path)})
         self._gather()
