@@ -100,3 +100,52 @@ def test_each_rollout_sticks_to_one_replica_until_it_dies(app):
     after = asyncio.run(rollout_calls(app["url"], moved, 3))
     # Every call is answered (a call routed to the dead replica is retried on a live one), none by the victim.
     assert all(not v.startswith("HTTP") and v != victim for calls in after.values() for v in calls), after
+
+
+
+@ray.remote
+class Network:
+    def __init__(self):
+        self.up = False
+
+    def set(self, up: bool) -> None:
+        self.up = up
+
+    def is_up(self) -> bool:
+        return self.up
+
+
+def test_a_replica_out_of_reach_for_a_while_is_waited_for_not_dropped(ray_cluster):
+    """Dropped, the barrier went on without it, and the replica, once back, was never waited for again."""
+    from lightning_ray.training.weights import WeightRegistry
+
+    class OutOfReach:
+        """A replica's handle as the registry sees it while Ray cannot reach the replica's node: every call raises
+        ActorUnavailableError until the network is back. Not a real replica: a network partition between nodes cannot
+        be made on one machine (calls to an actor that restarts raise it only now and then)."""
+
+        def __init__(self, network):
+            self.network = network
+            self.__ray_ready__ = self
+
+        def remote(self):
+            return self._ready()
+
+        async def _ready(self) -> bool:
+            if not await self.network.is_up.remote():
+                raise ray.exceptions.ActorUnavailableError("the node is unreachable", None)
+            return True
+
+    registry, network = WeightRegistry.remote(), Network.remote()
+    ray.get(registry.register_replica.remote("near", None))
+    ray.get(registry.register_replica.remote("far", OutOfReach(network)))
+    ray.get([registry.ack.remote(name, 0) for name in ("near", "far")])
+    ray.get(registry.publish.remote(1, []))
+    ray.get(registry.ack.remote("near", 1))
+    synced = registry.wait_synced.remote(1, 120.0)
+    # the barrier asks the laggard whether it lives about every second: several times out of reach by now
+    assert not ray.wait([synced], timeout=5)[0], "the barrier went on without the replica it could not reach"
+    ray.get(network.set.remote(True))
+    assert not ray.wait([synced], timeout=2)[0]  # back, but still on version 0
+    ray.get(registry.ack.remote("far", 1))
+    ray.get(synced, timeout=30)

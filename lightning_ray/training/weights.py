@@ -139,9 +139,9 @@ class WeightRegistry:
             if r in self.handles:
                 try:
                     await asyncio.wait_for(self.handles[r].__ray_ready__.remote(), 5.0)
-                except asyncio.TimeoutError:
-                    pass  # alive but busy (a long weight load): keep waiting for it
-                except ray.exceptions.RayActorError:
+                except (asyncio.TimeoutError, ray.exceptions.ActorUnavailableError):
+                    pass  # busy (a long weight load) or unreachable for now (its node's network): it may come back
+                except ray.exceptions.RayActorError:  # died: Serve replaces it with a new replica, which registers
                     del self.acked[r], self.handles[r]
                     self.failed.pop(r, None)
 
