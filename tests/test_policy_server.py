@@ -447,12 +447,23 @@ def test_a_weight_update_waits_for_in_flight_requests_and_holds_new_ones(server,
 
     async def scenario():
         aclient = client(server, cls=AsyncOpenAI)
+        health = httpx.AsyncClient(base_url=server["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+
+        async def until(done, what: str) -> None:  # the replica's own account (/health), not a guessed duration
+            deadline = time.monotonic() + 60
+            while not done(h := (await health.get("/health")).json()):
+                assert time.monotonic() < deadline, f"waited 60 s for {what}; /health: {h}"
+                await asyncio.sleep(0.02)
+
         long = asyncio.create_task(aclient.chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=280, seed=0, extra_body={"ignore_eos": True}))
-        await asyncio.sleep(0.3)  # the long generation is under way
+        await until(lambda h: h["in_flight"] or long.done(), "the long generation to be admitted")
         publish = registry.publish.remote(version, [ray.put(state)])
-        await asyncio.sleep(0.2)
+        # The update has begun once admission is paused (draining the long one), or, if that ended first, once
+        # the new version is in: either way the probe is sent after it and must be served by v(k+1).
+        await until(lambda h: h["paused"] or h["policy_version"] == version, "the update to pause admission")
         after = await aclient.chat.completions.create(**probe)
+        await health.aclose()
         return await long, after, publish
 
     long, after, publish = asyncio.run(scenario())

@@ -57,25 +57,41 @@ def test_a_worker_killed_mid_rollout_costs_an_attempt_not_a_transition(ray_clust
                                                                         tmp_path):
     cfg = validate(config(tmp_path, serve_port, tiny_model_path, task={"agent": "tests.agents.slow_calc:agent"},
                           rollout={"num_workers": 2, "agents_per_worker": 2, "max_attempts": 2,
-                                   "unresponsive_seconds": 3}))
+                                   "unresponsive_seconds": 6}))  # beats every 2 s: a late one costs no attempt
+    release = tmp_path / "release"  # the agents wait for it after a first call (tests/agents/slow_calc.py)
     with Services(cfg) as services:
-        tasks = load_splits(cfg.task)[0][:8]
+        tasks = [t.model_copy(update={"input": {**t.input, "release": str(release)}})
+                 for t in load_splits(cfg.task)[0][:8]]
         result: dict = {}
         runner = threading.Thread(target=lambda: result.update(rollouts=services.run_rollouts(tasks, "rollouts")))
         runner.start()
-        victim = None
-        while victim is None:  # the first attempt under way: kill the worker that runs it
-            time.sleep(0.2)
-            running = [a for r in services.store.query_rollouts(status=["running"])
-                       for a in services.store.get_attempts(r.rollout_id) if a.status == "running"]
-            victim = running[0] if running else None
+
+        def wait_until(done, what: str) -> None:
+            deadline = time.monotonic() + 60
+            while not done():
+                assert time.monotonic() < deadline, f"waited 60 s for {what}"
+                time.sleep(0.2)
+
+        def mid_rollout() -> list:  # running attempts with a policy call recorded, held by their agent
+            called = {s.attempt_id for s in recorded_calls(services.store.query_spans())}
+            return [a for r in services.store.query_rollouts(status=["running"])
+                    for a in services.store.get_attempts(r.rollout_id)
+                    if a.status == "running" and a.attempt_id in called]
+
+        wait_until(mid_rollout, "an attempt with a policy call")
+        victim = mid_rollout()[0]  # kill the worker that runs it
         worker = next(w for w in services.workers if w._actor_id.hex() == victim.worker_id)
         ray.kill(worker, no_restart=False)  # a crash: Ray restarts the actor, its attempts are lost with it
+        killed = lambda: services.store.get_attempts(victim.rollout_id)[0]  # noqa: E731
+        wait_until(lambda: killed().status != "running", "the killed attempt's lease to run out")
+        assert killed().attempt_id == victim.attempt_id and killed().status == "unresponsive"
+        release.touch()
         runner.join(timeout=180)
         assert not runner.is_alive()
         rollouts = result["rollouts"]
         spans = services.store.query_spans([r.rollout_id for r in rollouts])
     assert all(r.status == "succeeded" and r.reward is not None for r in rollouts)
+    assert any(s.attempt_id == victim.attempt_id for s in recorded_calls(spans))  # the killed attempt's calls
     retried = next(r for r in rollouts if r.rollout_id == victim.rollout_id)
     assert retried.attempts == 2 and retried.attempt_id != victim.attempt_id
     transitions, _ = adapt(rollouts, spans, cfg.model.name)
@@ -122,7 +138,7 @@ def test_a_command_gets_the_endpoint_and_task_and_its_failures_are_the_attempts(
     started = time.monotonic()
     with pytest.raises(Exception, match="killed"):
         slow({}, base_url="u", model="m", api_key="k")
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 20  # killed at 0.5 s, not left to sleep its 30
 
 
 def test_a_command_gets_no_secret_from_the_workers_environment(tmp_path, monkeypatch):

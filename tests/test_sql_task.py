@@ -165,18 +165,19 @@ def test_no_other_file_is_created_or_written(writable_copy, tmp_path):
 
 
 def test_a_runaway_query_ends_at_the_time_limit(db):
+    slack = 10.0  # for a loaded machine: unstopped, these queries would run for hours (or forever)
     runaway = "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n) SELECT COUNT(*) FROM n"
     start = time.monotonic()
     with pytest.raises(QueryError, match="time limit"):
         execute(db, runaway, time_limit_s=0.5)
-    assert time.monotonic() - start < 1.5
+    assert time.monotonic() - start < 0.5 + slack
     cross = "SELECT COUNT(*) FROM Track a, Track b, Track c"  # 4e10 rows
     start = time.monotonic()
     assert execution_match(db, cross, COUNT_ROCK, time_limit_s=0.5) == 0.0
-    assert time.monotonic() - start < 1.5
+    assert time.monotonic() - start < 0.5 + slack
     start = time.monotonic()  # the task's own limit
     assert sql.reward({"db": "chinook", "gold": COUNT_ROCK}, runaway) == 0.0
-    assert time.monotonic() - start < sql.TIME_LIMIT_S + 1.5
+    assert time.monotonic() - start < sql.TIME_LIMIT_S + slack
 
 
 def test_huge_results_and_values_are_refused(db):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 import threading
 import time
@@ -18,6 +19,14 @@ from lightning_ray.store.errors import (BatchTooLarge, InvalidReward, InvalidSpa
 from lightning_ray.store.sqlite import SQLiteBackend, span_row
 from lightning_ray.tracing.spans import new_span_id
 from lightning_ray.types import Rollout, RolloutConfig, Span, Task
+
+
+def wait_until(done, what: str, timeout: float = 60.0) -> None:
+    """Poll for a state under a deadline generous for a loaded machine, rather than sleeping a guessed duration."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"waited {timeout:g} s for {what}"
+        time.sleep(0.05)
 
 
 def rollouts(n: int, **config) -> list[Rollout]:
@@ -260,11 +269,17 @@ def test_nothing_acknowledged_is_lost_when_the_store_is_killed_mid_run(ray_clust
             client.add_spans(batch)
             acknowledged.extend(s.span_id for s in batch)
 
+    def pid() -> int:
+        return ray.get(client.shards[0].__ray_call__.remote(lambda store: os.getpid()))
+
     thread = threading.Thread(target=writer)
     thread.start()
-    time.sleep(1.0)
+    before = pid()
+    wait_until(lambda: len(acknowledged) > 100, "the writer's first batches")
     ray.kill(client.shards[0], no_restart=False)  # the actor process dies mid-stream; Ray restarts it
-    time.sleep(1.5)
+    wait_until(lambda: pid() != before, "the restarted store")
+    at_restart = len(acknowledged)
+    wait_until(lambda: len(acknowledged) > at_restart + 100, "batches acknowledged by the restarted store")
     stop.set()
     thread.join(timeout=60)
     resent = client.add_spans([Span(rollout_id=rollout.rollout_id, name="tool", span_id=i) for i in acknowledged[:100]])
@@ -340,12 +355,15 @@ def test_a_reward_that_is_not_finite_fails_the_attempt_without_a_reward(ray_clus
 
 def test_waiting_for_rollouts_and_expiring_silent_attempts(ray_cluster):
     client = StoreClient.start(expire_every_s=0.05)
-    ids = [r.rollout_id for r in client.enqueue([Task(task_id=f"t{i}", input={}) for i in range(2)],
-                                                RolloutConfig(unresponsive_seconds=0.5, max_attempts=2))]
+    # Only the second rollout has a lease: 2 s, so its retry's outlasts the waiter's 0.3 s below on a loaded machine.
+    ids = [client.enqueue([Task(task_id="t0", input={})], RolloutConfig(max_attempts=2))[0].rollout_id,
+           client.enqueue([Task(task_id="t1", input={})],
+                          RolloutConfig(unresponsive_seconds=2.0, max_attempts=2))[0].rollout_id]
     first, second = client.dequeue("w"), client.dequeue("w")
     assert client.wait_for_rollouts(ids, timeout=0.2) == []  # nothing ended yet: the timeout returns
     client.finish_attempt(first.rollout_id, first.attempt_id, "succeeded", reward=1.0)
-    time.sleep(1.0)  # the second worker went silent: its lease expires and the rollout is offered again
+    # the second worker went silent: its lease expires and the rollout is offered again
+    wait_until(lambda: client.get_attempts(second.rollout_id)[0].status != "running", "the silent lease to expire")
     assert [a.status for a in client.get_attempts(second.rollout_id)] == ["unresponsive"]
     retry = client.dequeue("w2")
     assert retry.rollout_id == second.rollout_id and retry.attempts == 2
@@ -452,9 +470,10 @@ def test_a_stuck_agent_cannot_hold_its_worker(ray_cluster, timeout_policy):
 
     client = StoreClient.start(expire_every_s=0.05)
     stuck = threading.Event()
-    tasks = [Task(task_id="stuck", input={"stuck": True}), Task(task_id="fine", input={"stuck": False})]
-    config = RolloutConfig(timeout_seconds=1.0, max_attempts=2, timeout_policy=timeout_policy)
-    ids = [r.rollout_id for r in client.enqueue(tasks, config)]
+    # The deadline is the stuck rollout's only; 2.5 s leaves its retry room on a loaded machine.
+    config = RolloutConfig(timeout_seconds=2.5, max_attempts=2, timeout_policy=timeout_policy)
+    ids = [client.enqueue([Task(task_id="stuck", input={"stuck": True})], config)[0].rollout_id,
+           client.enqueue([Task(task_id="fine", input={"stuck": False})])[0].rollout_id]
 
     def agent(task, **openai_settings):
         if task["stuck"] and not stuck.is_set():  # the first attempt hangs for good; the retry answers
@@ -466,7 +485,7 @@ def test_a_stuck_agent_cannot_hold_its_worker(ray_cluster, timeout_policy):
     worker = threading.Thread(daemon=True, target=lambda: ran.append(
         work(client, agent, lambda task, answer: 1.0, "http://127.0.0.1:9", "m")))
     worker.start()
-    worker.join(30)
+    worker.join(60)
     assert not worker.is_alive(), "the worker is still waiting on the stuck agent"
     stuck_rollout, fine = client.get_rollouts(ids)
     assert fine.status == "succeeded" and fine.reward == 1.0
@@ -482,13 +501,19 @@ def test_a_stuck_agent_cannot_hold_its_worker(ray_cluster, timeout_policy):
 
 @ray.remote(max_concurrency=2)
 class SleepyWorker:
-    """A rollout worker (two slots) whose agent takes the task's `seconds`."""
+    """A rollout worker (two slots) whose agent runs until the rollout its task names has ended (60 s at most)."""
 
     def work(self, store) -> int:
         from lightning_ray.rollout.runner import work
 
-        return work(store, lambda task, **_: time.sleep(task["seconds"]) or "done", lambda task, answer: 1.0,
-                    "http://127.0.0.1:9", "m")
+        def agent(task, **_):
+            deadline = time.monotonic() + 60
+            while (task.get("until_ended") and time.monotonic() < deadline
+                   and store.get_rollouts([task["until_ended"]])[0].status != "succeeded"):
+                time.sleep(0.05)
+            return "done"
+
+        return work(store, agent, lambda task, answer: 1.0, "http://127.0.0.1:9", "m")
 
 
 def test_a_requeued_rollout_is_taken_by_the_next_free_slot(ray_cluster):
@@ -500,13 +525,13 @@ def test_a_requeued_rollout_is_taken_by_the_next_free_slot(ray_cluster):
     client = StoreClient.start(expire_every_s=0.05)
     worker = SleepyWorker.remote()
     ray.get(worker.__ray_ready__.remote())  # started: its slots find the queue at once
-    [lost] = client.enqueue([Task(task_id="lost", input={"seconds": 0})],
-                            RolloutConfig(unresponsive_seconds=1.5, max_attempts=2))
+    [lost] = client.enqueue([Task(task_id="lost", input={})], RolloutConfig(unresponsive_seconds=1.5, max_attempts=2))
     assert client.dequeue("a worker that dies").rollout_id == lost.rollout_id  # and never heartbeats
-    [slow] = client.enqueue([Task(task_id="slow", input={"seconds": 5.0})], RolloutConfig(unresponsive_seconds=5))
-    started = time.time()
+    # The slow rollout runs until the lost one has ended (not a guessed duration): taken only after the slow one
+    # ended, the lost one would end last.
+    [slow] = client.enqueue([Task(task_id="slow", input={"until_ended": lost.rollout_id})],
+                            RolloutConfig(unresponsive_seconds=5))
     ended = run_to_end(client, [worker], 2, [slow.rollout_id, lost.rollout_id], "test")
     by_id = {r.rollout_id: r for r in ended}
     assert [by_id[r.rollout_id].status for r in (slow, lost)] == ["succeeded", "succeeded"]
-    assert by_id[slow.rollout_id].ended_at - started >= 5.0
-    assert by_id[lost.rollout_id].ended_at - started < 3.5  # its lease ran out at 1.5 s; a free slot took it
+    assert by_id[lost.rollout_id].ended_at < by_id[slow.rollout_id].ended_at  # a free slot took it meanwhile

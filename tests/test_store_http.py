@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import httpx
 import pytest
@@ -253,27 +252,26 @@ def test_rewards_that_are_not_finite_get_400_and_are_never_stored(app):
 
 def test_many_waiters_leave_the_store_api_free(app):
     """Waiting is a long poll on the event loop: 64 waiters on a rollout that does not end (more than the thread
-    pool a synchronous endpoint would hold them on) and the rest of the API still answers at once. One wait is capped
-    (400 past 60 s); the client polls again for longer waits."""
+    pool a synchronous endpoint would hold them on) and the rest of the API still answers while they all wait. One
+    wait is capped (400 past 60 s); the client polls again for longer waits."""
     [rollout] = app["store"].enqueue([Task(task_id="never", input={})])
-    body = {"rollout_ids": [rollout.rollout_id], "timeout": 4.0}
+    body = {"rollout_ids": [rollout.rollout_id], "timeout": 50.0}
 
     async def scenario():
-        async with httpx.AsyncClient(base_url=app["store_url"], timeout=30) as http:
+        async with httpx.AsyncClient(base_url=app["store_url"], timeout=60) as http:
             waiters = [asyncio.create_task(http.post("/v1/rollouts/wait", json=body)) for _ in range(64)]
-            await asyncio.sleep(1.0)  # all of them waiting
-            started = time.monotonic()
+            await asyncio.sleep(1.0)  # time for them to arrive (a late one only makes the check weaker)
             stats = await http.get("/v1/stats")
-            answered_in = time.monotonic() - started
-            replies = await asyncio.gather(*waiters)
-            return stats, answered_in, replies
+            # Answered while every wait is still pending: blocked behind them, it would come after their timeout.
+            pending = sum(not w.done() for w in waiters)
+            app["store"].cancel([rollout.rollout_id])  # the rollout ends: every waiter is answered at once
+            return stats, pending, await asyncio.gather(*waiters)
 
-    stats, answered_in, replies = asyncio.run(scenario())
-    assert stats.status_code == 200 and answered_in < 2.0, answered_in
-    assert all(r.status_code == 200 and r.json() == [] for r in replies)
+    stats, pending, replies = asyncio.run(scenario())
+    assert stats.status_code == 200 and pending == 64, pending
+    assert all(r.status_code == 200 and [x["status"] for x in r.json()] == ["cancelled"] for r in replies)
     too_long = httpx.post(app["store_url"] + "/v1/rollouts/wait", json={**body, "timeout": 3600})
     assert too_long.status_code == 400 and "timeout" in json.dumps(too_long.json()["error"])
-    app["store"].cancel([rollout.rollout_id])
 
 
 def test_cancel_over_http_reports_per_rollout_and_can_be_repeated(app):
