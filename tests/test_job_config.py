@@ -1,6 +1,6 @@
 """The jobs' configuration: every config group option and experiment preset composes and validates, every override
-the README shows works as written, dict overrides replace, bad keys and values fail by name before anything starts,
-`--cfg job` prints the resolved config, and the run directory's record of it has its secrets masked."""
+the README and docs/ show works as written, dict overrides replace, bad keys and values fail by name before anything
+starts, `--cfg job` prints the resolved config, and the run directory's record of it has its secrets masked."""
 
 from __future__ import annotations
 
@@ -105,11 +105,14 @@ def test_a_dict_override_of_an_empty_dict_needs_no_plus(tmp_path):
     assert cfg.engine.options == {"max_num_seqs": 8}
 
 
-def readme_overrides() -> list[tuple[str, list[str]]]:
-    """(job, overrides) of every command in README.md's bash blocks that runs a job: `make train ARGS="..."` or
-    `python jobs/<job>.py ...` (flags such as --cfg left out)."""
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def documented_overrides() -> list[tuple[str, list[str]]]:
+    """(job, overrides) of every command in the bash blocks of README.md and docs/*.md that runs a job:
+    `make train ARGS="..."` or `python jobs/<job>.py ...` (flags such as --cfg left out)."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
+    for block in re.findall(r"```bash\n(.*?)```", "\n".join(p.read_text() for p in DOCS), re.S):
         for line in block.replace("\\\n", " ").splitlines():
             if "jobs/" not in line and "make train" not in line:
                 continue  # not a job (e.g. a kubectl here-string, not shell words line by line)
@@ -125,13 +128,14 @@ def readme_overrides() -> list[tuple[str, list[str]]]:
     return commands
 
 
-def test_the_readme_shows_overrides():
-    shown = readme_overrides()
+def test_the_docs_show_overrides():
+    shown = documented_overrides()
     assert len(shown) >= 10 and any("engine.options={}" in args for _, args in shown)
 
 
-@pytest.mark.parametrize("job, overrides", readme_overrides(), ids=lambda v: " ".join(v) if isinstance(v, list) else v)
-def test_every_readme_override_works_as_written(job, overrides, tmp_path):
+@pytest.mark.parametrize("job, overrides", documented_overrides(),
+                         ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_every_documented_override_works_as_written(job, overrides, tmp_path):
     schema = APOJobConfig if job == "apo" else TrainConfig
     compose([*overrides, f"run_dir={tmp_path}"], "apo" if job == "apo" else "train", schema)
 
