@@ -39,12 +39,14 @@ class LightningClient:
             raise _ERRORS.get(error.get("code"), errors.StoreError)(f"{r.status_code}: {error['message']}")
         return r.json()
 
-    def enqueue(self, tasks: list[Task], config: RolloutConfig | None = None) -> list[Rollout]:
-        body = {"tasks": [t.model_dump() for t in tasks], "config": config and config.model_dump()}
+    def enqueue(self, tasks: list[Task], config: RolloutConfig | None = None, queue: str = "default") -> list[Rollout]:
+        body = {"tasks": [t.model_dump() for t in tasks], "config": config and config.model_dump(), "queue": queue}
         return [Rollout(**r) for r in self._call("POST", "/v1/rollouts", json=body)]
 
-    def dequeue(self, worker_id: str | None = None, attempt_id: str | None = None) -> Rollout | None:
-        r = self._call("POST", "/v1/rollouts/dequeue", json={"worker_id": worker_id, "attempt_id": attempt_id})
+    def dequeue(self, worker_id: str | None = None, attempt_id: str | None = None,
+                queue: str = "default") -> Rollout | None:
+        r = self._call("POST", "/v1/rollouts/dequeue",
+                       json={"worker_id": worker_id, "attempt_id": attempt_id, "queue": queue})
         if r is None:
             return None
         if token := r.pop("lease_token", None):
@@ -90,10 +92,10 @@ class LightningClient:
         return self._call("GET", "/v1/stats")
 
     def work(self, agent: Callable, reward: Callable, policy_url: str, model: str, worker_id: str | None = None,
-             tracing_backend: str = "embedded") -> int:
-        """Run rollouts until the queue is empty (see rollout.runner); return how many ran. Each agent gets a key
+             tracing_backend: str = "embedded", queue: str = "default") -> int:
+        """Run rollouts until `queue` is empty (see rollout.runner); return how many ran. Each agent gets a key
         for its own attempt, not this client's."""
-        return work(self, agent, reward, policy_url, model, self.api_key, worker_id, tracing_backend)
+        return work(self, agent, reward, policy_url, model, self.api_key, worker_id, tracing_backend, queue=queue)
 
 
 def _spans_json(spans: list[Span]) -> bytes:

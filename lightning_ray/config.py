@@ -172,11 +172,14 @@ class RolloutConfig(_Strict):
     max_tokens: int = Field(96, gt=0)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    max_attempts: int = Field(1, gt=0)  # tries per rollout; only a platform failure is retried (README: failures)
+    max_attempts: int = Field(1, gt=0)  # tries per rollout; only a platform failure is retried (docs/05-trace-store.md)
     # wall-clock limit of one attempt, enforced by the store and the worker (which leaves a stuck agent behind)
     timeout_seconds: float = Field(600.0, gt=0)  # no null: heartbeats would keep a stuck agent's lease forever
     # a timeout is the policy's doing (scored 0, never retried) or the platform's (no reward, retried, left out)
     timeout_policy: Literal["policy", "platform"] = "policy"
+    # agent threads a worker may leave behind at timeouts (still running, still calling the policy) before it is
+    # restarted, once its other rollouts have ended: the process takes them with it
+    max_abandoned_agents: int = Field(4, gt=0)
     unresponsive_seconds: float | None = Field(60.0, gt=0)  # lease: longest silence between worker heartbeats
     tracing: Literal["embedded", "otel"] = "embedded"  # how the agent's own spans are traced
     # each worker's; {}: none, anywhere. A worker reaches the policy through the Serve proxy of its own node, which
@@ -187,6 +190,9 @@ class RolloutConfig(_Strict):
 class StoreConfig(_Strict):
     num_shards: int = Field(1, gt=0)  # TraceStore actors, each with its own SQLite file; rollouts hash to one
     http: bool = True  # serve the store API and the OTLP receiver at {serve}/store for agents outside Ray
+    # spans of the last N iterations are kept (with the evaluations among them), older ones deleted after each
+    # iteration: a long run's spans file stops growing; null keeps every span
+    keep_iterations: int | None = Field(50, gt=0)
 
 
 class SelectConfig(_Strict):

@@ -57,6 +57,7 @@ class Services:
         with status("building the model"):
             self.model_path: Path = resolve_model_path(cfg.model)
         label = cfg.run_path.name  # names that read well in the Ray dashboard, unique per run
+        self.queue = f"run@{label}"  # this run's rollouts, taken by its own workers only (types.Rollout.queue)
         # On the head, beside the driver: the store's SQLite files are the run directory's.
         self.store = StoreClient.start(cfg.run_path, cfg.store.num_shards, label=label, actor_options=ON_HEAD)
         self.attempts = RolloutConfig(max_attempts=cfg.rollout.max_attempts, timeout_seconds=cfg.rollout.timeout_seconds,
@@ -80,7 +81,8 @@ class Services:
             name=f"rollout-worker-{i}@{label}", max_concurrency=cfg.rollout.agents_per_worker, max_restarts=-1,
             runtime_env=cfg.task.runtime_env, **actor_options(cfg.rollout.resources),
         ).remote(cfg.task, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing,
-                 cfg.rollout.timeout_seconds) for i in range(cfg.rollout.num_workers if rollout_workers else 0)]
+                 cfg.rollout.timeout_seconds, cfg.rollout.max_abandoned_agents, self.queue)
+            for i in range(cfg.rollout.num_workers if rollout_workers else 0)]
         ray.get([w.__ray_ready__.remote() for w in self.workers])  # an agent that cannot load fails here, named
         if self.learner:
             with status("starting the learner (Ray Train, DeepSpeed)"):
@@ -105,7 +107,7 @@ class Services:
 
     def run_rollouts(self, tasks: list[Task], desc: str) -> list[Rollout]:
         """Queue a rollout per task and run them all to their end (rollout/dispatch.py)."""
-        rollout_ids = [r.rollout_id for r in self.store.enqueue(tasks, self.attempts)]
+        rollout_ids = [r.rollout_id for r in self.store.enqueue(tasks, self.attempts, self.queue)]
         return run_to_end(self.store, self.workers, self.cfg.rollout.agents_per_worker, rollout_ids, desc)
 
 

@@ -41,8 +41,10 @@ def train(cfg: TrainConfig) -> list[dict]:
             print(f"held-out accuracy before training: {evals[-1]['accuracy']:.3f}", flush=True)
         probe = _probe(services.server_url, cfg)
         deadline = time.monotonic() + 60 * t.max_minutes if t.max_minutes else float("inf")
+        started = []  # each iteration's start: where span retention cuts
         for iteration in range(t.iterations):
             phase = _PhaseTimer()
+            started.append(time.time())
             rollouts, spans, adapted = [], [], Counter()  # of every round
 
             def rollout_round(tasks: list[Task]) -> list[Transition]:  # a group of rollouts per task
@@ -112,6 +114,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             with open(run / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
             print(_summary(record), flush=True)
+            if (keep := cfg.store.keep_iterations) and iteration >= keep:  # the last `keep` iterations' spans stay
+                services.store.delete_spans(before=started[iteration - keep + 1])
             if last:
                 break
         if history:
@@ -124,8 +128,8 @@ def train(cfg: TrainConfig) -> list[dict]:
 
 
 def _record(iteration, rollouts, spans, transitions, adapted, sampling, version, results, seconds) -> dict:
-    """One line of metrics.jsonl (the README's table explains each field); rollouts, spans, transitions: of every
-    sampling round, whether their group was trained on or dropped."""
+    """One line of metrics.jsonl (docs/01-training.md's table explains each field); rollouts, spans, transitions: of
+    every sampling round, whether their group was trained on or dropped."""
     llm_spans = recorded_calls(spans)
     record = {
         "iteration": iteration,

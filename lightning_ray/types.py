@@ -68,6 +68,9 @@ class Rollout(BaseModel):
     error: str | None = None
     enqueued_at: float = Field(default_factory=time.time)
     ended_at: float | None = None
+    # only workers that dequeue from this queue take it: a training run's own workers take its rollouts only, and
+    # rollouts enqueued over the store API (queue "default" unless named) go to the workers that ask for them
+    queue: str = Field("default", min_length=1, max_length=256)
 
 
 class Attempt(BaseModel):

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -86,7 +87,9 @@ def quiet_run(tiny_model_path, tmp_path_factory):
     scraper = Scraper(metrics_port, serve_port)
     # PPO: its value head gives every transition a signal, so each iteration updates and syncs, for sure (a group
     # baseline's iteration can have no signal, and then publishes nothing)
-    output = run_job(run_dir, "algorithm=ppo", "trainer.iterations=2", "trainer.eval_every=2",
+    # store.keep_iterations=1: after the second iteration, the spans of the first (and of the evaluation before it)
+    # are deleted
+    output = run_job(run_dir, "algorithm=ppo", "trainer.iterations=2", "trainer.eval_every=2", "store.keep_iterations=1",
                      f"serve.port={serve_port}", f"ray.metrics_export_port={metrics_port}", while_running=scraper)
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"output": output, "dir": run_dir, "history": history, "metrics": scraper}
@@ -101,6 +104,20 @@ def test_the_terminal_shows_progress_and_a_line_per_iteration(quiet_run):
     assert f"reward {quiet_run['history'][1]['reward_mean']:.3f}" in summaries[1]
     assert "held-out accuracy before training" in quiet_run["output"]
     print(f"\nterminal lines of a 2-iteration run: {len(lines)}")
+
+
+def test_only_the_kept_iterations_spans_stay(quiet_run):
+    """Every rollout stays in the store; the spans of those enqueued before the last iteration are gone."""
+    run_dir, [first, last] = quiet_run["dir"], quiet_run["history"]
+    groups = {r: json.loads(t)["group_id"] for r, t in sqlite3.connect(run_dir / "traces.sqlite").execute(
+        "SELECT rollout_id, task FROM rollouts")}
+    with_spans = {r for (r,) in sqlite3.connect(run_dir / "traces-spans.sqlite").execute(
+        "SELECT DISTINCT rollout_id FROM spans WHERE rollout_id IS NOT NULL")}
+    iterations = {r: int(g.rsplit("@", 1)[1]) for r, g in groups.items() if g}  # evaluations' rollouts: no group
+    assert sum(i == 0 for i in iterations.values()) == first["rollouts"] and not with_spans & {
+        r for r, i in iterations.items() if i == 0}
+    assert {r for r, i in iterations.items() if i == 1} <= with_spans and last["llm_spans"] > 0
+    assert len(with_spans - set(iterations)) == 8  # the final evaluation's, in the last iteration; not the first's
 
 
 def test_ray_and_serve_logs_land_in_the_run_directory(quiet_run):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import sqlite3
 import threading
 import time
 
@@ -43,6 +44,52 @@ def test_queue_is_first_in_first_out_and_each_rollout_is_leased_once():
     for rollout, attempt in leased[:3]:
         assert rollout.status == "running" and rollout.attempt_id == attempt.attempt_id and attempt.sequence == 1
         assert attempt.worker_id == "w" and store.get_rollouts([rollout.rollout_id])[0] == rollout
+
+
+def test_span_retention_keeps_the_spans_file_from_growing(tmp_path):
+    """store.keep_iterations: after each iteration the trainer deletes the spans of rollouts enqueued before the
+    oldest iteration it keeps. Over 30 iterations of 20 rollouts × 5 spans of ~8 KB, keeping 3, the spans file
+    stops growing once SQLite reuses the freed pages; the kept iterations' spans are all there, no older one is."""
+    store, keep = SQLiteBackend(tmp_path / "traces.sqlite"), 3
+    spans_file = [tmp_path / "traces-spans.sqlite", tmp_path / "traces-spans.sqlite-wal"]
+    sizes = []
+    for iteration in range(30):
+        batch = [Rollout(rollout_id=f"r{iteration}-{i}", task=Task(task_id=f"t{i}", input={}), enqueued_at=iteration)
+                 for i in range(20)]
+        store.enqueue(batch)
+        store.add_span_rows([span_row(Span(rollout_id=r.rollout_id, name="llm.call", attributes={"text": "x" * 8000}))
+                             for r in batch for _ in range(5)], "server")
+        if iteration >= keep:
+            store.delete_spans(before=iteration - keep + 1)
+        store.checkpoint()
+        sizes.append(sum(f.stat().st_size for f in spans_file if f.exists()))
+    kept = {s.rollout_id.split("-")[0] for s in store.query_spans()}
+    assert kept == {f"r{i}" for i in range(30 - keep, 30)} and len(store.query_spans()) == keep * 20 * 5
+    assert len(store.query_rollouts()) == 30 * 20  # the rollouts themselves stay
+    assert max(sizes[10:]) <= sizes[9] * 1.05, sizes  # without deletions: ~0.8 MB more every iteration
+
+
+def test_a_worker_takes_rollouts_of_its_own_queue_only(tmp_path):
+    """A training run's workers dequeue from the run's queue: rollouts enqueued for other workers (the store API's
+    "default" queue, say) are never theirs, nor theirs the others'. A file from before queues reads as "default"."""
+    store = SQLiteBackend()
+    store.enqueue([r.model_copy(update={"queue": "run@a"}) for r in rollouts(2)])
+    store.enqueue([Rollout(rollout_id="outside", task=Task(task_id="o", input={}))])
+    assert [store.dequeue("w", now=0.0, queue="run@a")[0].rollout_id for _ in range(2)] == ["r0", "r1"]
+    assert store.dequeue("w", now=0.0, queue="run@a") is None
+    assert store.dequeue("w", now=0.0, queue="run@b") is None
+    leased, _ = store.dequeue("w", now=0.0)
+    assert (leased.rollout_id, leased.queue) == ("outside", "default")
+    old = tmp_path / "old.sqlite"
+    db = sqlite3.connect(old)
+    db.execute("CREATE TABLE rollouts (rollout_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, task TEXT NOT NULL, "
+               "config TEXT NOT NULL, status TEXT NOT NULL, attempt_id TEXT, attempts INTEGER NOT NULL, reward REAL, "
+               "error TEXT, enqueued_at REAL NOT NULL, ended_at REAL)")
+    db.execute("INSERT INTO rollouts VALUES ('r', 1, ?, ?, 'queued', NULL, 0, NULL, NULL, 0, NULL)",
+               (Task(task_id="t", input={}).model_dump_json(), RolloutConfig().model_dump_json()))
+    db.commit()
+    db.close()
+    assert SQLiteBackend(old).dequeue("w", now=1.0)[0].queue == "default"
 
 
 def test_failed_attempts_are_retried_up_to_max_attempts():
@@ -514,6 +561,9 @@ class SleepyWorker:
             return "done"
 
         return work(store, agent, lambda task, answer: 1.0, "http://127.0.0.1:9", "m")
+
+    def worn_out(self) -> bool:  # what run_to_end asks a worker whose slot returned (RolloutWorker.worn_out)
+        return False
 
 
 def test_a_requeued_rollout_is_taken_by_the_next_free_slot(ray_cluster):

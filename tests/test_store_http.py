@@ -85,6 +85,18 @@ def test_an_agent_outside_ray_pulls_rollouts_and_streams_its_spans_back(app, tmp
         assert [t.reward for t in transitions_from_spans(r, spans, MODEL)] == [r.reward] * names.count("llm.call")
 
 
+def test_rollouts_enqueued_over_http_go_to_the_queue_they_name(app):
+    """A training run's workers dequeue from the run's own queue; the store API's rollouts go to the queue the caller
+    names ("default" if none), for the workers that ask for it."""
+    http = httpx.Client(base_url=app["store_url"], timeout=30)
+    [rollout] = http.post("/v1/rollouts", json={"tasks": [{"task_id": "q", "input": {}}], "queue": "outside-a"}).json()
+    assert rollout["queue"] == "outside-a"
+    assert http.post("/v1/rollouts/dequeue", json={"worker_id": "w", "queue": "outside-b"}).json() is None
+    leased = http.post("/v1/rollouts/dequeue", json={"worker_id": "w", "queue": "outside-a"}).json()
+    assert leased["rollout_id"] == rollout["rollout_id"]
+    assert http.post("/v1/rollouts/dequeue", json={"queue": ""}).status_code == 400
+
+
 def test_store_api_lifecycle_and_errors_over_http(app):
     http = httpx.Client(base_url=app["store_url"], timeout=30)
     [rollout] = http.post("/v1/rollouts", json={"tasks": [{"task_id": "t", "input": {"x": 1}}],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 
@@ -22,20 +23,29 @@ def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[st
     it empty. A slot that stopped is sent again as soon as a rollout waits in the queue, so an attempt the store
     requeued (it failed, timed out or its worker went silent) is taken by the next free slot, not after the slowest
     rollout of the set. A worker that died (Ray restarts it) loses its attempts to their leases, and the store
-    retries them elsewhere; an error raised by work() itself is raised here."""
+    retries them elsewhere; an error raised by work() itself is raised here. A worker worn out by agent threads it
+    had to leave behind at timeouts gets no more rollouts, and is restarted once none of its own runs."""
     running = {w.work.remote(store): w for w in workers for _ in range(slots_per_worker)}  # call -> its worker
     free: list = []  # a worker per slot whose call has returned
+    worn: dict = {}  # actor id -> a worker due a restart
 
     def collect(calls: list) -> None:
         for call in calls:
             worker = running.pop(call)
             try:
                 ray.get(call)
+                if ray.get(worker.worn_out.remote()):
+                    worn[worker._actor_id] = worker
             except RayActorError as e:
                 logger.warning("a rollout worker died; its attempts are retried when their leases run out: %s", e)
                 count_error("rollout", "worker_died")
                 wait_restarted(worker)
             free.append(worker)
+        busy = {w._actor_id for w in running.values()}
+        for actor_id in [a for a in worn if a not in busy]:
+            logger.warning("restarting a rollout worker: its agent threads left behind at timeouts still run")
+            count_error("rollout", "worker_restarted")
+            restart(worn.pop(actor_id))
 
     with tqdm(total=len(rollout_ids), desc=desc, leave=False) as bar:
         while True:
@@ -50,9 +60,9 @@ def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[st
             counts = store.count_rollouts(rollout_ids)
             waiting = counts.get("queued", 0) + counts.get("requeued", 0)
             metrics().queue_depth.set(waiting)
-            for worker in free[:waiting]:
+            for worker in [w for w in free if w._actor_id not in worn][:waiting]:
                 running[worker.work.remote(store)] = worker
-            del free[:waiting]
+                free.remove(worker)
 
 
 def counted(rollouts: list[Rollout]) -> list[Rollout]:
@@ -61,6 +71,25 @@ def counted(rollouts: list[Rollout]) -> list[Rollout]:
         metrics().rollouts.inc(n, tags={"status": status})
     count_error("rollout", "infra_failed", sum(r.reward is None for r in rollouts))
     return rollouts
+
+
+def restart(worker) -> None:
+    """Kill a worker's process and return once Ray has started a new one (ray.kill returns before the old one is
+    gone: until then, the old process would still answer)."""
+    pid = lambda self: os.getpid()  # noqa: E731 (run inside the actor by __ray_call__)
+    old = ray.get(worker.__ray_call__.remote(pid))
+    ray.kill(worker, no_restart=False)
+    deadline = time.monotonic() + RESTART_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            if ray.get(worker.__ray_call__.remote(pid), timeout=max(deadline - time.monotonic(), 0)) != old:
+                return
+        except (ActorUnavailableError, GetTimeoutError):  # restarting
+            pass
+        except ActorDiedError as e:
+            raise RuntimeError("a rollout worker restarted for its abandoned agents did not come back") from e
+        time.sleep(0.2)
+    raise RuntimeError("a rollout worker restarted for its abandoned agents did not come back")
 
 
 def wait_restarted(worker) -> None:

@@ -30,24 +30,37 @@ INFRASTRUCTURE_ERRORS = (openai.APIConnectionError, openai.InternalServerError, 
                          TimeoutError)
 
 
+# Agent threads this process left behind at a timeout (_within): they may still run, and call the policy.
+ABANDONED: list[threading.Thread] = []
+
+
+def abandoned_agents() -> int:
+    """How many agent threads left behind at a timeout still run in this process."""
+    ABANDONED[:] = [t for t in ABANDONED if t.is_alive()]
+    return len(ABANDONED)
+
+
 def work(store, agent: Callable, reward: Callable, policy_url: str, model: str, api_key: str | None = None,
-         worker_id: str | None = None, tracing_backend: str = "embedded") -> int:
-    """Run rollouts from the queue until it is empty; return how many this worker ran."""
+         worker_id: str | None = None, tracing_backend: str = "embedded", max_abandoned: int | None = None,
+         queue: str = "default") -> int:
+    """Run rollouts from `queue` until it is empty, or until `max_abandoned` agent threads left behind at timeouts
+    still run here (the process is then due a restart); return how many this worker ran."""
     done = 0
-    while (rollout := _dequeue(store, worker_id)) is not None:
+    while (max_abandoned is None or abandoned_agents() < max_abandoned) and \
+            (rollout := _dequeue(store, worker_id, queue)) is not None:
         run_attempt(store, rollout, agent, reward, policy_url, model, api_key, tracing_backend)
         done += 1
     return done
 
 
-def _dequeue(store, worker_id: str | None, tries: int = 5) -> Rollout | None:
+def _dequeue(store, worker_id: str | None, queue: str, tries: int = 5) -> Rollout | None:
     """Ask for the next rollout under an attempt id chosen here, and ask again under the same id when the store could
     not be reached: a reply lost on the way back (a store restarting) gives the same lease again, instead of a
     second rollout while the first waits out its lease (and fails, with max_attempts=1)."""
     attempt_id, failures = new_id("at"), 0
     while True:
         try:
-            return store.dequeue(worker_id, attempt_id)
+            return store.dequeue(worker_id, attempt_id, queue)
         except StaleAttempt:  # its lease ran out before we asked again: the store retries or fails that rollout
             attempt_id = new_id("at")
         except (httpx.TransportError, ConnectionError):
@@ -123,6 +136,7 @@ def _within(seconds: float | None, fn: Callable, *args, **kwargs):
     thread.start()
     thread.join(seconds)
     if thread.is_alive():
+        ABANDONED.append(thread)
         raise AttemptTimeout(f"the agent ran past rollout.timeout_seconds={seconds:g}; its thread was abandoned")
     if "error" in outcome:
         raise outcome["error"]

@@ -6,7 +6,7 @@ import ray
 
 from lightning_ray.config import TaskConfig
 from lightning_ray.rollout.agents import resolve_agent
-from lightning_ray.rollout.runner import work
+from lightning_ray.rollout.runner import abandoned_agents, work
 from lightning_ray.tasks import load_task
 
 
@@ -16,13 +16,21 @@ class RolloutWorker:
     holding actor handles (the store's) would live in the object store, where they may be gone by then."""
 
     def __init__(self, task: TaskConfig, server_url: str, model_name: str, api_key: str | None = None,
-                 tracing_backend: str = "embedded", timeout_seconds: float | None = None):
+                 tracing_backend: str = "embedded", timeout_seconds: float | None = None,
+                 max_abandoned: int | None = None, queue: str = "default"):
         self.agent, self.reward = resolve_agent(task, timeout_seconds), load_task(task.name).reward
+        self.max_abandoned, self.queue = max_abandoned, queue  # the run's own queue: its rollouts only
         self.server_url, self.model_name = server_url, model_name
         self.api_key, self.tracing_backend = api_key, tracing_backend  # the operator's: its agents get their own
         self.worker_id = ray.get_runtime_context().get_actor_id()
 
     def work(self, store) -> int:
-        """Run rollouts from `store`'s queue until it is empty; return how many ran."""
+        """Run rollouts from the run's queue until it is empty, or this process holds `max_abandoned` agent threads
+        left behind at timeouts (then `worn_out`); return how many ran."""
         return work(store, self.agent, self.reward, self.server_url, self.model_name, self.api_key,
-                    self.worker_id, self.tracing_backend)
+                    self.worker_id, self.tracing_backend, self.max_abandoned, self.queue)
+
+    def worn_out(self) -> bool:
+        """Due a restart (rollout/dispatch.py does it once none of its rollouts runs): its abandoned agent threads
+        cannot be stopped any other way."""
+        return self.max_abandoned is not None and abandoned_agents() >= self.max_abandoned

@@ -55,21 +55,24 @@ class StoreClient:
 
     # --- the rollout queue ---------------------------------------------------------------------------------
 
-    def enqueue(self, tasks: list[Task], config: RolloutConfig | None = None) -> list[Rollout]:
-        rollouts = [Rollout(rollout_id=new_id("ro"), task=t, config=config or RolloutConfig()) for t in tasks]
+    def enqueue(self, tasks: list[Task], config: RolloutConfig | None = None, queue: str = "default") -> list[Rollout]:
+        rollouts = [Rollout(rollout_id=new_id("ro"), task=t, config=config or RolloutConfig(), queue=queue)
+                    for t in tasks]
         groups = self._by_shard([r.rollout_id for r in rollouts])
         ray.get([self.shards[s].enqueue.remote([rollouts[i] for i in idx]) for s, idx in groups.items()])
         return rollouts
 
-    def dequeue(self, worker_id: str | None = None, attempt_id: str | None = None) -> Rollout | None:
-        """Lease the next rollout to a new attempt, named `attempt_id` if given; None when every shard's queue is
-        empty. Asking again under the same id (a reply lost over HTTP) gets the same rollout back."""
+    def dequeue(self, worker_id: str | None = None, attempt_id: str | None = None,
+                queue: str = "default") -> Rollout | None:
+        """Lease the next rollout of `queue` to a new attempt, named `attempt_id` if given; None when it is empty on
+        every shard. Asking again under the same id (a reply lost over HTTP) gets the same rollout back."""
         if attempt_id is not None and len(self.shards) > 1:  # not from another shard, which may have rollouts now
             for leased in ray.get([s.leased.remote(attempt_id) for s in self.shards]):
                 if leased is not None:
                     return leased[0]
         for k in range(len(self.shards)):
-            leased = ray.get(self.shards[(self._next + k) % len(self.shards)].dequeue.remote(worker_id, attempt_id))
+            shard = self.shards[(self._next + k) % len(self.shards)]
+            leased = ray.get(shard.dequeue.remote(worker_id, attempt_id, queue))
             if leased is not None:
                 self._next = (self._next + k + 1) % len(self.shards)
                 return leased[0]
@@ -164,6 +167,10 @@ class StoreClient:
                          for s, ids in targets.items()])
         rows = sorted((r for part in parts for r in part), key=lambda r: r[6])[:limit]  # by start_time
         return [span_from_row(r) for r in rows]
+
+    def delete_spans(self, before: float) -> int:
+        """Every shard's spans of rollouts enqueued before `before` (SQLiteBackend.delete_spans)."""
+        return sum(ray.get([s.delete_spans.remote(before) for s in self.shards]))
 
     def stats(self) -> dict:
         parts = ray.get([s.stats.remote() for s in self.shards])

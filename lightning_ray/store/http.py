@@ -37,15 +37,20 @@ async def _store_error(_: Request, e: StoreError):
     return error_response(ApiError(e.status, str(cause), code=e.code))
 
 
+QUEUE = Field("default", min_length=1, max_length=256)  # a rollout's queue (types.Rollout.queue)
+
+
 class EnqueueRequest(BaseModel):
     tasks: list[Task] = Field(min_length=1)
     config: RolloutConfig | None = None
+    queue: str = QUEUE
 
 
 class DequeueRequest(BaseModel):
     worker_id: str | None = None
     # chosen by the worker so that it can ask again after a lost reply; it goes into URL paths
     attempt_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,128}$")
+    queue: str = QUEUE
 
 
 class Lease(Rollout):
@@ -125,11 +130,11 @@ class StoreApi:
 
     @api.post("/v1/rollouts")
     def enqueue(self, body: EnqueueRequest) -> list[Rollout]:
-        return self.store.enqueue(body.tasks, body.config)
+        return self.store.enqueue(body.tasks, body.config, body.queue)
 
     @api.post("/v1/rollouts/dequeue")
     def dequeue(self, body: DequeueRequest) -> Lease | None:
-        if (rollout := self.store.dequeue(body.worker_id, body.attempt_id)) is None:
+        if (rollout := self.store.dequeue(body.worker_id, body.attempt_id, body.queue)) is None:
             return None
         key = api.state.api_key
         return Lease(**rollout.model_dump(),

@@ -26,8 +26,9 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
     rollout_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, task TEXT NOT NULL, config TEXT NOT NULL,
     status TEXT NOT NULL, attempt_id TEXT, attempts INTEGER NOT NULL, reward REAL, error TEXT,
-    enqueued_at REAL NOT NULL, ended_at REAL);
+    enqueued_at REAL NOT NULL, ended_at REAL, queue TEXT NOT NULL DEFAULT 'default');
 CREATE INDEX IF NOT EXISTS rollouts_by_status ON rollouts(status, seq);
+CREATE INDEX IF NOT EXISTS rollouts_by_queue ON rollouts(status, queue, seq);
 CREATE INDEX IF NOT EXISTS rollouts_by_time ON rollouts(enqueued_at);
 CREATE TABLE IF NOT EXISTS attempts (
     attempt_id TEXT PRIMARY KEY, rollout_id TEXT NOT NULL, sequence INTEGER NOT NULL, status TEXT NOT NULL,
@@ -44,7 +45,8 @@ CREATE INDEX IF NOT EXISTS span_db.spans_by_rollout ON spans(rollout_id, start_t
 CREATE INDEX IF NOT EXISTS span_db.spans_by_time ON spans(start_time);
 """
 WAL_SIZE_LIMIT = 16 << 20  # bytes a WAL file keeps after a checkpoint; between checkpoints it reuses its space
-_ROLLOUT_COLS = "rollout_id, task, config, status, attempt_id, attempts, reward, error, enqueued_at, ended_at"
+_ROLLOUT_COLS = ("rollout_id, task, config, status, attempt_id, attempts, reward, error, enqueued_at, ended_at, "
+                 "queue")
 _ATTEMPT_COLS = "attempt_id, rollout_id, sequence, status, worker_id, started_at, last_heartbeat, ended_at, error"
 _SPAN_COLS = ("span_id, trace_id, parent_id, rollout_id, attempt_id, name, start_time, end_time, status, "
               "status_message, attributes, events, arrays, origin")
@@ -168,6 +170,9 @@ class SQLiteBackend:
             self.db.execute("ALTER TABLE span_db.spans ADD COLUMN origin TEXT NOT NULL DEFAULT 'client'")
         if columns and "arrays" not in columns:  # from before arrays were packed: its rows read as before (NULL)
             self.db.execute("ALTER TABLE span_db.spans ADD COLUMN arrays BLOB")
+        columns = {c[1] for c in self.db.execute("PRAGMA main.table_info(rollouts)")}
+        if columns and "queue" not in columns:  # a queue file from before queues: every rollout in "default"
+            self.db.execute("ALTER TABLE rollouts ADD COLUMN queue TEXT NOT NULL DEFAULT 'default'")
         self.db.executescript(_SCHEMA)
         # A checkpoint (copying the WAL into the file, with an fsync) would stall the write that crosses the
         # threshold; `checkpoint` does them from other connections and another thread instead. This pragma holds
@@ -204,21 +209,22 @@ class SQLiteBackend:
         with self._transaction():
             (seq,) = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM rollouts").fetchone()
             return self.db.executemany(
-                f"INSERT OR IGNORE INTO rollouts (seq, {_ROLLOUT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT OR IGNORE INTO rollouts (seq, {_ROLLOUT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [(seq + i + 1, r.rollout_id, r.task.model_dump_json(), r.config.model_dump_json(), r.status,
-                  r.attempt_id, r.attempts, r.reward, r.error, r.enqueued_at, r.ended_at)
+                  r.attempt_id, r.attempts, r.reward, r.error, r.enqueued_at, r.ended_at, r.queue)
                  for i, r in enumerate(rollouts)]).rowcount
 
-    def dequeue(self, worker_id: str | None, now: float,
-                attempt_id: str | None = None) -> tuple[Rollout, Attempt] | None:
-        """Lease the oldest waiting rollout to a new attempt (queued or requeued → running). The caller may name the
-        attempt: asking again under that name (its reply was lost) gets the same lease back, not a second one."""
+    def dequeue(self, worker_id: str | None, now: float, attempt_id: str | None = None,
+                queue: str = "default") -> tuple[Rollout, Attempt] | None:
+        """Lease the oldest rollout waiting in `queue` to a new attempt (queued or requeued → running). The caller
+        may name the attempt: asking again under that name (its reply was lost) gets the same lease back."""
         with self._transaction():
             if attempt_id is not None and (again := self.leased(attempt_id)):
                 return again
             # one indexed lookup per waiting status (an IN over both would sort the whole queue on every dequeue)
-            heads = [self.db.execute(f"SELECT seq, {_ROLLOUT_COLS} FROM rollouts WHERE status=? ORDER BY seq LIMIT 1",
-                                     (status,)).fetchone() for status in ("queued", "requeued")]
+            heads = [self.db.execute(f"SELECT seq, {_ROLLOUT_COLS} FROM rollouts WHERE status=? AND queue=? "
+                                     "ORDER BY seq LIMIT 1", (status, queue)).fetchone()
+                     for status in ("queued", "requeued")]
             if not (heads := [h for h in heads if h]):
                 return None
             row = min(heads)[1:]
@@ -377,6 +383,15 @@ class SQLiteBackend:
         return {"accepted": inserted, "duplicates": len(good) - inserted, "rejected": len(bad),
                 "errors": [f"span #{i}: {p}" for i, p in sorted(errors)[:10]]}
 
+    def delete_spans(self, before: float) -> int:
+        """Retention (store.keep_iterations): delete the spans of rollouts enqueued before `before`, and those that
+        name no rollout and started before it; the rollouts and their attempts stay. SQLite reuses the freed pages,
+        so the spans file stops growing once a run deletes as much as it adds. Returns how many spans went."""
+        with self._transaction():
+            return self.db.execute(
+                "DELETE FROM spans WHERE rollout_id IN (SELECT rollout_id FROM rollouts WHERE enqueued_at < ?) "
+                "OR (rollout_id IS NULL AND start_time < ?)", (before, before)).rowcount
+
     def query_spans(self, rollout_ids: list[str] | None = None, attempt_id: str | None = None,
                     name: str | list[str] | None = None, since: float | None = None, until: float | None = None,
                     limit: int | None = None) -> list[Span]:
@@ -426,7 +441,7 @@ def _where(*conditions) -> tuple[str, list]:
 def _rollout(r) -> Rollout:
     return Rollout(rollout_id=r[0], task=Task.model_validate_json(r[1]), config=RolloutConfig.model_validate_json(r[2]),
                    status=r[3], attempt_id=r[4], attempts=r[5], reward=r[6], error=r[7], enqueued_at=r[8],
-                   ended_at=r[9])
+                   ended_at=r[9], queue=r[10])
 
 
 def _attempt(r) -> Attempt:

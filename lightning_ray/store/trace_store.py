@@ -80,9 +80,9 @@ class TraceStore:
     async def enqueue(self, rollouts: list[Rollout]) -> int:
         return await self._call(self.backend.enqueue, rollouts)
 
-    async def dequeue(self, worker_id: str | None = None,
-                      attempt_id: str | None = None) -> tuple[Rollout, Attempt] | None:
-        return await self._call(self.backend.dequeue, worker_id, time.time(), attempt_id)
+    async def dequeue(self, worker_id: str | None = None, attempt_id: str | None = None,
+                      queue: str = "default") -> tuple[Rollout, Attempt] | None:
+        return await self._call(self.backend.dequeue, worker_id, time.time(), attempt_id, queue)
 
     async def leased(self, attempt_id: str) -> tuple[Rollout, Attempt] | None:
         return await self._call(self.backend.leased, attempt_id)
@@ -142,6 +142,9 @@ class TraceStore:
 
     async def get_attempts(self, rollout_id: str) -> list[Attempt]:
         return await self._call(self.backend.get_attempts, rollout_id)
+
+    async def delete_spans(self, before: float) -> int:
+        return await self._call(self.backend.delete_spans, before)
 
     async def query_spans(self, rollout_ids: list[str] | None = None, attempt_id: str | None = None,
                           name: str | list[str] | None = None, since: float | None = None, until: float | None = None,
