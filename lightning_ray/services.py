@@ -4,6 +4,7 @@ run a set of rollouts to their end."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import ray
@@ -50,7 +51,8 @@ class Services:
         try:
             self._start(cfg, rollout_workers, learner)
         except BaseException:
-            self.__exit__()
+            with contextlib.suppress(Exception):  # the start's own error is the one to see
+                self.__exit__()
             raise
 
     def _start(self, cfg: TrainConfig, rollout_workers: bool, learner: bool) -> None:
