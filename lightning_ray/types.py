@@ -55,6 +55,9 @@ class RolloutConfig(BaseModel):
     timeout_policy: Literal["policy", "platform"] = "policy"
 
 
+QueueName = Annotated[str, Field(min_length=1, max_length=256)]  # a rollout's queue (Rollout.queue)
+
+
 class Rollout(BaseModel):
     """One run of the agent on one task. `attempt_id` is its latest attempt (one try of it)."""
 
@@ -70,7 +73,7 @@ class Rollout(BaseModel):
     ended_at: float | None = None
     # only workers that dequeue from this queue take it: a training run's own workers take its rollouts only, and
     # rollouts enqueued over the store API (queue "default" unless named) go to the workers that ask for them
-    queue: str = Field("default", min_length=1, max_length=256)
+    queue: QueueName = "default"
 
 
 class Attempt(BaseModel):

@@ -74,33 +74,28 @@ def counted(rollouts: list[Rollout]) -> list[Rollout]:
 
 
 def restart(worker) -> None:
-    """Kill a worker's process and return once Ray has started a new one (ray.kill returns before the old one is
-    gone: until then, the old process would still answer)."""
-    pid = lambda self: os.getpid()  # noqa: E731 (run inside the actor by __ray_call__)
-    old = ray.get(worker.__ray_call__.remote(pid))
+    """Kill a worker's process and return once Ray has started a new one."""
+    old = ray.get(worker.__ray_call__.remote(_pid))
     ray.kill(worker, no_restart=False)
-    deadline = time.monotonic() + RESTART_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            if ray.get(worker.__ray_call__.remote(pid), timeout=max(deadline - time.monotonic(), 0)) != old:
-                return
-        except (ActorUnavailableError, GetTimeoutError):  # restarting
-            pass
-        except ActorDiedError as e:
-            raise RuntimeError("a rollout worker restarted for its abandoned agents did not come back") from e
-        time.sleep(0.2)
-    raise RuntimeError("a rollout worker restarted for its abandoned agents did not come back")
+    wait_restarted(worker, old)
 
 
-def wait_restarted(worker) -> None:
-    """Return once Ray has restarted a dead worker; one that cannot come back stops the run."""
+def wait_restarted(worker, old_pid: int | None = None) -> None:
+    """Return once Ray has restarted a dead worker (one whose process is not `old_pid`: ray.kill returns before the
+    old process is gone, and until then it still answers); one that cannot come back stops the run."""
     deadline = time.monotonic() + RESTART_TIMEOUT_S
     while True:
         try:
-            return ray.get(worker.__ray_ready__.remote(), timeout=max(deadline - time.monotonic(), 0))
+            if ray.get(worker.__ray_call__.remote(_pid), timeout=max(deadline - time.monotonic(), 0)) != old_pid:
+                return
         except ActorUnavailableError:  # still restarting
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+            pass
         except (ActorDiedError, GetTimeoutError) as e:
             raise RuntimeError("a rollout worker died and did not come back") from e
+        if time.monotonic() > deadline:
+            raise RuntimeError("a rollout worker died and did not come back")
+        time.sleep(0.2)
+
+
+def _pid(_actor) -> int:  # run inside an actor by __ray_call__
+    return os.getpid()

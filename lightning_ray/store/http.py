@@ -22,7 +22,8 @@ from lightning_ray.serving.http import ApiError, error_response, install
 from lightning_ray.store.client import StoreClient
 from lightning_ray.store.errors import StoreError
 from lightning_ray.tracing.otlp import OtlpDecodeError, spans_from_otlp
-from lightning_ray.types import Attempt, AttemptStatus, CancelOutcome, Rollout, RolloutConfig, RolloutStatus, Span, Task
+from lightning_ray.types import (Attempt, AttemptStatus, CancelOutcome, QueueName, Rollout, RolloutConfig, RolloutStatus,
+                                 Span, Task)
 
 APP_NAME, ROUTE_PREFIX = "store", "/store"
 api = FastAPI(title="lightning_ray trace store")
@@ -37,20 +38,17 @@ async def _store_error(_: Request, e: StoreError):
     return error_response(ApiError(e.status, str(cause), code=e.code))
 
 
-QUEUE = Field("default", min_length=1, max_length=256)  # a rollout's queue (types.Rollout.queue)
-
-
 class EnqueueRequest(BaseModel):
     tasks: list[Task] = Field(min_length=1)
     config: RolloutConfig | None = None
-    queue: str = QUEUE
+    queue: QueueName = "default"
 
 
 class DequeueRequest(BaseModel):
     worker_id: str | None = None
     # chosen by the worker so that it can ask again after a lost reply; it goes into URL paths
     attempt_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,128}$")
-    queue: str = QUEUE
+    queue: QueueName = "default"
 
 
 class Lease(Rollout):
