@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import free_port, free_ports
 from openai import OpenAI
 
 from lightning_ray.models.tiny import EASY
@@ -32,6 +32,15 @@ TINY = [*(f"++task.generator.{key}={json.dumps(value)}" for key, value in EASY.i
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_ports_given_to_jobs_are_ones_no_one_else_is_handed():
+    """A job binds its port seconds after the test picked it: a port the kernel or Ray could hand to another socket
+    meanwhile (a Ray worker's, an outgoing connection's) would make the job fail to bind, by chance."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = free_ports(50)
+    assert len(set(ports)) == 50
+    assert not [p for p in ports if low <= p <= high or 10_002 <= p <= 19_999]
 
 
 @pytest.mark.parametrize("command", [[], ["train"], ["eval"], ["serve"], ["store"], ["store", "inspect"],

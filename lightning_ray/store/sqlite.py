@@ -20,6 +20,7 @@ import numpy as np
 
 from lightning_ray.store.errors import InvalidReward, InvalidTransition, StaleAttempt, UnknownAttempt, UnknownRollout
 from lightning_ray.store.lifecycle import check_move
+from lightning_ray.store.prompt_chain import PromptChain, restore
 from lightning_ray.types import FINISHED, Attempt, CancelOutcome, Rollout, RolloutConfig, Span, SpanEvent, Task, new_id
 
 _SCHEMA = """
@@ -39,7 +40,8 @@ CREATE INDEX IF NOT EXISTS attempts_by_status ON attempts(status);
 CREATE TABLE IF NOT EXISTS span_db.spans (
     span_id TEXT NOT NULL, trace_id TEXT, parent_id TEXT, rollout_id TEXT, attempt_id TEXT, name TEXT NOT NULL,
     start_time REAL NOT NULL, end_time REAL, status TEXT NOT NULL, status_message TEXT,
-    attributes BLOB NOT NULL, events BLOB NOT NULL, origin TEXT NOT NULL DEFAULT 'client', arrays BLOB);
+    attributes BLOB NOT NULL, events BLOB NOT NULL, origin TEXT NOT NULL DEFAULT 'client', arrays BLOB,
+    prompt_base TEXT);
 CREATE UNIQUE INDEX IF NOT EXISTS span_db.spans_key ON spans(IFNULL(rollout_id, ''), span_id);
 CREATE INDEX IF NOT EXISTS span_db.spans_by_rollout ON spans(rollout_id, start_time);
 CREATE INDEX IF NOT EXISTS span_db.spans_by_time ON spans(start_time);
@@ -50,7 +52,7 @@ _ROLLOUT_COLS = ("rollout_id, task, config, status, attempt_id, attempts, reward
 _ATTEMPT_COLS = "attempt_id, rollout_id, sequence, status, worker_id, started_at, last_heartbeat, ended_at, error"
 _SPAN_COLS = ("span_id, trace_id, parent_id, rollout_id, attempt_id, name, start_time, end_time, status, "
               "status_message, attributes, events, arrays, origin")
-_by_time = operator.itemgetter(6, 14)  # start_time, rowid
+_by_time = operator.itemgetter(6, 15)  # start_time, rowid
 _ORIGINS = ("server", "client")
 _SPAN_STATUSES = ("unset", "ok", "error")
 
@@ -170,10 +172,13 @@ class SQLiteBackend:
             self.db.execute("ALTER TABLE span_db.spans ADD COLUMN origin TEXT NOT NULL DEFAULT 'client'")
         if columns and "arrays" not in columns:  # from before arrays were packed: its rows read as before (NULL)
             self.db.execute("ALTER TABLE span_db.spans ADD COLUMN arrays BLOB")
+        if columns and "prompt_base" not in columns:  # from before prompts were chained: every prompt whole
+            self.db.execute("ALTER TABLE span_db.spans ADD COLUMN prompt_base TEXT")
         columns = {c[1] for c in self.db.execute("PRAGMA main.table_info(rollouts)")}
         if columns and "queue" not in columns:  # a queue file from before queues: every rollout in "default"
             self.db.execute("ALTER TABLE rollouts ADD COLUMN queue TEXT NOT NULL DEFAULT 'default'")
         self.db.executescript(_SCHEMA)
+        self.prompt_chain = PromptChain()
         # A checkpoint (copying the WAL into the file, with an fsync) would stall the write that crosses the
         # threshold; `checkpoint` does them from other connections and another thread instead. This pragma holds
         # for the whole connection, both files, whatever schema it names: so both are checkpointed there.
@@ -376,10 +381,16 @@ class SQLiteBackend:
             if i not in bad and r[3] is not None and r[3] not in known:
                 errors.append((i, f"unknown rollout_id {r[3]!r}"))
                 bad.add(i)
-        good = [(*r, origin) for i, r in enumerate(rows) if i not in bad]
-        with self._transaction():
-            inserted = self.db.executemany(f"INSERT OR IGNORE INTO spans ({_SPAN_COLS}) VALUES "
-                                           "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", good).rowcount if good else 0
+        good = [(*row, origin, base) for i, r in enumerate(rows) if i not in bad
+                for row, base in [self.prompt_chain.shorten(r)]]
+        try:
+            with self._transaction():
+                inserted = self.db.executemany(
+                    f"INSERT OR IGNORE INTO spans ({_SPAN_COLS}, prompt_base) VALUES "
+                    "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", good).rowcount if good else 0
+        except BaseException:
+            self.prompt_chain.forget()  # it remembers calls that are not in the file
+            raise
         return {"accepted": inserted, "duplicates": len(good) - inserted, "rejected": len(bad),
                 "errors": [f"span #{i}: {p}" for i, p in sorted(errors)[:10]]}
 
@@ -387,6 +398,7 @@ class SQLiteBackend:
         """Retention (store.keep_iterations): delete the spans of rollouts enqueued before `before`, and those that
         name no rollout and started before it; the rollouts and their attempts stay. SQLite reuses the freed pages,
         so the spans file stops growing once a run deletes as much as it adds. Returns how many spans went."""
+        self.prompt_chain.forget()
         with self._transaction():
             return self.db.execute(
                 "DELETE FROM spans WHERE rollout_id IN (SELECT rollout_id FROM rollouts WHERE enqueued_at < ?) "
@@ -406,12 +418,17 @@ class SQLiteBackend:
         where, args = _where(("rollout_id", rollout_ids), ("attempt_id = ?", attempt_id), ("name = ?", name),
                              ("start_time >= ?", since), ("start_time < ?", until))
         if limit is not None:
-            return self.db.execute(f"SELECT {_SPAN_COLS} FROM spans {where} ORDER BY start_time, rowid LIMIT ?",
-                                   (*args, limit)).fetchall()
-        # sorted here: SQLite's sorter would copy every (3-10 KB) row once more, half the fetch's time
-        rows = self.db.execute(f"SELECT {_SPAN_COLS}, rowid FROM spans {where}", args).fetchall()
-        rows.sort(key=_by_time)
-        return rows
+            rows = self.db.execute(f"SELECT {_SPAN_COLS}, prompt_base FROM spans {where} "
+                                   "ORDER BY start_time, rowid LIMIT ?", (*args, limit)).fetchall()
+        else:  # sorted here: SQLite's sorter would copy every (3-10 KB) row once more, half the fetch's time
+            rows = self.db.execute(f"SELECT {_SPAN_COLS}, prompt_base, rowid FROM spans {where}", args).fetchall()
+            rows.sort(key=_by_time)
+        return restore([r[:14] for r in rows], [r[14] for r in rows], self._span_row)
+
+    def _span_row(self, rollout_id: str, span_id: str) -> tuple[tuple, str | None]:
+        row = self.db.execute(f"SELECT {_SPAN_COLS}, prompt_base FROM spans WHERE IFNULL(rollout_id, '') = ? "
+                              "AND span_id = ?", (rollout_id, span_id)).fetchone()
+        return row[:14], row[14]
 
     def query_spans_outside_rollouts(self) -> list[Span]:
         """Spans that name no rollout (calls to the endpoint's plain /v1, OTLP spans sent without one), in time order."""
