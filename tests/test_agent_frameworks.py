@@ -11,6 +11,7 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from openai import OpenAI
 
+from lightning_ray.serving.tools import asking_span_id
 from lightning_ray.tasks import calc
 
 MODEL = "tiny-calc"
@@ -72,3 +73,6 @@ def test_langgraph_react_agent_runs_tools_to_an_answer(server):
     # every model call the agent made was recorded under the rollout in its URL
     calls = server["store"].query_spans([rid])
     assert len(calls) == sum(k == "AIMessage" for k in kinds) >= 2
+    # the tool call's id names the recorded answer that asked for it (what AIR credits a tool's reward by)
+    first = min(calls, key=lambda s: s.start_time)
+    assert asking_span_id(result["messages"][2].tool_call_id) == first.span_id

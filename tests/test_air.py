@@ -9,7 +9,9 @@ from pydantic import ValidationError
 from lightning_ray.algorithm.air import RULE, air_spans
 from lightning_ray.algorithm.lightningrl import recorded_calls, transitions_from_spans
 from lightning_ray.config import AIRConfig
+from lightning_ray.serving.tools import tool_call_id
 from lightning_ray.tracing import semconv
+from lightning_ray.tracing.spans import new_span_id
 from lightning_ray.types import Rollout, Span, Task
 
 RULES = AIRConfig(tool_ok=0.05, tool_error=-0.2, tool_timeout=-0.3, malformed_tool_call=-0.5,
@@ -17,14 +19,17 @@ RULES = AIRConfig(tool_ok=0.05, tool_error=-0.2, tool_timeout=-0.3, malformed_to
 
 
 def call(start, response, rollout="ro-1"):
-    return Span(rollout_id=rollout, attempt_id="at-1", name=semconv.LLM_CALL, start_time=start, origin="server",
+    return Span(span_id=new_span_id(), rollout_id=rollout, attempt_id="at-1", name=semconv.LLM_CALL, start_time=start,
+                origin="server",
                 attributes={semconv.MODEL: "policy", semconv.PROMPT_TOKEN_IDS: [1], semconv.COMPLETION_TOKEN_IDS: [2],
                             semconv.LOGPROBS: [-0.5], semconv.POLICY_VERSION: 0, "lightning_ray.response": response,
                             semconv.FINISH_REASONS: ["stop"]})
 
 
-def tool(start, status="ok", error_type=None, message=None):
+def tool(start, status="ok", error_type=None, message=None, call_id=None):
     attributes = {semconv.OPERATION: semconv.EXECUTE_TOOL, semconv.TOOL_NAME: "calculator"}
+    if call_id:
+        attributes[semconv.TOOL_CALL_ID] = call_id
     if error_type:
         attributes[semconv.ERROR_TYPE] = error_type
     return Span(rollout_id="ro-1", attempt_id="at-1", name="execute_tool calculator", start_time=start,
@@ -61,6 +66,29 @@ def test_air_rewards_become_step_rewards_of_the_calls_they_follow():
     # an agent cannot pass its own reward spans off as AIR: client-origin rewards are not intermediate rewards
     forged = [s.model_copy(update={"origin": "client"}) for s in air_spans(spans, RULES, recorded_calls)]
     assert [t.step_reward for t in transitions_from_spans(rollout, spans + forged, "policy")] == [0.0] * 3
+
+
+def test_a_tool_named_by_its_call_id_is_credited_to_the_call_that_asked_under_any_clock_skew():
+    """The agent's machine runs 10 s behind the server's: by time alone both tools' rewards would go to the first
+    call (the suspicion, confirmed). A tool span that reports its call's id (as the calc and rag agents do, with
+    the ids the server gave) is credited to the call that asked for it; a tool another model's call asked for is
+    no policy call's to reward."""
+    calls = [call(100.0, "<tool_call>...</tool_call>"), call(101.0, "<tool_call>...</tool_call>"), call(102.0, "ANSWER 1")]
+    other = call(101.5, "<tool_call>...</tool_call>")
+    other.attributes[semconv.MODEL] = "helper"
+    skewed = [tool(90.5, "error", "ValueError", call_id=tool_call_id(calls[0].span_id, 0)),
+              tool(91.5, call_id=tool_call_id(calls[1].span_id, 0)),
+              tool(91.6, "error", "ValueError", call_id=tool_call_id(other.span_id, 0))]
+    rules = AIRConfig(tool_ok=0.05, tool_error=-0.2)
+    policy = lambda spans: [c for c in recorded_calls(spans) if c.attributes[semconv.MODEL] == "policy"]
+    spans = calls + [other] + skewed
+    rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}), attempt_id="at-1", reward=1.0)
+    out = transitions_from_spans(rollout, spans + air_spans(spans, rules, policy), "policy")
+    assert [t.step_reward for t in out] == pytest.approx([-0.2, 0.05, 0.0])
+    by_time = [s.model_copy(update={"attributes": {k: v for k, v in s.attributes.items() if k != semconv.TOOL_CALL_ID}})
+               for s in skewed[:2]]
+    out = transitions_from_spans(rollout, calls + air_spans(calls + by_time, rules, policy), "policy")
+    assert [t.step_reward for t in out] == pytest.approx([-0.15, 0.0, 0.0])  # what the clocks alone would do
 
 
 def test_air_judges_only_answers_the_agent_got_and_its_rewards_must_be_finite():

@@ -23,6 +23,7 @@ from lightning_ray.config import ModelConfig, validate
 from lightning_ray.models import _cached, content_key
 from lightning_ray.serving.chat import template_messages
 from lightning_ray.serving.responses import ResponsesRequest, to_chat
+from lightning_ray.serving.tools import asking_span_id
 from lightning_ray.tasks import rag
 from lightning_ray.trainer import train
 
@@ -103,8 +104,9 @@ def run(ray_cluster, rag_model_path, serve_port, tmp_path_factory):
     })
     history = train(cfg)
     db = sqlite3.connect(run_dir / "traces-spans.sqlite")
-    spans = [{"rollout_id": r[0], "name": r[1], "attributes": json.loads(r[2])}
-             for r in db.execute("SELECT rollout_id, name, attributes FROM spans WHERE rollout_id IS NOT NULL")]
+    spans = [{"rollout_id": r[0], "name": r[1], "attributes": json.loads(r[2]), "span_id": r[3], "parent_id": r[4]}
+             for r in db.execute("SELECT rollout_id, name, attributes, span_id, parent_id FROM spans "
+                                 "WHERE rollout_id IS NOT NULL")]
     rows = sqlite3.connect(run_dir / "traces.sqlite").execute(
         "SELECT rollout_id, task, reward, status, error FROM rollouts")
     rollouts = [{"rollout_id": r[0], "task": json.loads(r[1]), "reward": r[2], "status": r[3], "error": r[4]}
@@ -144,6 +146,11 @@ def test_the_model_searches_and_the_sdk_runs_the_tool(run):
     air = Counter(s["attributes"]["lightning_ray.air.rule"] for s in run["spans"]
                   if s["name"] == "reward" and "lightning_ray.air.rule" in s["attributes"])
     assert air["tool_ok"] == len(searches)
+    # each search's reward went to the call whose tool call the SDK ran, named by the call's id, not by clocks
+    asked = {s["span_id"]: asking_span_id(s["attributes"]["gen_ai.tool.call.id"]) for s in searches}
+    credited = {s["parent_id"]: s["attributes"]["lightning_ray.reward.call"] for s in run["spans"]
+                if s["name"] == "reward" and s["attributes"].get("lightning_ray.air.rule") == "tool_ok"}
+    assert credited == asked and set(asked.values()) <= {s["span_id"] for s in run["spans"] if s["name"] == "llm.call"}
 
 
 def test_the_reward_is_the_tasks_score_of_the_models_last_reply(run):

@@ -5,26 +5,19 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from array import array
 from collections import Counter, defaultdict
 
-import msgspec
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_ray.config import validate
+from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.trainer import train
 from lightning_ray.training.loop import parameter_digest
 
 from lightning_ray.models.tiny import EASY  # sums and differences of two small numbers, as it was warmed up on
-
-
-def unpacked(attributes: dict, arrays: bytes | None) -> dict:
-    """Numeric lists (token ids, logprobs) are stored beside the JSON: [(key, typecode, little-endian bytes)]."""
-    for key, code, raw in msgspec.msgpack.decode(arrays) if arrays else []:
-        attributes[key] = array(code, raw).tolist()
-    return attributes
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +40,11 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
         "rollout": {"tasks_per_iteration": 16, "group_size": 4, "agents_per_worker": 4},
     })
     history = train(cfg)
-    db = sqlite3.connect(run_dir / "traces-spans.sqlite")  # reopened after the run, by a plain sqlite3 client
-    spans = [
-        {"span_id": r[0], "rollout_id": r[1], "name": r[2], "attributes": unpacked(json.loads(r[3]), r[4])}
-        for r in db.execute("SELECT span_id, rollout_id, name, attributes, arrays FROM spans ORDER BY start_time")
-    ]
+    # reopened after the run, through the store's own reader (a prompt is stored as the tail after the call it
+    # extends: docs/05-trace-store.md), with token ids and logprobs as lists
+    spans = [{"span_id": s.span_id, "rollout_id": s.rollout_id, "name": s.name,
+              "attributes": {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in s.attributes.items()}}
+             for s in SQLiteBackend(run_dir / "traces.sqlite").query_spans()]
     rows = sqlite3.connect(run_dir / "traces.sqlite").execute("SELECT rollout_id, task, reward FROM rollouts")
     rollouts = [{"rollout_id": r[0], "group_id": json.loads(r[1])["group_id"], "reward": r[2]} for r in rows]
     return {"dir": run_dir, "history": history, "spans": spans, "rollouts": rollouts, "model_path": tiny_model_path}

@@ -47,9 +47,11 @@ def _transitions(rollout: Rollout, spans: list[Span], policy_model: str, agent_r
     select = select or Selection.of(policy_model)
     selected = select.calls(recorded_calls(spans), spans)
     calls = sorted(filter(answered, selected), key=lambda s: s.start_time)
-    step_rewards = [0.0] * len(calls)
-    for r in intermediate if calls else []:  # to the last call that started before it (one before any: the first)
-        step = max(sum(c.start_time <= r.start_time for c in calls) - 1, 0)
+    step_rewards, step_of = [0.0] * len(calls), {c.span_id: i for i, c in enumerate(calls)}
+    for r in intermediate if calls else []:
+        step = step_of.get(r.attributes.get(semconv.REWARD_CALL))  # to the call it names, else to the last call
+        if step is None:  # that started before it (one before any: the first)
+            step = max(sum(c.start_time <= r.start_time for c in calls) - 1, 0)
         step_rewards[step] += r.attributes[semconv.REWARD_VALUE]
     return [
         Transition(

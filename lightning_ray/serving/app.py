@@ -31,6 +31,7 @@ from lightning_ray.serving.responses import ResponsesRequest, create_response
 from lightning_ray.serving.routing import RolloutAffinityRouter
 from lightning_ray.serving.schemas import ChatCompletionRequest, CompletionRequest
 from lightning_ray.tracing import semconv
+from lightning_ray.tracing.spans import new_span_id
 from lightning_ray.types import Span
 from lightning_ray.weight_sync import Receiver, engine_weight_transfer
 
@@ -211,6 +212,7 @@ class PolicyServer:
             try:
                 async with self.gate.admit():
                     async for d in generate_choices(self.engine, choice_jobs(prompts, params, n), stop):
+                        d.span_id = choices[d.index].span_id if d.index in choices else new_span_id()
                         collect(choices, d)
                         yield d
             except DrainTimeout as e:
@@ -227,8 +229,8 @@ class PolicyServer:
             metrics().generated_tokens.inc(sum(len(c.token_ids) for c in choices.values()))
             # a call that ended in an error was never answered: recorded as such, never trained (lightningrl.answered)
             failed = {semconv.ERROR_TYPE: error_type} if error else {}
-            spans = [Span(rollout_id=trace.rollout_id, attempt_id=trace.attempt_id, trace_id=trace.trace_id,
-                          parent_id=trace.parent_id, name=semconv.LLM_CALL, start_time=start,
+            spans = [Span(span_id=c.span_id, rollout_id=trace.rollout_id, attempt_id=trace.attempt_id,
+                          trace_id=trace.trace_id, parent_id=trace.parent_id, name=semconv.LLM_CALL, start_time=start,
                           end_time=time.time(), status="error" if error else "unset", status_message=error,
                           attributes={
                               **attrs,

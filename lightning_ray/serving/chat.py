@@ -52,7 +52,7 @@ async def create_chat_completion(server, body: ChatCompletionRequest, trace: Cal
     choices = await collect_all(deltas)
     out = []
     for c in choices:
-        content, calls = parse_tool_calls(c.text) if use_tools else (c.text, [])
+        content, calls = parse_tool_calls(c.text, span_id=c.span_id) if use_tools else (c.text, [])
         message = {"role": "assistant", "content": content, "refusal": None, "annotations": []}
         if calls:
             message["tool_calls"] = calls
@@ -86,7 +86,7 @@ async def _chunks(server, body: ChatCompletionRequest, deltas, meta: dict, promp
         completion_tokens += len(d.token_ids)
         content, calls = d.text, []
         if use_tools:
-            parser = parsers.setdefault(d.index, ToolCallStreamParser())
+            parser = parsers.setdefault(d.index, ToolCallStreamParser(span_id=d.span_id))
             parsed = parser.feed(d.text)
             content, calls = parsed.content, parsed.tool_calls
             if d.finish_reason:

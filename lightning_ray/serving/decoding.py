@@ -23,6 +23,7 @@ class ChoiceDelta(BaseModel):
     top_logprobs: list[dict[int, float]] = []
     finish_reason: str | None = None
     policy_version: int
+    span_id: str = ""  # the span the server records this choice as (set by the server): its tool calls' ids name it
 
 
 class Choice(BaseModel):
@@ -35,10 +36,11 @@ class Choice(BaseModel):
     top_logprobs: list[dict[int, float]] = []
     finish_reason: str | None = None
     policy_version: int = 0
+    span_id: str = ""
 
 
 def collect(choices: dict[int, Choice], d: ChoiceDelta) -> None:
-    c = choices.setdefault(d.index, Choice(index=d.index, policy_version=d.policy_version))
+    c = choices.setdefault(d.index, Choice(index=d.index, policy_version=d.policy_version, span_id=d.span_id))
     c.text += d.text
     c.token_ids += d.token_ids
     c.logprobs += d.logprobs

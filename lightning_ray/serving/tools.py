@@ -8,6 +8,7 @@ new model family needs a new entry, not a new parser.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -48,8 +49,20 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
 }
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def tool_call_id(span_id: str, n: int) -> str:
+    """The id of the n-th tool call of the answer the server records as span `span_id`. An agent's tool span that
+    reports it (gen_ai.tool.call.id) names the call that asked for the tool by it, not by a clock (algorithm/air.py).
+    Without a span id (a completion parsed outside a call): a random one, as OpenAI's."""
+    return f"call_{span_id}_{n}" if span_id else f"call_{uuid.uuid4().hex[:24]}"
+
+
+def asking_span_id(call_id: str) -> str | None:
+    """The span id of the answer that made tool call `call_id` (tool_call_id's inverse), or None for ids made
+    elsewhere."""
+    return m.group(1) if (m := _OUR_CALL_ID.fullmatch(call_id)) else None
+
+
+_OUR_CALL_ID = re.compile(r"call_([0-9a-f]{16})_\d+")
 
 
 @dataclass
@@ -74,7 +87,7 @@ class ToolCallStreamParser:
     - finish() flushes what is held. Concatenating the content of all deltas gives what parse_tool_calls returns.
     """
 
-    def __init__(self, fmt: str = "hermes"):
+    def __init__(self, fmt: str = "hermes", span_id: str = ""):
         if fmt not in TOOL_CALL_FORMATS:
             raise ValueError(f"unknown tool call format {fmt!r}: expected one of {sorted(TOOL_CALL_FORMATS)}")
         self.fmt = TOOL_CALL_FORMATS[fmt]
@@ -84,6 +97,7 @@ class ToolCallStreamParser:
         self._ws_before_block = ""  # what _ws_held was when the current block opened (sent if the block is bad)
         self._sent_content = False
         self._n_calls = 0
+        self._span_id = span_id  # the answer's span: its calls' ids name it (tool_call_id)
         self._out = ToolStreamDelta()
 
     def feed(self, delta: str) -> ToolStreamDelta:
@@ -123,7 +137,8 @@ class ToolCallStreamParser:
                 if calls is None:
                     self._emit_text(self._ws_before_block + start + body + (end or ""))
                 for name, arguments in calls or []:
-                    self._out.tool_calls.append({"index": self._n_calls, "id": new_call_id(), "type": "function",
+                    self._out.tool_calls.append({"index": self._n_calls, "id": tool_call_id(self._span_id, self._n_calls),
+                                                 "type": "function",
                                                  "function": {"name": name, "arguments": arguments}})
                     self._n_calls += 1
         out, self._out = self._out, ToolStreamDelta()
@@ -148,9 +163,10 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def parse_tool_calls(text: str, fmt: str = "hermes") -> tuple[str | None, list[dict[str, Any]]]:
-    """Split a completion into its content (None if empty) and OpenAI tool calls {"id", "type", "function"}."""
-    parser = ToolCallStreamParser(fmt)
+def parse_tool_calls(text: str, fmt: str = "hermes", span_id: str = "") -> tuple[str | None, list[dict[str, Any]]]:
+    """Split a completion into its content (None if empty) and OpenAI tool calls {"id", "type", "function"}; `span_id`:
+    the answer's span, which the calls' ids name (tool_call_id)."""
+    parser = ToolCallStreamParser(fmt, span_id)
     first, last = parser.feed(text), parser.finish()
     calls = [{k: v for k, v in c.items() if k != "index"} for c in first.tool_calls + last.tool_calls]
     return (first.content + last.content) or None, calls

@@ -148,7 +148,7 @@ def agent(task: dict, base_url: str, model: str, api_key: str = "EMPTY") -> str 
                                                               "arguments": c.function.arguments}}
                 for c in message.tool_calls]})
             messages += [{"role": "tool", "tool_call_id": c.id, "content": _traced(
-                c.function.name, c.function.arguments, _run_tool(c.function.name, c.function.arguments))}
+                c.function.name, c.function.arguments, _run_tool(c.function.name, c.function.arguments), c.id)}
                 for c in message.tool_calls]
             continue
         messages.append({"role": "assistant", "content": text})
@@ -181,10 +181,11 @@ def _evaluate(expression: str) -> str:
         return f"error: {e}"
 
 
-def _traced(name: str, arguments: str, result: str) -> str:
+def _traced(name: str, arguments: str, result: str, call_id: str | None = None) -> str:
     """The one line of tracing this agent has: each calculator call as a tool span, whose status AIR can reward
-    (a no-op outside a traced rollout)."""
-    emit_tool(name, arguments, result, error=result.removeprefix("error: ") if result.startswith("error: ") else None)
+    (a no-op outside a traced rollout); the tool call's id, where it has one, names the call that asked for it."""
+    emit_tool(name, arguments, result, error=result.removeprefix("error: ") if result.startswith("error: ") else None,
+              call_id=call_id)
     return result
 
 

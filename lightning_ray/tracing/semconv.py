@@ -29,6 +29,9 @@ CALL_ERROR = "lightning_ray.error"  # why a call ended without an answer (an eng
 # Rewards: REWARD_VALUE is the scalar LightningRL optimises; a multi-dimensional reward also carries each named
 # dimension as f"{REWARD_VALUE}.{name}".
 REWARD_VALUE = "lightning_ray.reward"
+# The span id of the policy call an intermediate reward is for (AIR's); a reward without one is credited by time, to
+# the last call that started before it.
+REWARD_CALL = "lightning_ray.reward.call"
 
 # emit_message / emit_object payloads.
 MESSAGE_TEXT = "lightning_ray.message"

@@ -159,15 +159,17 @@ def system_prompt(task: dict) -> str:
 def search_tool(corpus: Index):
     """The agent's one tool: an SDK function tool named `search` over the corpus."""
     from agents import function_tool
+    from agents.tool_context import ToolContext
 
-    @function_tool
-    def search(query: str) -> str:
+    def search(context, query: str) -> str:
         """Search the knowledge base. Returns the passages most relevant to the query, one per line."""
         result = "\n".join(corpus.search(query, TOP_K))
-        emit_tool("search", {"query": query}, result)  # the tool call as a span, for AIR (no-op outside a rollout)
+        # the tool call as a span, for AIR (no-op outside a rollout); its id names the call that asked for it
+        emit_tool("search", {"query": query}, result, call_id=context.tool_call_id)
         return result
 
-    return search
+    search.__annotations__["context"] = ToolContext  # how the SDK knows to pass it (and leave it out of the schema)
+    return function_tool(search)
 
 
 def opening() -> list[dict]:
