@@ -14,11 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ray.config import TaskConfig, validate
+from lightning_ray.algorithm.air import RULE, air_spans
+from lightning_ray.algorithm.lightningrl import recorded_calls
+from lightning_ray.config import AIRConfig, TaskConfig, validate
 from lightning_ray.tasks import load_splits, sql
 from lightning_ray.tasks.sql import chinook, spider
 from lightning_ray.tasks.sql.execution import QueryError, execute, execution_match, orders_result
-from lightning_ray.tasks.sql.workflow import approves, extract_sql
+from lightning_ray.tasks.sql.workflow import approves, extract_sql, run_query
+from lightning_ray.tracing import trace_attempt
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,6 +165,25 @@ def test_no_other_file_is_created_or_written(writable_copy, tmp_path):
     with pytest.raises(QueryError, match="no database file"):
         execute(tmp_path / "missing.sqlite", "SELECT 1")
     assert not (tmp_path / "missing.sqlite").exists()  # read-only mode never creates one
+
+
+def test_a_query_that_reads_no_table_of_the_database_earns_no_tool_ok(db):
+    """AIR's `tool_ok` once rewarded any query that ran, and 45 minutes of RL on sql taught SmolLM2 to write ones
+    that read no table (`SELECT COUNT(*) - 1000000`). Such a query still runs and its result still goes to the
+    checker, but its tool span is an error: `tool_ok` is earned only by reading the data (SQLite's own tables, a
+    CTE of constants, do not count)."""
+    queries = {"SELECT COUNT(*) - 1000000": "tool_error", "SELECT COUNT(*) FROM Track": "tool_ok",
+               "SELECT t.Name FROM Track t JOIN Genre g ON t.GenreId = g.GenreId LIMIT 1": "tool_ok",
+               "WITH x AS (SELECT 5) SELECT * FROM x": "tool_error", "SELECT name FROM sqlite_master": "tool_error",
+               "SELECT nope FROM Track": "tool_error"}
+    spans = []
+    with trace_attempt("ro-1", "at-1", spans.extend):
+        ran = [run_query(str(db), q)[0] for q in queries]
+    assert ran == [True, True, True, True, True, False]  # the checker sees every result, as before
+    assert execute(db, "SELECT COUNT(*) - 1000000").tables == frozenset()
+    assert execute(db, "SELECT t.Name FROM Track t JOIN Genre g ON t.GenreId = g.GenreId").tables == {"Track", "Genre"}
+    rewards = air_spans(spans, AIRConfig(tool_ok=0.1, tool_error=-0.05), recorded_calls)
+    assert [r.attributes[RULE] for r in sorted(rewards, key=lambda r: r.start_time)] == list(queries.values())
 
 
 def test_a_runaway_query_ends_at_the_time_limit(db):

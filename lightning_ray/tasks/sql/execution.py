@@ -36,6 +36,7 @@ class QueryError(Exception):
 class Result:
     columns: tuple[str, ...]
     rows: tuple[tuple, ...]
+    tables: frozenset[str] = frozenset()  # the database's tables the query read (SQLite's own sqlite_* left out)
 
 
 def execute(db_path: str | Path, sql: str, time_limit_s: float = TIME_LIMIT_S, max_rows: int = MAX_ROWS) -> Result:
@@ -49,7 +50,14 @@ def execute(db_path: str | Path, sql: str, time_limit_s: float = TIME_LIMIT_S, m
         raise QueryError(f"cannot open {path}: {e}") from None
     try:
         conn.execute("PRAGMA query_only = ON")
-        conn.set_authorizer(lambda action, *_: sqlite3.SQLITE_OK if action in _ALLOWED else sqlite3.SQLITE_DENY)
+        tables: set[str] = set()
+
+        def authorize(action: int, table: str | None, *_) -> int:
+            if action == sqlite3.SQLITE_READ and not table.startswith("sqlite_"):
+                tables.add(table)  # asked while the statement is prepared, for each table (and column) it reads
+            return sqlite3.SQLITE_OK if action in _ALLOWED else sqlite3.SQLITE_DENY
+
+        conn.set_authorizer(authorize)
         conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
         conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
         deadline = time.monotonic() + time_limit_s
@@ -60,7 +68,7 @@ def execute(db_path: str | Path, sql: str, time_limit_s: float = TIME_LIMIT_S, m
         rows = cursor.fetchmany(max_rows + 1)
         if len(rows) > max_rows:
             raise QueryError(f"more than {max_rows} rows")
-        return Result(tuple(d[0] for d in cursor.description), tuple(rows))
+        return Result(tuple(d[0] for d in cursor.description), tuple(rows), frozenset(tables))
     except sqlite3.OperationalError as e:
         if str(e) == "interrupted":  # the progress handler's doing
             raise QueryError(f"time limit: the query ran longer than {time_limit_s:g} s") from None

@@ -52,6 +52,7 @@ REWRITER_PROMPT = ("You fix SQLite queries. Given a database schema, a question,
                    "reviewer's feedback, reply with the corrected SQL query in a ```sql block, and nothing else.")
 PREVIEW_ROWS = 5  # result rows the checker sees
 PREVIEW_CHARS = 400
+NO_TABLE_READ = "the query reads no table of the database"  # a tool error for AIR (run_query)
 
 _CODE = re.compile(r"```(?:sql|sqlite)?\s*(.*?)(?:```|$)", re.DOTALL | re.IGNORECASE)
 _QUERY = re.compile(r"\b(?:SELECT|WITH)\b.*", re.DOTALL | re.IGNORECASE)
@@ -123,15 +124,19 @@ def approves(verdict: str) -> bool:
 
 
 def run_query(db: str, sql: str) -> tuple[bool, str]:
-    """Run the query read-only; a preview of its result, or its error, for the checker. Traced as a tool call."""
+    """Run the query read-only; a preview of its result, or its error, for the checker. Traced as a tool call,
+    whose status AIR rewards: a query that reads no table of the database (`SELECT COUNT(*) - 1000000`) ran, but
+    answers nothing: its span is an error, so that `tool_ok` cannot be earned without looking at the data."""
     try:
         result = execute(db, sql)
     except QueryError as e:
         emit_tool("execute_sql", sql, error=str(e))
         return False, f"error: {e}"
     text = preview(result)
-    emit_tool("execute_sql", sql, text)
+    emit_tool("execute_sql", sql, text, error=None if result.tables else NO_TABLE_READ)
     return True, text
+
+
 
 
 def preview(result: Result) -> str:
