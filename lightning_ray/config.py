@@ -297,7 +297,8 @@ class TrainerConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     eval_every: int = Field(4, ge=0)  # held-out evaluation before training, every N iterations and at the end; 0: none
-    checkpoint_every: int = Field(1, gt=0)
+    checkpoint_every: int = Field(1, gt=0)  # and after the last iteration (training/checkpoint.py)
+    keep_checkpoints: int = Field(1, gt=0)  # the last N checkpoints stay (each holds the optimizer state too)
     step_timeout_s: float = Field(600.0, gt=0)
     # The first step fails, before any update, where the learner's untempered logprobs of the sampled tokens are
     # further than this from the server's, per token on average (metrics' logprob_abs_diff: ~1e-7 at fp32 on CPUs,
@@ -347,6 +348,14 @@ class TrainConfig(_Strict):
     eval: EvalConfig = EvalConfig()
     ray: RayConfig = RayConfig()
     verbose: bool = False  # Ray's, Serve's and the libraries' logs on the terminal too, not only in <run_dir>/logs
+    # A run directory to go on with from its latest checkpoint, with the same config (it becomes run_dir)
+    resume: str | None = None
+
+    @model_validator(mode="after")
+    def _resume_in_place(self):
+        if self.resume:
+            self.run_dir = self.resume
+        return self
 
     @property
     def run_path(self) -> Path:
@@ -411,6 +420,17 @@ class ConfigError(ValueError):
     """A config key with a bad value; the message names each offending key."""
 
 
+def _first_set(*values):
+    """${first_set:a,b,...}: the first value that is set (not null or empty); configs/train.yaml's run directory."""
+    return next((v for v in values if v not in (None, "", "None")), None)
+
+
+def _register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("first_set", _first_set, replace=True)
+
+
 def validate(raw: dict, schema: type[TrainConfig] = TrainConfig) -> TrainConfig:
     try:
         return schema.model_validate(raw)
@@ -467,6 +487,8 @@ def job(config_name: str, schema: type[TrainConfig] = TrainConfig):
     dict overrides replacing (dicts_replace), and the body called with the validated config."""
     import hydra
 
+    _register_resolvers()
+
     def wrap(body):
         @hydra.main(version_base=None, config_path=str(CONFIGS), config_name=config_name)
         @functools.wraps(body)  # Hydra names the job after the function it unwraps to: jobs/<name>.py's
@@ -489,6 +511,7 @@ def compose(overrides: list[str] = (), config_name: str = "train",
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
+    _register_resolvers()
     with initialize_config_dir(str(CONFIGS), version_base=None):
         raw = hydra_compose(config_name, overrides=dicts_replace(list(overrides)), return_hydra_config=True)
     HydraConfig.instance().set_config(raw)  # as a job's start does: ${hydra:run.dir} resolves

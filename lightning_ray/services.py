@@ -21,6 +21,7 @@ from lightning_ray.store.client import StoreClient
 from lightning_ray.store.http import APP_NAME as STORE_APP
 from lightning_ray.store.http import deploy_store_api
 from lightning_ray.terminal import console, status
+from lightning_ray.training.checkpoint import Checkpoint
 from lightning_ray.training.learner import Learner
 from lightning_ray.training.weights import WeightRegistry
 from lightning_ray.types import Rollout, RolloutConfig, Task
@@ -28,10 +29,13 @@ from lightning_ray.weight_sync import resolve as resolve_weight_sync
 
 
 class Services:
-    def __init__(self, cfg: TrainConfig, rollout_workers: bool = True, learner: bool = False):
+    def __init__(self, cfg: TrainConfig, rollout_workers: bool = True, learner: bool = False,
+                 resume: Checkpoint | None = None):
         """rollout_workers=False: the policy and the store only, for agents that run elsewhere (jobs/serve.py);
-        learner=True: the learner too (training/learner.py), its ranks starting while the policy server does. What
-        started is stopped again if a later part fails to start."""
+        learner=True: the learner too (training/learner.py), its ranks starting while the policy server does;
+        resume: a checkpoint of this run to go on from (its policy served as its version, the learner's state
+        loaded, the rollouts the stopped run left unfinished cancelled). What started is stopped again if a later
+        part fails to start."""
         self.cfg, self.learner, self.apps = cfg, None, []
         cfg.run_path.mkdir(parents=True, exist_ok=True)
         cfg.save(cfg.run_path / "config.yaml")
@@ -49,28 +53,32 @@ class Services:
             if context.dashboard_url:
                 console.print(f"Ray dashboard at http://{context.dashboard_url} (metrics: lightning_ray_*)")
         try:
-            self._start(cfg, rollout_workers, learner)
+            self._start(cfg, rollout_workers, learner, resume)
         except BaseException:
             with contextlib.suppress(Exception):  # the start's own error is the one to see
                 self.__exit__()
             raise
 
-    def _start(self, cfg: TrainConfig, rollout_workers: bool, learner: bool) -> None:
+    def _start(self, cfg: TrainConfig, rollout_workers: bool, learner: bool, resume: Checkpoint | None) -> None:
         with status("building the model"):
             self.model_path: Path = resolve_model_path(cfg.model)
         label = cfg.run_path.name  # names that read well in the Ray dashboard, unique per run
         self.queue = f"run@{label}"  # this run's rollouts, taken by its own workers only (types.Rollout.queue)
         # On the head, beside the driver: the store's SQLite files are the run directory's.
         self.store = StoreClient.start(cfg.run_path, cfg.store.num_shards, label=label, actor_options=ON_HEAD)
+        if resume and (left := self.store.query_rollouts(status=["queued", "requeued", "running"])):
+            self.store.cancel([r.rollout_id for r in left])  # the stopped run's: no worker is waiting for them
         self.attempts = RolloutConfig(max_attempts=cfg.rollout.max_attempts, timeout_seconds=cfg.rollout.timeout_seconds,
                                       unresponsive_seconds=cfg.rollout.unresponsive_seconds,
                                       timeout_policy=cfg.rollout.timeout_policy)
-        self.registry = WeightRegistry.options(name=f"weight-registry@{label}").remote()
+        self.registry = WeightRegistry.options(name=f"weight-registry@{label}").remote(
+            resume.state.policy_version if resume else 0)
         if learner:  # ~5 s sooner ready than one after the other, on 2 cores
-            self.learner = Learner(cfg, self.model_path, self.registry)
+            self.learner = Learner(cfg, self.model_path, self.registry, resume)
         with status(f"starting the policy server ({cfg.engine.kind} engine)"):
             self.apps.append(APP_NAME)
-            self.server_url = deploy_policy(str(self.model_path), cfg.model.name, self.store, self.registry,
+            served = resume.policy if resume else self.model_path
+            self.server_url = deploy_policy(str(served), cfg.model.name, self.store, self.registry,
                                             host=cfg.serve.host, port=cfg.serve.port, **policy_options(cfg))
         console.print(f"policy served at {self.server_url}/v1 as {cfg.model.name!r}")
         if cfg.store.http:

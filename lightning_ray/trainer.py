@@ -17,13 +17,15 @@ from lightning_ray.algorithm.air import air_spans
 from lightning_ray.algorithm.dynamic_sampling import sample_groups
 from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, scored_faithfully, spans_read
 from lightning_ray.algorithm.select import Selection
-from lightning_ray.config import TrainConfig
+from lightning_ray.config import ConfigError, TrainConfig
 from lightning_ray.evaluation import evaluate
 from lightning_ray.metrics import metrics
 from lightning_ray.report import plot_learning_curve
 from lightning_ray.services import Services
 from lightning_ray.tasks import load_splits
 from lightning_ray.terminal import status
+from lightning_ray.training import checkpoint
+from lightning_ray.training.checkpoint import LoopState
 from lightning_ray.types import Task, Transition
 
 PROBE = [{"role": "user", "content": "What is 3 + 4?"}]  # a fixed prompt whose served logprobs track each update
@@ -31,18 +33,24 @@ PROBE = [{"role": "user", "content": "What is 3 + 4?"}]  # a fixed prompt whose 
 
 def train(cfg: TrainConfig) -> list[dict]:
     run, t, alg = cfg.run_path, cfg.trainer, cfg.algorithm
-    with Services(cfg, learner=True) as services:
+    resume = resume_point(cfg)
+    with Services(cfg, learner=True, resume=resume) as services:
         train_tasks, held_out, learner = *load_splits(cfg.task), services.learner
         rng = random.Random(cfg.seed)
         select = Selection.of(cfg.model.name, alg.select.models, alg.select.agents)  # which calls are the policy's
-        history, evals = [], []
-        if t.eval_every:
+        history, evals, started, first = [], [], [], 0  # started: each iteration's start (span retention cuts there)
+        if resume:  # as the stopped run stood after its checkpoint's iteration; later lines of metrics.jsonl go
+            state = resume.state
+            history, evals, started, first = state.history, state.evals, state.started, state.next_iteration
+            rng.setstate((state.rng_state[0], tuple(state.rng_state[1]), state.rng_state[2]))
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+            print(f"resumed from {resume.path.name}: iteration {first}, policy v{state.policy_version}", flush=True)
+        elif t.eval_every:
             evals.append({"after": 0, **evaluate(services, held_out, cfg.eval.pass_k, "eval before")})
             print(f"held-out accuracy before training: {evals[-1]['accuracy']:.3f}", flush=True)
         probe = _probe(services.server_url, cfg)
         deadline = time.monotonic() + 60 * t.max_minutes if t.max_minutes else float("inf")
-        started = []  # each iteration's start: where span retention cuts
-        for iteration in range(t.iterations):
+        for iteration in range(first, t.iterations):
             phase = _PhaseTimer()
             started.append(time.time())
             rollouts, spans, adapted = [], [], Counter()  # of every round
@@ -91,9 +99,6 @@ def train(cfg: TrainConfig) -> list[dict]:
                 with phase("sync"), status(f"iter {iteration}: syncing weights", report=False):
                     ray.get(services.registry.wait_synced.remote(learner.version, cfg.serve.sync_timeout_s))
                 metrics().weight_sync_seconds.observe(phase.seconds["sync"])
-                if (iteration + 1) % t.checkpoint_every == 0 or last:
-                    with phase("checkpoint"), status(f"iter {iteration}: checkpoint", report=False):
-                        learner.save(run / "checkpoint")
             if t.eval_every and ((iteration + 1) % t.eval_every == 0 or last):
                 with phase("eval"):
                     evals.append({"after": iteration + 1, **evaluate(services, held_out, cfg.eval.pass_k,
@@ -110,6 +115,13 @@ def train(cfg: TrainConfig) -> list[dict]:
             if evals and evals[-1]["after"] == iteration + 1:
                 record["eval"] = evals[-1]
             history.append(record)
+            if (iteration + 1) % t.checkpoint_every == 0 or last:  # after the record: the checkpoint holds it
+                with phase("checkpoint"), status(f"iter {iteration}: checkpoint", report=False):
+                    staged = checkpoint.staging(run, iteration + 1)
+                    learner.save(staged)
+                    checkpoint.commit(staged, LoopState(
+                        next_iteration=iteration + 1, policy_version=learner.version, rng_state=rng.getstate(),
+                        evals=evals, started=started, history=history), t.keep_checkpoints)
             _export(record)
             with open(run / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -125,6 +137,19 @@ def train(cfg: TrainConfig) -> list[dict]:
             print(f"held-out accuracy: {evals[0]['accuracy']:.3f} before → {evals[-1]['accuracy']:.3f} after "
                   f"{evals[-1]['after']} iterations ({len(held_out)} problems)", flush=True)
     return history
+
+
+def resume_point(cfg: TrainConfig) -> checkpoint.Checkpoint | None:
+    """The checkpoint `resume=<run_dir>` goes on from: the run's latest (a run writes one every
+    trainer.checkpoint_every iterations and after its last)."""
+    if not cfg.resume:
+        return None
+    if (found := checkpoint.latest(cfg.run_path)) is None:
+        raise ConfigError(f"resume={cfg.resume}: no checkpoint in {cfg.run_path / checkpoint.DIR} to go on from")
+    if found.state.next_iteration >= cfg.trainer.iterations:
+        raise ConfigError(f"resume={cfg.resume}: its checkpoint is after iteration {found.state.next_iteration}, "
+                         f"the run's last (trainer.iterations={cfg.trainer.iterations}): nothing left to train")
+    return found
 
 
 def _record(iteration, rollouts, spans, transitions, adapted, sampling, version, results, seconds) -> dict:

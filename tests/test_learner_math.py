@@ -17,7 +17,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, GraniteConfig, Granit
 
 from lightning_ray.algorithm.grpo import policy_loss, token_weights
 from lightning_ray.algorithm.lightningrl import merge_calls
-from lightning_ray.config import AlgorithmConfig
+from lightning_ray.config import AlgorithmConfig, TrainerConfig
 from lightning_ray.training.learner import batch_plan, micro_batches
 from lightning_ray.training.loop import collate, deepspeed_config, parameter_digest, score, train_step
 from lightning_ray.types import Transition
@@ -174,8 +174,6 @@ def test_score_applies_the_models_own_logit_processing(model_class, config):
 
 # ---- train_step: the steps a batch takes, through a real DeepSpeed engine ----------------------------------------
 
-LOSS = {"critic": False, "clip_eps": 0.2, "clip_eps_high": None, "entropy_coef": 0.0, "kl_coef": 0.0,
-        "kl_penalty": "loss", "kl_estimator": "k3", "tis_cap": None, "value_coef": 0.5, "ppo_epochs": 1}
 
 
 @pytest.fixture(scope="module")
@@ -194,19 +192,17 @@ def one_rank():
 def engine_for(model: torch.nn.Module, stage: int = 0, lr: float = 1e-2):
     import deepspeed
 
-    cfg = {"zero_stage": stage, "offload_optimizer": False, "lr": lr, "weight_decay": 0.0, "grad_clip": 1.0,
-           "dtype": "float32"}
+    t = TrainerConfig(zero_stage=stage, lr=lr, weight_decay=0.0, grad_clip=1.0, dtype="float32")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[{"params": list(model.parameters())}],
-                                      config=deepspeed_config(cfg, on_cuda=False), dist_init_required=False)
+                                      config=deepspeed_config(t, on_cuda=False), dist_init_required=False)
     return engine
 
 
 def step(engine, transitions: list[Transition], max_logprob_gap: float | None = None, **algorithm) -> dict:
     """train_step on one rank, the batch planned as the learner plans it."""
     alg = AlgorithmConfig(**algorithm)
-    cfg = {**LOSS, **{k: getattr(alg, k) for k in ("clip_eps_high", "ppo_epochs", "entropy_coef", "kl_coef")}}
     plan = batch_plan(transitions, alg, max_tokens=12, token_budget=256, ranks=1)[0]
-    return train_step(engine, plan, 0, cfg, 1, max_logprob_gap=max_logprob_gap)
+    return train_step(engine, plan, 0, alg, 1, max_logprob_gap=max_logprob_gap)
 
 
 def test_the_default_is_one_on_policy_step(one_rank):

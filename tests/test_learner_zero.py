@@ -69,7 +69,7 @@ def test_each_zero_stage_publishes_and_saves_whole_weights(ray_cluster, tiny_mod
     served = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     served.load_state_dict(published)  # strict: every tensor whole, in the model's own shapes
     assert version == 1 and parameter_digest(served) == digest
-    assert parameter_digest(AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")) == digest
+    assert parameter_digest(AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint" / "policy")) == digest
 
 
 def test_two_ranks_train_like_one(ray_cluster, tiny_model_path, tmp_path):
@@ -137,4 +137,4 @@ def test_the_gpu_learner_settings_train_on_cpu_too(ray_cluster, tiny_model_path,
     served = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
     served.load_state_dict(published)
     assert version == 1 and parameter_digest(served) == reply["digest"]
-    assert parameter_digest(AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")) == reply["digest"]
+    assert parameter_digest(AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint" / "policy")) == reply["digest"]

@@ -10,10 +10,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_ray.algorithm.advantages import compute_advantages, has_signal
 from lightning_ray.algorithm.grpo import policy_loss, truncated_is_weights
 from lightning_ray.algorithm.ppo import gae, token_rewards, value_loss, whiten
+from lightning_ray.config import AlgorithmConfig
 from lightning_ray.training.loop import WithValueHead, collate, critic_advantages, policy_of, score
 from lightning_ray.types import Transition
 
-CFG = {"kl_penalty": "loss", "kl_coef": 0.0, "kl_estimator": "k1", "gae_lambda": 1.0}
+PPO = AlgorithmConfig(estimator="ppo", gae_lambda=1.0)
 
 
 def test_gae_by_hand():
@@ -92,8 +93,8 @@ def test_critic_advantages_are_whitened_gae_over_the_whole_batch_however_it_is_s
     ts = samples()
     whole = [collate([(t, 1.0) for t in ts], pad_id=0)]
     split = [collate([(t, 1.0)], pad_id=0) for t in ts]
-    critic_advantages(actor_critic, whole, CFG, None)
-    critic_advantages(actor_critic, split, CFG, None)
+    critic_advantages(actor_critic, whole, PPO, None)
+    critic_advantages(actor_critic, split, PPO, None)
     # λ = 1, no KL: each token's advantage is its sample's return minus the value there, then whitened
     values = [score(actor_critic, collate([(t, 1.0)], pad_id=0)).values.detach() for t in ts]
     raw = torch.cat([t.returns - v for t, v in zip(ts, values)])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_ray.config import TrainConfig, job
+from lightning_ray.config import ConfigError, TrainConfig, job
 
 
 @job("train")
@@ -12,5 +12,8 @@ def main(cfg: TrainConfig) -> None:
     from lightning_ray.trainer import train
 
     route_logs(cfg.run_path / "logs", cfg.verbose)
-    history = train(cfg)
+    try:
+        history = train(cfg)
+    except ConfigError as e:  # found once the run directory is read (resume=): the key named, no traceback
+        raise SystemExit(str(e)) from None
     print(f"done: {len(history)} iterations, metrics in {cfg.run_path / 'metrics.jsonl'}")

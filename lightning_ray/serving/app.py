@@ -85,7 +85,9 @@ class PolicyServer:
         await registry.register_replica.remote(self.replica_id, ray.get_runtime_context().current_actor)
         self.seen_version = 0
         version, payload = await registry.wait_newer.remote(0, timeout_s=0.0)
-        if version > 0:
+        if version > 0 and payload is None:  # nothing published yet: what it loaded is that version (a resumed run's)
+            self.seen_version = self.engine.policy_version = version
+        elif version > 0:
             await self._load(payload, version)
         self._follower = asyncio.get_running_loop().create_task(self._follow_weights())
         if sleep_while_training:

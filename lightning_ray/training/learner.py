@@ -13,17 +13,19 @@ from ray.util.queue import Empty, Queue
 from lightning_ray.algorithm.advantages import has_signal
 from lightning_ray.algorithm.grpo import token_weights
 from lightning_ray.config import AlgorithmConfig, TrainConfig, TrainerConfig
+from lightning_ray.training.checkpoint import Checkpoint
 from lightning_ray.training.loop import MicroBatch, train_loop_per_worker
 from lightning_ray.types import Transition
 from lightning_ray.weight_sync import resolve as resolve_weight_sync
 
 
 class Learner:
-    def __init__(self, cfg: TrainConfig, model_path: Path, registry):
+    def __init__(self, cfg: TrainConfig, model_path: Path, registry, resume_from: Checkpoint | None = None):
+        """`model_path`: the initial policy; `resume_from`: the checkpoint whose learner state the ranks load."""
         t = cfg.trainer
         self.n, self.timeout_s, self.token_budget = t.num_workers, t.step_timeout_s, t.micro_batch_tokens
         self.algorithm, self.max_tokens = cfg.algorithm, cfg.rollout.max_tokens
-        self.version = 0
+        self.version = resume_from.state.policy_version if resume_from else 0
         label = cfg.run_path.name  # the queues' names in the Ray dashboard
         self.inboxes = [Queue(actor_options={"num_cpus": 0, "name": f"learner-inbox-{i}@{label}"})
                         for i in range(self.n)]
@@ -34,16 +36,8 @@ class Learner:
                 "model_path": str(model_path), "inboxes": self.inboxes, "outbox": self.outbox, "registry": registry,
                 "weight_sync": {"kind": resolve_weight_sync(t.weight_sync, t.resources_per_worker, cfg.serve.resources),
                                 "timeout_s": cfg.serve.sync_timeout_s},
-                "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "zero_stage": zero_stage(t),
-                "threads_per_worker": t.threads_per_worker, "dtype": learner_dtype(t),
-                "gradient_checkpointing": t.gradient_checkpointing, "attn_implementation": t.attn_implementation,
-                "offload_optimizer": t.offload_optimizer, "clip_eps": cfg.algorithm.clip_eps,
-                "clip_eps_high": cfg.algorithm.clip_eps_high, "entropy_coef": cfg.algorithm.entropy_coef,
-                "kl_coef": cfg.algorithm.kl_coef, "kl_estimator": cfg.algorithm.kl_estimator,
-                "kl_penalty": cfg.algorithm.kl_penalty, "tis_cap": cfg.algorithm.tis_cap,
-                "ppo_epochs": cfg.algorithm.ppo_epochs, "max_logprob_gap": t.max_logprob_gap,
-                "critic": cfg.algorithm.estimator == "ppo", "gae_lambda": cfg.algorithm.gae_lambda,
-                "value_coef": cfg.algorithm.value_coef, "value_lr": cfg.algorithm.value_lr,
+                "trainer": resolved(t), "algorithm": cfg.algorithm,
+                "resume_from": str(resume_from.path) if resume_from else None,
                 "extensions_dir": str(Path("~/.cache/lightning_ray/torch_extensions").expanduser()),
             },
             # trainer.resources_per_worker is one logical CPU by default, whatever the threads: phases alternate, so
@@ -102,6 +96,7 @@ class Learner:
         return replies
 
     def save(self, path: Path) -> None:
+        """The policy (HF) into path/policy, the learner's whole state into path/learner (training/checkpoint.py)."""
         self.wait_ready()
         for inbox in self.inboxes:
             inbox.put({"kind": "save", "path": str(path)})
@@ -111,6 +106,11 @@ class Learner:
         for inbox in self.inboxes:
             inbox.put(None)
         self.thread.join(timeout=60)
+
+
+def resolved(t: TrainerConfig) -> TrainerConfig:
+    """The learner's settings as its ranks use them: `auto` dtype and ZeRO stage decided for this run."""
+    return t.model_copy(update={"dtype": learner_dtype(t), "zero_stage": zero_stage(t)})
 
 
 def learner_dtype(t: TrainerConfig) -> str:

@@ -20,32 +20,34 @@ import torch.distributed as dist
 
 from lightning_ray.algorithm.grpo import kl_to_reference, policy_loss, truncated_is_weights
 from lightning_ray.algorithm.ppo import gae, token_rewards, value_loss, whiten
+from lightning_ray.config import AlgorithmConfig, TrainerConfig
 from lightning_ray.types import Transition
 
 # transitions with the weights of their action tokens in the loss (one for all, or one each: grpo.token_weights)
 MicroBatch = list[tuple[Transition, float | np.ndarray]]
 
 
-def deepspeed_config(cfg: dict, on_cuda: bool) -> dict:
-    zero: dict = {"stage": cfg["zero_stage"]}
-    if cfg["offload_optimizer"]:  # DeepSpeed's CPU Adam then steps on the host (compiled once, ~1 min)
+def deepspeed_config(t: TrainerConfig, on_cuda: bool) -> dict:
+    """`t`: the learner's settings with `auto` resolved (learner.resolved)."""
+    zero: dict = {"stage": t.zero_stage}
+    if t.offload_optimizer:  # DeepSpeed's CPU Adam then steps on the host (compiled once, ~1 min)
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_cuda}
     # torch_adam: DeepSpeed's fused CPU Adam would compile for ~70 s on first use; on CUDA torch's fused kernel.
-    adam = {"lr": cfg["lr"], "weight_decay": cfg["weight_decay"], "torch_adam": not cfg["offload_optimizer"],
-            **({"fused": True} if on_cuda and not cfg["offload_optimizer"] else {})}
+    adam = {"lr": t.lr, "weight_decay": t.weight_decay, "torch_adam": not t.offload_optimizer,
+            **({"fused": True} if on_cuda and not t.offload_optimizer else {})}
     return {
         "train_micro_batch_size_per_gpu": 1,  # batches are variable-sized; DeepSpeed only needs a nominal size
         # We accumulate over as many micro-batches as a mini-batch needs (its token budget decides) and step once:
         # backward() only accumulates, step() is the boundary. Losses come pre-weighted (grpo.token_weights).
         "managed_gradient_accumulation": False,
-        "gradient_clipping": cfg["grad_clip"],
+        "gradient_clipping": t.grad_clip,
         "zero_optimization": zero,
         "optimizer": {"type": "AdamW", "params": adam},
         # bf16 compute; fp32 master weights and optimizer state (ZeRO's, stage >= 1: learner.zero_stage), and
         # gradients accumulated over the micro-batches in fp32
         # check_grad_overflow: a step whose gradient is not finite is skipped (optimizer_step)
-        "bf16": {"enabled": cfg["dtype"] == "bfloat16", "check_grad_overflow": True},
-        **({"data_types": {"grad_accum_dtype": "fp32"}} if cfg["dtype"] == "bfloat16" else {}),
+        "bf16": {"enabled": t.dtype == "bfloat16", "check_grad_overflow": True},
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if t.dtype == "bfloat16" else {}),
         "steps_per_print": 2**31,
     }
 
@@ -64,21 +66,25 @@ def clear_stale_build_locks(extensions_dir: str, max_age_s: float = 900) -> list
 
 
 def train_loop_per_worker(cfg: dict) -> None:
+    """`cfg`: the learner's settings (`trainer`, `auto` resolved) and the algorithm's, typed, beside the run's model
+    path (the initial policy: the KL reference), the checkpoint a resumed run starts from, queues, registry and weight
+    transport (learner.py)."""
+    t, alg = cfg["trainer"], cfg["algorithm"]
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", cfg["extensions_dir"])  # DeepSpeed's CPU comm op builds once
     clear_stale_build_locks(os.environ["TORCH_EXTENSIONS_DIR"])
     import deepspeed
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(cfg["threads_per_worker"])
+    torch.set_num_threads(t.threads_per_worker)
     transformers.logging.disable_progress_bar()  # per-load bars from every worker bury the iteration summaries
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()  # this rank's GPU (Ray Train set it), or the CPU
     on_cuda = device.type == "cuda"
-    load = dict(dtype=getattr(torch, cfg["dtype"]), attn_implementation=cfg["attn_implementation"])
+    load = dict(dtype=getattr(torch, t.dtype), attn_implementation=t.attn_implementation)
     model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], **load)
-    if cfg["gradient_checkpointing"] is True or (cfg["gradient_checkpointing"] == "auto" and on_cuda):
+    if t.gradient_checkpointing is True or (t.gradient_checkpointing == "auto" and on_cuda):
         # non-reentrant: works with inputs that need no grad and with ZeRO-3's parameter hooks
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -94,15 +100,17 @@ def train_loop_per_worker(cfg: dict) -> None:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # padding is masked out anyway
     # the frozen initial policy, kept only when the loss pulls towards it, on the rank's device in its dtype
     reference = None
-    if cfg["kl_coef"] > 0:
+    if alg.kl_coef > 0:
         reference = AutoModelForCausalLM.from_pretrained(cfg["model_path"], **load).to(device).eval()
         reference.requires_grad_(False)
     parameters = [{"params": list(model.parameters())}]
-    if cfg["critic"]:
+    if alg.estimator == "ppo":  # a critic: the value head
         model = WithValueHead(model)
-        parameters.append({"params": list(model.value_head.parameters()), "lr": cfg["value_lr"] or cfg["lr"]})
+        parameters.append({"params": list(model.value_head.parameters()), "lr": alg.value_lr or t.lr})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters,
-                                      config=deepspeed_config(cfg, on_cuda), dist_init_required=False)
+                                      config=deepspeed_config(t, on_cuda), dist_init_required=False)
+    if cfg["resume_from"]:  # a resumed run: the checkpoint's weights, optimizer state and value head
+        engine.load_checkpoint(str(Path(cfg["resume_from"]) / "learner"), tag="state")
     inbox, outbox, registry = cfg["inboxes"][rank], cfg["outbox"], cfg["registry"]
     from lightning_ray.weight_sync import make_publisher
 
@@ -112,16 +120,18 @@ def train_loop_per_worker(cfg: dict) -> None:
         outbox.put({"rank": rank, "ready": True, "digest": parameter_digest(module)})
     first = True
     while (msg := inbox.get()) is not None:
-        if msg["kind"] == "save":
+        if msg["kind"] == "save":  # training/checkpoint.py's layout
             with whole_weights(engine) as module:
                 if rank == 0:
-                    module.save_pretrained(msg["path"])  # the policy (a critic's value head is the run's own)
-                    tokenizer.save_pretrained(msg["path"])
+                    module.save_pretrained(Path(msg["path"]) / "policy")  # a critic's value head is the run's own
+                    tokenizer.save_pretrained(Path(msg["path"]) / "policy")
+            # every rank its share: weights, optimizer state (ZeRO's partitions), the value head
+            engine.save_checkpoint(str(Path(msg["path"]) / "learner"), tag="state", save_latest=False)
             outbox.put({"rank": rank, "saved": msg["path"]})
             continue
         started = time.perf_counter()
-        stats = train_step(engine, msg["mini_batches"], pad_id, cfg, world, reference,
-                           cfg["max_logprob_gap"] if first else None)
+        stats = train_step(engine, msg["mini_batches"], pad_id, alg, world, reference,
+                           t.max_logprob_gap if first else None)
         first = False
         trained = time.perf_counter()
         with whole_weights(engine) as module:
@@ -165,7 +175,7 @@ def whole_weights(engine):
         yield policy_of(engine.module)
 
 
-def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, cfg: dict, world_size: int,
+def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: AlgorithmConfig, world_size: int,
                reference: torch.nn.Module | None = None, max_logprob_gap: float | None = None) -> dict:
     """This rank's share of a batch: one optimizer step per mini-batch, gradients accumulated over its
     micro-batches, and all of it algorithm.ppo_epochs times. Every rank gets the same number of mini-batches, and of
@@ -181,38 +191,39 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, cfg: d
     tokens = sum(len(b["served_logprobs"]) for b in batches)
     totals = {"loss": 0.0, "value_loss": 0.0, "clip_frac": 0.0, "entropy": 0.0, "kl_ref": 0.0, "tis_capped": 0}
     # PPO: every token's advantage from the value head, before any weight moves
-    critic_kl = critic_advantages(engine.module, batches, cfg, reference) if cfg["critic"] else 0.0
+    critic = alg.estimator == "ppo"
+    critic_kl = critic_advantages(engine.module, batches, alg, reference) if critic else 0.0
     with torch.no_grad():  # the old policy, for the steps after the first (the first's come with its own forward)
         for batch in (b for mini in steps[1:] for b in mini):
             old = score(engine.module, batch)
             batch["old_logprobs"], batch["old_untempered"] = old.logprobs, old.untempered
     norms, optimizer_s = [], 0.0
-    for epoch in range(cfg["ppo_epochs"]):
+    for epoch in range(alg.ppo_epochs):
         for m, mini in enumerate(steps):
             for batch in mini:
-                scores = score(engine.module, batch, entropy_grad=cfg["entropy_coef"] > 0)
+                scores = score(engine.module, batch, entropy_grad=alg.entropy_coef > 0)
                 if "old_logprobs" not in batch:  # the first step: no weight has moved yet
                     batch["old_logprobs"], batch["old_untempered"] = scores.logprobs.detach(), scores.untempered
                 # DeepSpeed averages gradients over ranks; the weights already normalize over the whole mini-batch.
                 weights = batch["weights"] * world_size
                 is_weights = None
-                if cfg["tis_cap"]:  # sampler → old policy; the ratio takes it on from there
-                    is_weights = truncated_is_weights(batch["old_untempered"], batch["served_logprobs"], cfg["tis_cap"])
+                if alg.tis_cap:  # sampler → old policy; the ratio takes it on from there
+                    is_weights = truncated_is_weights(batch["old_untempered"], batch["served_logprobs"], alg.tis_cap)
                     if epoch == 0:
-                        totals["tis_capped"] += (is_weights >= cfg["tis_cap"]).sum().item()
+                        totals["tis_capped"] += (is_weights >= alg.tis_cap).sum().item()
                 loss, stats = policy_loss(scores.logprobs, batch["old_logprobs"], batch["advantages"], weights,
-                                          cfg["clip_eps"], cfg["clip_eps_high"], is_weights)
-                loss = loss - cfg["entropy_coef"] * (scores.entropy * weights).sum()
+                                          alg.clip_eps, alg.clip_eps_high, is_weights)
+                loss = loss - alg.entropy_coef * (scores.entropy * weights).sum()
                 if scores.values is not None:
                     critic_loss = value_loss(scores.values, batch["returns"], batch["weights"])
-                    loss = loss + cfg["value_coef"] * critic_loss * world_size
+                    loss = loss + alg.value_coef * critic_loss * world_size
                     totals["value_loss"] += critic_loss.item()
-                if reference is not None and cfg["kl_penalty"] == "loss":
+                if reference is not None and alg.kl_penalty == "loss":
                     if "ref_logprobs" not in batch:
                         with torch.no_grad():
                             batch["ref_logprobs"] = score(reference, batch).logprobs
-                    kl = kl_to_reference(scores.logprobs, batch["ref_logprobs"], cfg["kl_estimator"])
-                    loss = loss + cfg["kl_coef"] * (kl * weights).sum()
+                    kl = kl_to_reference(scores.logprobs, batch["ref_logprobs"], alg.kl_estimator)
+                    loss = loss + alg.kl_coef * (kl * weights).sum()
                     totals["kl_ref"] += kl.detach().sum().item()
                 totals["loss"] += (value := loss.item()) / world_size
                 if not math.isfinite(value):  # a NaN gradient, so the step is skipped (a clipped token's may be 0)
@@ -231,7 +242,7 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, cfg: d
             norms.append(optimizer_step(engine, world_size))
             optimizer_s += time.perf_counter() - stepped
     skipped = sum(not applied for _, applied in norms)
-    updates, per_token = max(tokens * cfg["ppo_epochs"], 1), max(tokens, 1)
+    updates, per_token = max(tokens * alg.ppo_epochs, 1), max(tokens, 1)
     return {"optimizer_s": optimizer_s, "loss": totals["loss"] / len(norms),
             "value_loss": totals["value_loss"] / len(norms), "tokens": tokens, "micro_batches": len(batches),
             "steps": len(norms), "skipped_nonfinite": skipped, "updated": skipped < len(norms),
@@ -274,7 +285,7 @@ def optimizer_step(engine, world_size: int) -> tuple[float, bool]:
     return norm.item(), bool(finite.item())
 
 
-def critic_advantages(module: torch.nn.Module, batches: list[dict], cfg: dict,
+def critic_advantages(module: torch.nn.Module, batches: list[dict], alg: AlgorithmConfig,
                       reference: torch.nn.Module | None) -> float:
     """PPO (algorithm/ppo.py): each sample's token rewards, GAE against the value head's estimates, advantages
     whitened over the whole batch; written into the batches as their `advantages` and `returns` (value targets).
@@ -284,14 +295,14 @@ def critic_advantages(module: torch.nn.Module, batches: list[dict], cfg: dict,
         for batch in batches:
             scores = score(module, batch)
             kl = None
-            if reference is not None and cfg["kl_penalty"] == "reward":
-                kl = kl_to_reference(scores.logprobs, score(reference, batch).logprobs, cfg["kl_estimator"])
+            if reference is not None and alg.kl_penalty == "reward":
+                kl = kl_to_reference(scores.logprobs, score(reference, batch).logprobs, alg.kl_estimator)
                 kl_sum += kl.sum().item()
             advantages, targets, start = [], [], 0
             for tokens, sample_return in zip(batch["row_tokens"], batch["sample_returns"]):
                 end = start + tokens
-                rewards = token_rewards(sample_return, tokens, None if kl is None else kl[start:end], cfg["kl_coef"])
-                a, r = gae(rewards, scores.values[start:end], cfg["gae_lambda"])
+                rewards = token_rewards(sample_return, tokens, None if kl is None else kl[start:end], alg.kl_coef)
+                a, r = gae(rewards, scores.values[start:end], alg.gae_lambda)
                 advantages.append(a)
                 targets.append(r)
                 start = end

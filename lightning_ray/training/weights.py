@@ -18,8 +18,9 @@ import ray
 
 @ray.remote(num_cpus=0)
 class WeightRegistry:
-    def __init__(self):
-        self.version, self.payload = 0, None
+    def __init__(self, version: int = 0):
+        """`version`: the version of the weights the replicas start from (a resumed run's checkpoint's)."""
+        self.version, self.payload = version, None
         self.acked: dict[str, int] = {}
         self.failed: dict[str, tuple[int, str]] = {}  # replica id -> the version it could not load, and why
         self.handles: dict[str, object] = {}  # replica id -> actor handle, to tell a slow replica from a dead one

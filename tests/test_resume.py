@@ -1,0 +1,97 @@
+"""Checkpoints a run goes on from: written whole or not at all, the last few kept; and a job SIGKILLed in the middle
+of an iteration resumed with `resume=<run_dir>`, as a user would, to the same versions and sample counts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+from test_cli import CLI, ROOT, TINY, cli
+
+from lightning_ray.training.checkpoint import LoopState, commit, latest, staging
+
+
+def state(next_iteration: int) -> LoopState:
+    return LoopState(next_iteration=next_iteration, policy_version=next_iteration, rng_state=[3, [1, 2], None],
+                     evals=[], started=[float(i) for i in range(next_iteration)], history=[{"iteration": 0}])
+
+
+def test_a_checkpoint_is_whole_or_absent_and_the_last_ones_stay(tmp_path):
+    (tmp_path / "checkpoint").mkdir()  # a run directory from before checkpoints/: its policy where the link goes
+    for i in (1, 2, 3):
+        staged = staging(tmp_path, i)
+        (staged / "policy").mkdir()
+        (staged / "policy" / "config.json").write_text(json.dumps({"i": i}))
+        commit(staged, state(i), keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["iter-000002", "iter-000003"]
+    assert json.loads((tmp_path / "checkpoint" / "config.json").read_text()) == {"i": 3}
+    assert os.readlink(tmp_path / "checkpoint") == "checkpoints/iter-000003/policy"  # relative: the directory moves
+    torn = staging(tmp_path, 4)  # a save killed half-way: no state.json, not renamed
+    (torn / "policy").mkdir()
+    found = latest(tmp_path)
+    assert found.path.name == "iter-000003" and found.state == state(3)
+    assert staging(tmp_path, 4) == torn and not any(torn.iterdir())  # the next save starts it afresh
+    assert latest(tmp_path / "nowhere") is None
+
+
+def test_resume_names_what_is_missing(tmp_path):
+    r = cli("train", *TINY, f"resume={tmp_path}", timeout=120)
+    assert r.returncode != 0 and f"resume={tmp_path}: no checkpoint" in r.stderr + r.stdout
+
+
+def test_a_run_killed_mid_iteration_goes_on_from_its_checkpoint(tmp_path):
+    """Three iterations, a checkpoint after each. The job is SIGKILLed (the driver and the local Ray cluster it
+    started) once iteration 1's rollouts are running; `resume=<run_dir>` with the same overrides runs iterations 1
+    and 2: each iteration is in metrics.jsonl once, with a full batch, sampled by the version the one before it
+    published; the killed iteration's unfinished rollouts are cancelled, not trained."""
+    run = tmp_path / "run"
+    args = [*TINY, "trainer.iterations=3", "trainer.checkpoint_every=1", "trainer.eval_every=0",
+            f"serve.port={free_port()}", f"hydra.run.dir={run}"]
+    job = subprocess.Popen([*CLI, "train", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)  # its own process group: Ray's processes too
+    try:
+        deadline = time.monotonic() + 600
+        while not rollouts_of(run, iteration=1):  # iteration 1 has begun (its checkpoint before it is whole)
+            assert job.poll() is None, job.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "iteration 1 never started"
+            time.sleep(0.5)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    assert latest(run).state.next_iteration == 1
+    r = cli("train", *args, f"resume={run}", timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "resumed from iter-000001: iteration 1, policy v1" in r.stdout
+    history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [h["iteration"] for h in history] == [0, 1, 2]
+    assert [h["rollouts"] for h in history] == [32] * 3
+    versions = [0] + [h["policy_version"] for h in history]
+    for before, h in zip(versions, history):
+        assert h["rollout_policy_versions"] == [before]  # sampled by the version the iteration before published
+    assert latest(run).state.next_iteration == 3 and latest(run).state.policy_version == versions[-1]
+    killed = [status for status, iteration in rollout_rows(run) if iteration == 1 and status != "succeeded"]
+    assert killed and set(killed) <= {"cancelled", "failed"}  # the killed run's unfinished ones
+    assert sum(1 for status, iteration in rollout_rows(run) if iteration == 2) == 32  # iteration 2 ran once
+
+
+def rollout_rows(run: Path) -> list[tuple[str, int]]:
+    """(status, iteration) of every rollout in the run's store (the iteration from its group id, task@iteration)."""
+    if not (run / "traces.sqlite").exists():
+        return []
+    try:
+        rows = sqlite3.connect(run / "traces.sqlite", timeout=5).execute("SELECT status, task FROM rollouts").fetchall()
+    except sqlite3.OperationalError:  # the store has not made its tables yet
+        return []
+    return [(status, int(json.loads(task)["group_id"].rsplit("@", 1)[1])) for status, task in rows
+            if json.loads(task).get("group_id")]
+
+
+def rollouts_of(run: Path, iteration: int) -> list[str]:
+    return [status for status, i in rollout_rows(run) if i == iteration]
