@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_ray.config import validate
+from lightning_ray.training.checkpoint import LoopState, commit, staging
 from lightning_ray.training.learner import Learner
 from lightning_ray.training.loop import clear_stale_build_locks, parameter_digest
 from lightning_ray.training.weights import WeightRegistry
@@ -70,6 +71,37 @@ def test_each_zero_stage_publishes_and_saves_whole_weights(ray_cluster, tiny_mod
     served.load_state_dict(published)  # strict: every tensor whole, in the model's own shapes
     assert version == 1 and parameter_digest(served) == digest
     assert parameter_digest(AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint" / "policy")) == digest
+
+
+def test_a_resumed_learner_takes_the_step_the_saved_one_would(ray_cluster, tiny_model_path, tmp_path):
+    """ZeRO-3 PPO on two ranks: a step, a checkpoint, a second step; a learner resumed from the checkpoint takes the
+    second step to the same weights. Only with AdamW's moments and the value head restored (from each rank's
+    partitions): fresh moments or a fresh head would step elsewhere."""
+    def config(run_dir):  # a run's learner queues are named after its directory
+        return validate({"run_dir": str(run_dir), "algorithm": PPO, "trainer": {
+            "num_workers": 2, "threads_per_worker": 1, "zero_stage": 3, "lr": 1e-3, "micro_batch_tokens": 96,
+            "max_logprob_gap": None}})
+
+    cfg = config(tmp_path / "run")
+    vocab = AutoModelForCausalLM.from_pretrained(tiny_model_path).config.vocab_size
+    first, second = transitions(vocab), uneven_transitions(vocab)
+    learner = Learner(cfg, tiny_model_path, WeightRegistry.remote())
+    try:
+        learner.step(first)
+        staged = staging(tmp_path / "run", 1)
+        learner.save(staged)
+        saved = commit(staged, LoopState(next_iteration=1, policy_version=learner.version, rng_state=[], evals=[],
+                                         started=[], history=[]), keep=1)
+        [expected] = {r["digest"] for r in learner.step(second)}
+    finally:
+        learner.close()
+    resumed = Learner(config(tmp_path / "resumed"), tiny_model_path, WeightRegistry.remote(saved.state.policy_version),
+                      resume_from=saved)
+    try:
+        replies = resumed.step(second)
+    finally:
+        resumed.close()
+    assert resumed.version == 2 and {r["digest"] for r in replies} == {expected}
 
 
 def test_two_ranks_train_like_one(ray_cluster, tiny_model_path, tmp_path):

@@ -110,7 +110,9 @@ def train_loop_per_worker(cfg: dict) -> None:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters,
                                       config=deepspeed_config(t, on_cuda), dist_init_required=False)
     if cfg["resume_from"]:  # a resumed run: the checkpoint's weights, optimizer state and value head
-        engine.load_checkpoint(str(Path(cfg["resume_from"]) / "learner"), tag="state")
+        loaded, _ = engine.load_checkpoint(str(Path(cfg["resume_from"]) / "learner"), tag="state")
+        if loaded is None:  # DeepSpeed only warns
+            raise FileNotFoundError(f"no learner state to resume from in {cfg['resume_from']}/learner")
     inbox, outbox, registry = cfg["inboxes"][rank], cfg["outbox"], cfg["registry"]
     from lightning_ray.weight_sync import make_publisher
 
