@@ -17,7 +17,7 @@ from lightning_ray.algorithm.air import air_spans
 from lightning_ray.algorithm.dynamic_sampling import sample_groups
 from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, scored_faithfully, spans_read
 from lightning_ray.algorithm.select import Selection
-from lightning_ray.config import ConfigError, TrainConfig
+from lightning_ray.config import TrainConfig
 from lightning_ray.evaluation import evaluate
 from lightning_ray.metrics import metrics
 from lightning_ray.report import plot_learning_curve
@@ -33,7 +33,7 @@ PROBE = [{"role": "user", "content": "What is 3 + 4?"}]  # a fixed prompt whose 
 
 def train(cfg: TrainConfig) -> list[dict]:
     run, t, alg = cfg.run_path, cfg.trainer, cfg.algorithm
-    resume = resume_point(cfg)
+    resume = checkpoint.resume_point(cfg)
     with Services(cfg, learner=True, resume=resume) as services:
         train_tasks, held_out, learner = *load_splits(cfg.task), services.learner
         rng = random.Random(cfg.seed)
@@ -42,7 +42,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         if resume:  # as the stopped run stood after its checkpoint's iteration; later lines of metrics.jsonl go
             state = resume.state
             history, evals, started, first = state.history, state.evals, state.started, state.next_iteration
-            rng.setstate((state.rng_state[0], tuple(state.rng_state[1]), state.rng_state[2]))
+            rng.setstate(state.random_state())
             (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
             print(f"resumed from {resume.path.name}: iteration {first}, policy v{state.policy_version}", flush=True)
         elif t.eval_every:
@@ -137,19 +137,6 @@ def train(cfg: TrainConfig) -> list[dict]:
             print(f"held-out accuracy: {evals[0]['accuracy']:.3f} before → {evals[-1]['accuracy']:.3f} after "
                   f"{evals[-1]['after']} iterations ({len(held_out)} problems)", flush=True)
     return history
-
-
-def resume_point(cfg: TrainConfig) -> checkpoint.Checkpoint | None:
-    """The checkpoint `resume=<run_dir>` goes on from: the run's latest (a run writes one every
-    trainer.checkpoint_every iterations and after its last)."""
-    if not cfg.resume:
-        return None
-    if (found := checkpoint.latest(cfg.run_path)) is None:
-        raise ConfigError(f"resume={cfg.resume}: no checkpoint in {cfg.run_path / checkpoint.DIR} to go on from")
-    if found.state.next_iteration >= cfg.trainer.iterations:
-        raise ConfigError(f"resume={cfg.resume}: its checkpoint is after iteration {found.state.next_iteration}, "
-                         f"the run's last (trainer.iterations={cfg.trainer.iterations}): nothing left to train")
-    return found
 
 
 def _record(iteration, rollouts, spans, transitions, adapted, sampling, version, results, seconds) -> dict:

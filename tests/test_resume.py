@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import sqlite3
 import subprocess
@@ -39,6 +40,17 @@ def test_a_checkpoint_is_whole_or_absent_and_the_last_ones_stay(tmp_path):
     assert found.path.name == "iter-000003" and found.state == state(3)
     assert staging(tmp_path, 4) == torn and not any(torn.iterdir())  # the next save starts it afresh
     assert latest(tmp_path / "nowhere") is None
+
+
+def test_the_task_samplers_state_survives_the_checkpoint(tmp_path):
+    """A resumed run draws the tasks the stopped one would have drawn next."""
+    rng = random.Random(7)
+    rng.sample(range(1000), 16)
+    staged = staging(tmp_path, 1)
+    commit(staged, LoopState(**{**state(1).model_dump(), "rng_state": rng.getstate()}), keep=1)
+    resumed = random.Random()
+    resumed.setstate(latest(tmp_path).state.random_state())  # through state.json
+    assert resumed.sample(range(1000), 16) == rng.sample(range(1000), 16)
 
 
 def test_resume_names_what_is_missing(tmp_path):

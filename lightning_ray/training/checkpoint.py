@@ -19,6 +19,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from lightning_ray.config import ConfigError, TrainConfig
+
 DIR, LINK = "checkpoints", "checkpoint"
 
 
@@ -31,6 +33,11 @@ class LoopState(BaseModel):
     evals: list[dict]  # held-out evaluations so far
     started: list[float]  # each iteration's start time (span retention cuts by it)
     history: list[dict]  # metrics.jsonl's lines so far: a resumed run rewrites the file from them
+
+    def random_state(self) -> tuple:
+        """rng_state as random.Random.setstate takes it."""
+        version, internal, gauss = self.rng_state
+        return version, tuple(internal), gauss
 
 
 class Checkpoint(BaseModel):
@@ -84,3 +91,16 @@ def _saved(run_path: Path) -> list[Path]:
     """The whole checkpoints, oldest first."""
     return sorted(p for p in (run_path / DIR).glob("iter-*") if not p.name.endswith(".tmp")
                   and (p / "state.json").is_file())
+
+
+def resume_point(cfg: TrainConfig) -> Checkpoint | None:
+    """The checkpoint `resume=<run_dir>` goes on from: the run's latest (a run writes one every
+    trainer.checkpoint_every iterations and after its last)."""
+    if not cfg.resume:
+        return None
+    if (found := latest(cfg.run_path)) is None:
+        raise ConfigError(f"resume={cfg.resume}: no checkpoint in {cfg.run_path / DIR} to go on from")
+    if found.state.next_iteration >= cfg.trainer.iterations:
+        raise ConfigError(f"resume={cfg.resume}: its checkpoint is after iteration {found.state.next_iteration}, "
+                          f"the run's last (trainer.iterations={cfg.trainer.iterations}): nothing left to train")
+    return found
