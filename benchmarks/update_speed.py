@@ -32,7 +32,7 @@ import ray
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
-from lightning_ray.algorithm.grpo import policy_loss, token_weights
+from lightning_ray.algorithm.loss import policy_loss, token_weights
 from lightning_ray.config import ModelConfig, validate
 from lightning_ray.models import SMOLLM2, resolve_model_path
 from lightning_ray.tasks import calc

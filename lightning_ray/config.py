@@ -232,7 +232,7 @@ class AlgorithmConfig(_Strict):
     # truncated importance sampling: each token's gradient weighted by min(π_learner / π_sampler, tis_cap), for
     # samples from an older policy version or an engine whose numerics differ from the learner's; null: off
     tis_cap: float | None = Field(None, gt=0)
-    loss_aggregation: LossAggregation = "token_mean"  # how token losses add up (algorithm/grpo.py)
+    loss_aggregation: LossAggregation = "token_mean"  # how token losses add up (algorithm/loss.py)
     # One sample per policy call, or a rollout's calls merged into one sequence where each prompt extends the last
     # call's context token for token (tool results masked out of the loss): the same gradient, far fewer tokens.
     level: Literal["transition", "trajectory"] = "transition"

@@ -190,7 +190,7 @@ class Transition(ArrayModel):
     # tool results and user turns between them, which are context, not actions. None: every response token is.
     loss_mask: Mask | None = None
     # Trajectory level: the action tokens of each merged call, in order, so the loss weighs each call as it would
-    # weigh it alone (algorithm/grpo.py token_weights). None: one call.
+    # weigh it alone (algorithm/loss.py token_weights). None: one call.
     call_tokens: list[int] | None = None
 
     @model_validator(mode="after")

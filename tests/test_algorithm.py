@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_ray.algorithm.advantages import compute_advantages, step_returns
-from lightning_ray.algorithm.grpo import kl_to_reference, policy_loss, token_weights
+from lightning_ray.algorithm.loss import kl_to_reference, policy_loss, token_weights
 from lightning_ray.algorithm.lightningrl import (adapt, merge_calls, scored_faithfully, spans_read,
                                                 transitions_from_spans)
 from lightning_ray.algorithm.select import Selection

@@ -15,7 +15,7 @@ from conftest import free_port
 from transformers import (Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                           LlamaForCausalLM)
 
-from lightning_ray.algorithm.grpo import policy_loss, token_weights
+from lightning_ray.algorithm.loss import policy_loss, token_weights
 from lightning_ray.algorithm.lightningrl import merge_calls
 from lightning_ray.config import AlgorithmConfig, TrainerConfig
 from lightning_ray.training.learner import batch_plan, micro_batches

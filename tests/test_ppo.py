@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_ray.algorithm.advantages import compute_advantages, has_signal
-from lightning_ray.algorithm.grpo import policy_loss, truncated_is_weights
+from lightning_ray.algorithm.loss import policy_loss, truncated_is_weights
 from lightning_ray.algorithm.ppo import gae, token_rewards, value_loss, whiten
 from lightning_ray.config import AlgorithmConfig
 from lightning_ray.training.loop import WithValueHead, collate, critic_advantages, policy_of, score

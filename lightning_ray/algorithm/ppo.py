@@ -1,5 +1,5 @@
 """PPO's critic side: token-level rewards, generalized advantage estimation (GAE) against a learned value, and the
-value loss. The policy side (the clipped surrogate) is the same as the group methods' (algorithm/grpo.py).
+value loss. The policy side (the clipped surrogate) is the same as the group methods' (algorithm/loss.py).
 
 Each sample's action tokens are the steps of a small MDP whose state is the context so far:
   reward   r_k = −kl_coef · KL_k at every token (with algorithm.kl_penalty=reward), plus the sample's return G

@@ -11,7 +11,7 @@ from ray.train.torch import TorchTrainer
 from ray.util.queue import Empty, Queue
 
 from lightning_ray.algorithm.advantages import has_signal
-from lightning_ray.algorithm.grpo import token_weights
+from lightning_ray.algorithm.loss import token_weights
 from lightning_ray.config import AlgorithmConfig, TrainConfig, TrainerConfig
 from lightning_ray.training.checkpoint import Checkpoint
 from lightning_ray.training.loop import MicroBatch, train_loop_per_worker

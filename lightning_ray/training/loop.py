@@ -18,12 +18,12 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from lightning_ray.algorithm.grpo import kl_to_reference, policy_loss, truncated_is_weights
+from lightning_ray.algorithm.loss import kl_to_reference, policy_loss, truncated_is_weights
 from lightning_ray.algorithm.ppo import gae, token_rewards, value_loss, whiten
 from lightning_ray.config import AlgorithmConfig, TrainerConfig
 from lightning_ray.types import Transition
 
-# transitions with the weights of their action tokens in the loss (one for all, or one each: grpo.token_weights)
+# transitions with the weights of their action tokens in the loss (one for all, or one each: loss.token_weights)
 MicroBatch = list[tuple[Transition, float | np.ndarray]]
 
 
@@ -38,7 +38,7 @@ def deepspeed_config(t: TrainerConfig, on_cuda: bool) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 1,  # batches are variable-sized; DeepSpeed only needs a nominal size
         # We accumulate over as many micro-batches as a mini-batch needs (its token budget decides) and step once:
-        # backward() only accumulates, step() is the boundary. Losses come pre-weighted (grpo.token_weights).
+        # backward() only accumulates, step() is the boundary. Losses come pre-weighted (loss.token_weights).
         "managed_gradient_accumulation": False,
         "gradient_clipping": t.grad_clip,
         "zero_optimization": zero,
