@@ -38,6 +38,7 @@ from lightning_ray.tasks import checked_options
 from lightning_ray.tasks.rag.musique import read_musique
 from lightning_ray.tasks.rag.retrieval import CACHE_DIR, Index
 from lightning_ray.tasks.rag.world import DEFAULT_TEMPLATES, TEMPLATES, make_world
+from lightning_ray.tasks.tls import tls_context
 from lightning_ray.tracing import emit_tool
 from lightning_ray.types import Task
 
@@ -137,9 +138,11 @@ def _paragraph_index(paragraphs: tuple[str, ...]) -> Index:
 def agent(task: dict, base_url: str, model: str, api_key: str = "EMPTY") -> str | None:
     """An Agents SDK agent that searches and answers; returns its final reply (None if it ran out of turns)."""
     from agents import Agent, MaxTurnsExceeded, OpenAIResponsesModel, RunConfig, Runner
-    from openai import AsyncOpenAI
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    # an async client is bound to this rollout's event loop (run_sync's): a new one per rollout, on the shared TLS context
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
+                         http_client=DefaultAsyncHttpxClient(verify=tls_context()))
     researcher = Agent(name="researcher", instructions=system_prompt(task), tools=[search_tool(index(task))],
                        model=OpenAIResponsesModel(model=model, openai_client=client))
     # offline: no traces to OpenAI's backend; a tool name the model made up is answered as an error, not raised

@@ -29,6 +29,7 @@ from langgraph.graph import END, START, StateGraph
 from opentelemetry import trace
 
 from lightning_ray.tasks.sql.execution import QueryError, Result, execute
+from lightning_ray.tasks.tls import tls_context
 from lightning_ray.tracing import emit_tool
 
 # One worked example on a schema of its own (not the task's): it shows a small model the form of the answer; without
@@ -157,7 +158,7 @@ def run(question: str, schema: str, db: str, base_url: str, model: str, api_key:
     from lightning_ray.tracing.otel import setup_otel  # the platform's span processor, where an app sets its exporter
 
     provider = setup_otel()
-    with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as http_client:
+    with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0), verify=tls_context()) as http_client:
         HTTPXClientInstrumentor.instrument_client(http_client, tracer_provider=provider)  # sends traceparent
         llm = ChatOpenAI(model=model, base_url=base_url, api_key=api_key, max_retries=0, http_client=http_client)
         workflow = build_workflow(llm, max_rounds, provider.get_tracer(__name__))
