@@ -7,6 +7,7 @@ import hashlib
 import os
 import re
 import shutil
+from importlib.util import find_spec
 from pathlib import Path
 
 from lightning_ray.config import ModelConfig
@@ -46,12 +47,17 @@ def resolve_model_path(cfg: ModelConfig) -> Path:
             return _from_hub(cfg.path)
         raise FileNotFoundError(f"model.path={cfg.path}: no config.json there (expected an HF model directory, a "
                                 f"Hugging Face Hub id such as Qwen/Qwen2.5-0.5B-Instruct, or `{SMOLLM2}`)")
-    from lightning_ray.models import tiny
-    from lightning_ray.tasks import calc
+    # keyed on what the build reads: its code, the demonstrations' code and the libraries that train and save it,
+    # read as files: importing them (torch, transformers) would cost every run's driver ~4 s on a cache hit
+    key = content_key(*(Path(find_spec(m).origin).read_text() for m in ("lightning_ray.models.tiny",
+                                                                       "lightning_ray.tasks.calc")))
+    return _cached(Path(cfg.cache_dir).expanduser() / f"tiny-calc-{key}", _build_tiny_model)
 
-    # keyed on what the build reads: its code, the demonstrations' code and the libraries that train and save it
-    key = content_key(Path(tiny.__file__).read_text(), Path(calc.__file__).read_text())
-    return _cached(Path(cfg.cache_dir).expanduser() / f"tiny-calc-{key}", tiny.build_tiny_model)
+
+def _build_tiny_model(path: Path) -> None:
+    from lightning_ray.models.tiny import build_tiny_model
+
+    build_tiny_model(path)
 
 
 def content_key(*sources: str, packages: tuple[str, ...] = ("torch", "transformers", "tokenizers")) -> str:
