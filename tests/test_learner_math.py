@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from lightning_ray.algorithm.loss import policy_loss, token_weights
 from lightning_ray.algorithm.lightningrl import merge_calls
 from lightning_ray.config import AlgorithmConfig, TrainerConfig
 from lightning_ray.training.learner import batch_plan, micro_batches
-from lightning_ray.training.loop import collate, deepspeed_config, parameter_digest, score, train_step
+from lightning_ray.training.loop import collate, deepspeed_engine, parameter_digest, score, train_step
 from lightning_ray.types import Transition
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -181,8 +180,7 @@ def one_rank():
     """A process group of one rank in this process, as Ray Train gives each worker: DeepSpeed needs one."""
     with pytest.MonkeyPatch.context() as env:
         for k, v in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
-                     # where the learner has DeepSpeed's CPU comm op built (once)
-                     "TORCH_EXTENSIONS_DIR": str(Path("~/.cache/lightning_ray/torch_extensions").expanduser())}.items():
+}.items():
             env.setenv(k, v)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
         yield
@@ -190,12 +188,8 @@ def one_rank():
 
 
 def engine_for(model: torch.nn.Module, stage: int = 0, lr: float = 1e-2):
-    import deepspeed
-
     t = TrainerConfig(zero_stage=stage, lr=lr, weight_decay=0.0, grad_clip=1.0, dtype="float32")
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[{"params": list(model.parameters())}],
-                                      config=deepspeed_config(t, on_cuda=False), dist_init_required=False)
-    return engine
+    return deepspeed_engine(model, [{"params": list(model.parameters())}], t, on_cuda=False)
 
 
 def step(engine, transitions: list[Transition], max_logprob_gap: float | None = None, **algorithm) -> dict:
@@ -203,6 +197,17 @@ def step(engine, transitions: list[Transition], max_logprob_gap: float | None = 
     alg = AlgorithmConfig(**algorithm)
     plan = batch_plan(transitions, alg, max_tokens=12, token_budget=256, ranks=1)[0]
     return train_step(engine, plan, 0, alg, 1, max_logprob_gap=max_logprob_gap)
+
+
+def test_the_engine_starts_without_building_deepspeeds_comm_op(one_rank, tmp_path, monkeypatch):
+    """DeepSpeed's CPU backend would compile its inference all-reduce op (~1 min, a compiler needed) at its first
+    start; training never calls it."""
+    import deepspeed.comm.comm as ds_comm
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # a build would land here
+    monkeypatch.setattr(ds_comm, "cdb", None)  # a backend started afresh, as in a new learner process
+    engine_for(fresh())
+    assert ds_comm.cdb.shm_comm_op is None and not list(tmp_path.iterdir())
 
 
 def test_the_default_is_one_on_policy_step(one_rank):

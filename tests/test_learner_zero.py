@@ -131,7 +131,7 @@ def test_two_ranks_train_like_one(ray_cluster, tiny_model_path, tmp_path):
 
 def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path):
     # torch waits on an op-build lock for as long as it exists: one left by a killed build hung every later learner
-    stale, live = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
+    stale, live = tmp_path / "cpu_adam" / "lock", tmp_path / "other_op" / "lock"
     for lock in (stale, live):
         lock.parent.mkdir()
         lock.touch()

@@ -52,6 +52,19 @@ def deepspeed_config(t: TrainerConfig, on_cuda: bool) -> dict:
     }
 
 
+def deepspeed_engine(model: torch.nn.Module, parameters: list[dict], t: TrainerConfig, on_cuda: bool):
+    """DeepSpeed's engine for `model`, on the rank's process group (Ray Train's)."""
+    import deepspeed
+
+    # DeepSpeed's torch backend would build a shared-memory all-reduce op at its first start (C++: ~1 min, and a
+    # compiler on the machine) that only inference's tensor parallelism calls; training's collectives are
+    # torch.distributed's. deepspeed/ops/__init__.py keeps this dict for such edits.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters, config=deepspeed_config(t, on_cuda),
+                                      dist_init_required=False)
+    return engine
+
+
 def clear_stale_build_locks(extensions_dir: str, max_age_s: float = 900) -> list[Path]:
     """Delete op-build locks older than any build takes (~1 min here). torch waits on a lock as long as it exists, so
     a build killed half-way would leave every later learner waiting forever, silently."""
@@ -70,7 +83,7 @@ def train_loop_per_worker(cfg: dict) -> None:
     path (the initial policy: the KL reference), the checkpoint a resumed run starts from, queues, registry and weight
     transport (learner.py)."""
     t, alg = cfg["trainer"], cfg["algorithm"]
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", cfg["extensions_dir"])  # DeepSpeed's CPU comm op builds once
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", cfg["extensions_dir"])  # CPU Adam (offload_optimizer) builds once
     clear_stale_build_locks(os.environ["TORCH_EXTENSIONS_DIR"])
     import deepspeed
     import transformers
@@ -107,8 +120,7 @@ def train_loop_per_worker(cfg: dict) -> None:
     if alg.estimator == "ppo":  # a critic: the value head
         model = WithValueHead(model)
         parameters.append({"params": list(model.value_head.parameters()), "lr": alg.value_lr or t.lr})
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters,
-                                      config=deepspeed_config(t, on_cuda), dist_init_required=False)
+    engine = deepspeed_engine(model, parameters, t, on_cuda)
     if cfg["resume_from"]:  # a resumed run: the checkpoint's weights, optimizer state and value head
         loaded, _ = engine.load_checkpoint(str(Path(cfg["resume_from"]) / "learner"), tag="state")
         if loaded is None:  # DeepSpeed only warns
