@@ -5,6 +5,7 @@ openai client until Ctrl-C."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sqlite3
 import subprocess
@@ -166,9 +167,11 @@ def test_eval_measures_the_checkpoint(run_dir, tmp_path):
 
 
 def test_serve_answers_an_openai_client_until_ctrl_c(run_dir, tmp_path):
+    """verbose=true besides: Ray's and Serve's logs on the terminal too, not only in the run directory (the quiet
+    default: test_observability.py)."""
     port = free_port()
     server = subprocess.Popen([*CLI, "serve", *TINY, f"model.path={run_dir / 'checkpoint'}", f"serve.port={port}",
-                               f"hydra.run.dir={tmp_path}"], cwd=ROOT, stdout=subprocess.PIPE,
+                               "verbose=true", f"hydra.run.dir={tmp_path}"], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
@@ -178,6 +181,8 @@ def test_serve_answers_an_openai_client_until_ctrl_c(run_dir, tmp_path):
             assert line and time.monotonic() < deadline, "".join(lines[-40:])
             lines.append(line)
         assert f"http://127.0.0.1:{port}/v1" in lines[-1] and "curl" in server.stdout.readline()
+        assert re.search(r"\(ServeController pid=\d+\)", "".join(lines)), "".join(lines[-40:])
+        assert "Application 'policy' is ready" in (tmp_path / "logs" / "driver.log").read_text()
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0)
         out = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "What is 3 + 4?"}],
                                              max_tokens=8)
