@@ -44,8 +44,21 @@ def uneven_transitions(vocab: int, n: int = 12) -> list[Transition]:
 PPO = {"estimator": "ppo", "kl_coef": 0.1, "kl_penalty": "reward", "tis_cap": 2.0}
 
 
-# stage 1 takes 4 optimizer steps (2 mini-batches × 2 epochs): every rank in each of them
-@pytest.mark.parametrize("stage, algorithm", [(0, {}), (1, {"ppo_epochs": 2, "mini_batches": 2}), (3, PPO)])
+def assert_whole_weights(replies: list[dict], published: dict, version: int, checkpoint, initial, steps: int = 1):
+    """A step on every rank moved the weights alike; what rank 0 published, and the checkpoint's policy, are those
+    weights whole (a server loads them strictly, in the model's own shapes)."""
+    assert all(r["grad_norm"] > 0 for r in replies)  # reported whatever the stage (DeepSpeed's own only under ZeRO)
+    assert {(r["steps"], r["skipped_nonfinite"]) for r in replies} == {(steps, 0)}
+    [digest] = {r["digest"] for r in replies}  # every rank holds the same weights ...
+    assert digest != parameter_digest(initial)  # ... moved by the step
+    served = AutoModelForCausalLM.from_pretrained(initial.name_or_path)
+    served.load_state_dict(published)
+    assert version == 1 and parameter_digest(served) == digest
+    assert parameter_digest(AutoModelForCausalLM.from_pretrained(checkpoint / "policy")) == digest
+
+
+# stage 1 takes 4 optimizer steps (2 mini-batches × 2 epochs): every rank in each of them; stage 3: below
+@pytest.mark.parametrize("stage, algorithm", [(0, {}), (1, {"ppo_epochs": 2, "mini_batches": 2})])
 def test_each_zero_stage_publishes_and_saves_whole_weights(ray_cluster, tiny_model_path, tmp_path, stage, algorithm):
     cfg = validate({"run_dir": str(tmp_path), "algorithm": algorithm, "trainer": {
         "num_workers": 2, "threads_per_worker": 1, "zero_stage": stage, "lr": 1e-3, "micro_batch_tokens": 96,
@@ -60,34 +73,30 @@ def test_each_zero_stage_publishes_and_saves_whole_weights(ray_cluster, tiny_mod
         learner.save(tmp_path / "checkpoint")
     finally:
         learner.close()
-    assert all(r["grad_norm"] > 0 for r in replies)  # reported whatever the stage (DeepSpeed's own only under ZeRO)
-    steps = algorithm.get("ppo_epochs", 1) * algorithm.get("mini_batches", 1)
-    assert {(r["steps"], r["skipped_nonfinite"]) for r in replies} == {(steps, 0)}
-    if algorithm == PPO:  # the critic trained: V = 0 at first, returns 0 and 1
-        assert sum(r["value_loss"] for r in replies) > 0 and all(r["kl_ref"] < 1e-6 for r in replies)
-    [digest] = {r["digest"] for r in replies}  # every rank holds the same weights ...
-    assert digest != parameter_digest(initial)  # ... moved by the step
-    served = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    served.load_state_dict(published)  # strict: every tensor whole, in the model's own shapes
-    assert version == 1 and parameter_digest(served) == digest
-    assert parameter_digest(AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint" / "policy")) == digest
+    assert_whole_weights(replies, published, version, tmp_path / "checkpoint", initial,
+                         steps=algorithm.get("ppo_epochs", 1) * algorithm.get("mini_batches", 1))
 
 
-def test_a_resumed_learner_takes_the_step_the_saved_one_would(ray_cluster, tiny_model_path, tmp_path):
-    """ZeRO-3 PPO on two ranks: a step, a checkpoint, a second step; a learner resumed from the checkpoint takes the
-    second step to the same weights. Only with AdamW's moments and the value head restored (from each rank's
-    partitions): fresh moments or a fresh head would step elsewhere."""
+def test_zero3_publishes_whole_weights_and_a_resumed_learner_takes_the_step_the_saved_one_would(
+        ray_cluster, tiny_model_path, tmp_path):
+    """ZeRO-3 PPO on two ranks: a step (the critic trained with the policy, whole weights published and saved, as for
+    the other stages above), a checkpoint, a second step; a learner resumed from the checkpoint takes the second step
+    to the same weights. Only with AdamW's moments and the value head restored (from each rank's partitions): fresh
+    moments or a fresh head would step elsewhere."""
     def config(run_dir):  # a run's learner queues are named after its directory
         return validate({"run_dir": str(run_dir), "algorithm": PPO, "trainer": {
             "num_workers": 2, "threads_per_worker": 1, "zero_stage": 3, "lr": 1e-3, "micro_batch_tokens": 96,
             "max_logprob_gap": None}})
 
     cfg = config(tmp_path / "run")
-    vocab = AutoModelForCausalLM.from_pretrained(tiny_model_path).config.vocab_size
-    first, second = transitions(vocab), uneven_transitions(vocab)
-    learner = Learner(cfg, tiny_model_path, WeightRegistry.remote())
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    first, second = transitions(initial.config.vocab_size), uneven_transitions(initial.config.vocab_size)
+    registry = WeightRegistry.remote()
+    learner = Learner(cfg, tiny_model_path, registry)
     try:
-        learner.step(first)
+        replies = learner.step(first)
+        version, refs = ray.get(registry.wait_newer.remote(0, 10.0))
+        published = ray.get(refs[0])
         staged = staging(tmp_path / "run", 1)
         learner.save(staged)
         saved = commit(staged, LoopState(next_iteration=1, policy_version=learner.version, rng_state=[], evals=[],
@@ -95,6 +104,9 @@ def test_a_resumed_learner_takes_the_step_the_saved_one_would(ray_cluster, tiny_
         [expected] = {r["digest"] for r in learner.step(second)}
     finally:
         learner.close()
+    assert_whole_weights(replies, published, version, saved.path, initial)
+    # the critic trained (V = 0 at first, returns 0 and 1) and left out of what a server loads (strict load above)
+    assert sum(r["value_loss"] for r in replies) > 0 and all(r["kl_ref"] < 1e-6 for r in replies)
     resumed = Learner(config(tmp_path / "resumed"), tiny_model_path, WeightRegistry.remote(saved.state.policy_version),
                       resume_from=saved)
     try:
