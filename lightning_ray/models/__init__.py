@@ -48,7 +48,7 @@ def resolve_model_path(cfg: ModelConfig) -> Path:
         raise FileNotFoundError(f"model.path={cfg.path}: no config.json there (expected an HF model directory, a "
                                 f"Hugging Face Hub id such as Qwen/Qwen2.5-0.5B-Instruct, or `{SMOLLM2}`)")
     # keyed on what the build reads: its code, the demonstrations' code and the libraries that train and save it,
-    # read as files: importing them (torch, transformers) would cost every run's driver ~4 s on a cache hit
+    # read as files: importing them (torch, transformers) cost every run's driver ~6 s on a cache hit
     key = content_key(*(Path(find_spec(m).origin).read_text() for m in ("lightning_ray.models.tiny",
                                                                        "lightning_ray.tasks.calc")))
     return _cached(Path(cfg.cache_dir).expanduser() / f"tiny-calc-{key}", _build_tiny_model)

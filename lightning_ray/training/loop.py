@@ -85,7 +85,6 @@ def train_loop_per_worker(cfg: dict) -> None:
     t, alg = cfg["trainer"], cfg["algorithm"]
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", cfg["extensions_dir"])  # CPU Adam (offload_optimizer) builds once
     clear_stale_build_locks(os.environ["TORCH_EXTENSIONS_DIR"])
-    import deepspeed
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
