@@ -179,8 +179,7 @@ def test_score_applies_the_models_own_logit_processing(model_class, config):
 def one_rank():
     """A process group of one rank in this process, as Ray Train gives each worker: DeepSpeed needs one."""
     with pytest.MonkeyPatch.context() as env:
-        for k, v in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
-}.items():
+        for k, v in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
             env.setenv(k, v)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
         yield

@@ -1,6 +1,7 @@
 """What an operator sees of a run: a quiet terminal (progress, one line per iteration; Ray's and Serve's logs in the
 run directory, back on the terminal with verbose=true: test_cli.py's `serve`) and the run's metrics on Ray's
-Prometheus endpoint, as the Grafana dashboard reads them. The main job runs as a subprocess, on its own local Ray cluster, with the tiny model."""
+Prometheus endpoint, as the Grafana dashboard reads them. The main job runs as a subprocess, on its own local Ray
+cluster, with the tiny model."""
 
 from __future__ import annotations
 
