@@ -342,7 +342,7 @@ def tokenizer(tiny_model_path):
 
 
 # The class as written in app.py, without the wrapper @serve.ingress puts around it.
-POLICY_SERVER = next(c for c in PolicyServer.func_or_class.__mro__ if "check_model" in vars(c))
+POLICY_SERVER = next(c for c in PolicyServer.func_or_class.__mro__ if "check_request" in vars(c))
 
 
 def policy(tokenizer, fail_after: int | None = None):

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import zlib
+from typing import AsyncIterator
 
 import ray
 from fastapi import FastAPI, Request
@@ -23,13 +24,13 @@ from lightning_ray.placement import actor_options
 from lightning_ray.serving import http
 from lightning_ray.serving.chat import create_chat_completion
 from lightning_ray.serving.completions import create_completion
-from lightning_ray.serving.decoding import choice_jobs, collect, generate_choices
+from lightning_ray.serving.decoding import ChoiceDelta, choice_jobs, collect, generate_choices
 from lightning_ray.serving.engines import SamplingParams, make_engine
 from lightning_ray.serving.http import ApiError, CallTrace, trace_ids
 from lightning_ray.serving.gate import DrainTimeout, Gate
 from lightning_ray.serving.responses import ResponsesRequest, create_response
 from lightning_ray.serving.routing import RolloutAffinityRouter
-from lightning_ray.serving.schemas import ChatCompletionRequest, CompletionRequest
+from lightning_ray.serving.schemas import ChatCompletionRequest, CompletionRequest, JsonSchemaFormat, check_schema
 from lightning_ray.tracing import semconv
 from lightning_ray.tracing.spans import new_span_id
 from lightning_ray.types import Span
@@ -122,17 +123,30 @@ class PolicyServer:
     async def responses(self, body: ResponsesRequest, request: Request):
         return await create_response(self, body, await self.trace(request))
 
-    # ---- what the endpoints share ----------------------------------------------------------------------------
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise ApiError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`",
+    # ---- what the endpoints share: each checks its request, encodes its prompts, then makes one generation -------
+    async def check_request(self, body, schema: JsonSchemaFormat | None = None, schema_param: str = "") -> None:
+        """Before anything is encoded: the model is the one served, no sampling option that would change the
+        policy's distribution, a response schema (if any) that can be enforced."""
+        if body.model != self.model_name:
+            raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
-
-    def check_unsupported(self, body) -> None:
         for field in ("presence_penalty", "frequency_penalty"):
             if getattr(body, field, None):
                 raise ApiError(422, f"{field} is not supported (a penalty would change the policy's "
                                     f"distribution away from the one trained)", param=field, code="unsupported")
+        await check_schema(schema, schema_param)
+
+    def generate(self, operation: str, body, trace: CallTrace, prompts: list[list[int]], max_tokens: int | None,
+                 asked: bool, *, n: int = 1, stop: list[str] | None = None, top_logprobs: int = 0,
+                 fmt=None) -> tuple[SamplingParams, AsyncIterator[ChoiceDelta]]:
+        """The one generation behind every endpoint: its sampling parameters (the request's, else its rollout's
+        defaults, else the server's), one max_tokens that fits beside every prompt (`asked`: the client set it, so
+        it must fit; else it is cut to the room left), and the choices' deltas, recorded as spans (`run`)."""
+        params = self.sampling(body, max_tokens, trace, top_logprobs=top_logprobs, fmt=fmt)
+        params = min((self.fit_length(ids, params, max_tokens if asked else None) for ids in prompts),
+                     key=lambda p: p.max_tokens)
+        attrs = {"lightning_ray.request": body.model_dump(exclude_none=True, by_alias=True, exclude={"model"})}
+        return params, self.run(operation, prompts, params, n, stop or [], trace, attrs)
 
     async def trace(self, request: Request) -> CallTrace:
         """The rollout and attempt a call belongs to, and the client span it was made under. An unknown rollout is

@@ -8,9 +8,9 @@ import time
 import uuid
 from typing import Any
 
-from lightning_ray.serving.decoding import ChoiceDelta, collect_all
+from lightning_ray.serving.decoding import ChoiceDelta, collect_all, usage
 from lightning_ray.serving.http import ApiError, CallTrace
-from lightning_ray.serving.schemas import ChatCompletionRequest, ChatMessage, check_schema
+from lightning_ray.serving.schemas import ChatCompletionRequest, ChatMessage
 from lightning_ray.serving.sse import sse_response
 from lightning_ray.serving.tools import ToolCallStreamParser, parse_tool_calls, resolve_tool_choice
 
@@ -35,17 +35,14 @@ def template_messages(messages: list[ChatMessage | dict]) -> list[dict]:
 
 
 async def create_chat_completion(server, body: ChatCompletionRequest, trace: CallTrace):
-    server.check_model(body.model)
-    server.check_unsupported(body)
-    await check_schema(body.response_format and body.response_format.json_schema, "response_format.json_schema.schema")
+    await server.check_request(body, body.response_format and body.response_format.json_schema,
+                               "response_format.json_schema.schema")
     offered = resolve_tool_choice(body.tool_choice, [t.model_dump(exclude_none=True) for t in body.tools or []])
     use_tools = bool(offered)  # tools rendered into the prompt, and tool calls parsed from the answer
     prompt_ids = server.encode_chat(template_messages(body.messages), offered)
     requested = body.max_completion_tokens or body.max_tokens
-    params = server.sampling(body, requested, trace, top_logprobs=body.top_logprobs or 0, fmt=body.response_format)
-    params = server.fit_length(prompt_ids, params, requested)
-    attrs = {"lightning_ray.request": body.model_dump(exclude_none=True, by_alias=True, exclude={"model"})}
-    deltas = server.run("chat", [prompt_ids], params, body.n, body.stop_list, trace, attrs)
+    _, deltas = server.generate("chat", body, trace, [prompt_ids], requested, requested is not None, n=body.n,
+                                stop=body.stop_list, top_logprobs=body.top_logprobs or 0, fmt=body.response_format)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
     if body.stream:
         return sse_response(_chunks(server, body, deltas, meta, prompt_ids, use_tools))
@@ -63,7 +60,8 @@ async def create_chat_completion(server, body: ChatCompletionRequest, trace: Cal
             "token_ids": c.token_ids,  # extension: the exact ids the engine produced
         })
     completion_tokens = sum(len(c.token_ids) for c in choices)
-    return {**meta, "object": "chat.completion", "choices": out, "usage": _usage(prompt_ids, completion_tokens),
+    return {**meta, "object": "chat.completion", "choices": out,
+            "usage": usage(len(prompt_ids), completion_tokens),
             "system_fingerprint": server.fingerprint(choices[0].policy_version), "prompt_token_ids": prompt_ids}
 
 
@@ -104,9 +102,5 @@ async def _chunks(server, body: ChatCompletionRequest, deltas, meta: dict, promp
         finish = ("tool_calls" if d.index in called else d.finish_reason) if d.finish_reason else None
         yield emit(d.index, delta, finish, logprobs, d.token_ids)
     if body.stream_options and body.stream_options.include_usage:
-        yield {**chunk, "choices": [], "usage": _usage(prompt_ids, completion_tokens), "prompt_token_ids": prompt_ids}
-
-
-def _usage(prompt_ids: list[int], completion_tokens: int) -> dict:
-    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-            "total_tokens": len(prompt_ids) + completion_tokens}
+        yield {**chunk, "choices": [], "usage": usage(len(prompt_ids), completion_tokens),
+               "prompt_token_ids": prompt_ids}

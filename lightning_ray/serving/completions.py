@@ -5,15 +5,14 @@ from __future__ import annotations
 import time
 import uuid
 
-from lightning_ray.serving.decoding import collect_all
+from lightning_ray.serving.decoding import collect_all, usage
 from lightning_ray.serving.http import ApiError, CallTrace
 from lightning_ray.serving.schemas import CompletionRequest
 from lightning_ray.serving.sse import sse_response
 
 
 async def create_completion(server, body: CompletionRequest, trace: CallTrace):
-    server.check_model(body.model)
-    server.check_unsupported(body)
+    await server.check_request(body)
     if body.suffix:
         raise ApiError(422, "suffix (fill-in-the-middle) is not supported", param="suffix", code="unsupported")
     if body.best_of and body.best_of != body.n:
@@ -21,12 +20,9 @@ async def create_completion(server, body: CompletionRequest, trace: CallTrace):
     if body.echo and body.logprobs is not None:
         raise ApiError(422, "echo with logprobs (prompt scoring) is not supported", param="echo", code="unsupported")
     prompts = [server.encode_text(p) if isinstance(p, str) else server.check_token_ids(p) for p in body.prompts()]
-    params = server.sampling(body, body.max_tokens, trace, top_logprobs=body.logprobs or 0)
-    requested = body.max_tokens if "max_tokens" in body.model_fields_set else None  # else the API's default, 16
-    # one max_tokens for all the prompts: the one that fits each of them
-    params = min((server.fit_length(ids, params, requested) for ids in prompts), key=lambda p: p.max_tokens)
-    attrs = {"lightning_ray.request": body.model_dump(exclude_none=True, exclude={"model"})}
-    deltas = server.run("completions", prompts, params, body.n, body.stop_list, trace, attrs)
+    asked = "max_tokens" in body.model_fields_set  # else the API's default, 16, cut to the room left
+    _, deltas = server.generate("completions", body, trace, prompts, body.max_tokens, asked, n=body.n,
+                                stop=body.stop_list, top_logprobs=body.logprobs or 0)
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": server.model_name}
     prefix = {p * body.n + i: server.tokenizer.decode(ids) if body.echo else ""
@@ -41,8 +37,7 @@ async def create_completion(server, body: CompletionRequest, trace: CallTrace):
             else None} for c in choices]
     completion_tokens = sum(len(c.token_ids) for c in choices)
     return {**meta, "choices": out, "system_fingerprint": server.fingerprint(choices[0].policy_version),
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
+            "usage": usage(prompt_tokens, completion_tokens)}
 
 
 async def _chunks(server, body: CompletionRequest, deltas, meta: dict, prefix: dict[int, str], prompt_tokens: int):
@@ -55,8 +50,7 @@ async def _chunks(server, body: CompletionRequest, deltas, meta: dict, prefix: d
             "index": d.index, "text": text, "finish_reason": d.finish_reason, "token_ids": d.token_ids,
             "logprobs": _logprobs(server, d.token_ids, d.logprobs, d.top_logprobs) if body.logprobs is not None else None}]}
     if body.stream_options and body.stream_options.include_usage:
-        yield {**meta, "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                                "total_tokens": prompt_tokens + completion_tokens}}
+        yield {**meta, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def _logprobs(server, ids: list[int], lps: list[float], tops: list[dict[int, float]]) -> dict:

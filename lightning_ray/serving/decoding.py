@@ -132,3 +132,9 @@ async def generate_choices(engine: Engine, jobs: list[tuple[int, list[int], Samp
     finally:
         for t in tasks:
             t.cancel()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """Chat's and completions' usage object (the Responses API counts the same as input and output tokens)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -17,7 +17,7 @@ from lightning_ray.serving.chat import template_messages
 from lightning_ray.serving.decoding import collect_all
 from lightning_ray.serving.engines import SamplingParams
 from lightning_ray.serving.http import ApiError, CallTrace
-from lightning_ray.serving.schemas import TextFormat, check_schema
+from lightning_ray.serving.schemas import TextFormat
 from lightning_ray.serving.sse import sse_response
 from lightning_ray.serving.tools import ToolCallStreamParser, ToolStreamDelta, parse_tool_calls, resolve_tool_choice
 
@@ -36,7 +36,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)  # only 0 is served (server.check_unsupported)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)  # only 0 is served (server.check_request)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     max_output_tokens: int | None = Field(None, gt=0)
     max_tool_calls: int | None = Field(None, gt=0)  # a limit on built-in tools, which this server has none of: echoed
@@ -195,7 +195,7 @@ def response_object(req: ResponsesRequest, *, output: list[dict], status: str, u
         "service_tier": "default",
         "temperature": params.temperature if params else 1.0 if req.temperature is None else req.temperature,
         "top_p": params.top_p if params else 1.0 if req.top_p is None else req.top_p,
-        "presence_penalty": 0.0, "frequency_penalty": 0.0,  # any other value is refused (check_unsupported)
+        "presence_penalty": 0.0, "frequency_penalty": 0.0,  # any other value is refused (check_request)
         "top_logprobs": 0,  # output_text parts carry no logprobs
         "text": _text_config(req.text), "tool_choice": req.tool_choice or "auto",
         "tools": [_function_tool(t) for t in req.tools or []], "truncation": req.truncation or "disabled",
@@ -326,16 +326,12 @@ class ResponseEventStream:
 
 # ---- the route: POST /v1/responses -----------------------------------------------------------------------------
 async def create_response(server, req: ResponsesRequest, trace: CallTrace):
-    server.check_model(req.model)
-    server.check_unsupported(req)
-    await check_schema(req.text and req.text.format, "text.format.schema")
+    await server.check_request(req, req.text and req.text.format, "text.format.schema")
     messages, tools, tool_choice = to_chat(req)
     offered = resolve_tool_choice(tool_choice, tools)
     prompt_ids = server.encode_chat(template_messages(messages), offered)
-    params = server.sampling(req, req.max_output_tokens, trace, fmt=req.text and req.text.format)
-    params = server.fit_length(prompt_ids, params, req.max_output_tokens)
-    attrs = {"lightning_ray.request": req.model_dump(exclude_none=True, by_alias=True, exclude={"model"})}
-    deltas = server.run("responses", [prompt_ids], params, 1, [], trace, attrs)
+    params, deltas = server.generate("responses", req, trace, [prompt_ids], req.max_output_tokens,
+                                     req.max_output_tokens is not None, fmt=req.text and req.text.format)
     if req.stream:
         events = ResponseEventStream(req, params=params)
         return sse_response(_events(events, deltas, prompt_ids, bool(offered)), done_marker=False, named=True,
