@@ -5,7 +5,7 @@ from a lightning_ray store over HTTP, runs where it is, and streams its spans an
     client.work(agent, reward, policy_url="http://head:8000", model="tiny-calc")
 
 The agent never sees that key: it gets one of its own for its attempt (lightning_ray/auth.py). The client offers
-the same worker-side calls as the Ray StoreClient, so both drive the same rollout runner.
+the same calls as the Ray StoreClient (store/protocol.py), so both drive the same rollout runner.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ _ERRORS = {cls.code: cls for cls in errors.StoreError.__subclasses__()}
 
 
 class LightningClient:
+    """A RolloutStore (store/protocol.py) over the store's HTTP API."""
+
     def __init__(self, store_url: str, api_key: str | None = None, timeout: float = 60.0):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=store_url.rstrip("/"), headers=headers, timeout=timeout)

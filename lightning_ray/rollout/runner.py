@@ -1,7 +1,7 @@
 """One attempt of one rollout, wherever the agent lives: inside a Ray worker or behind the HTTP client.
 
-`store` is anything with the store's worker-side calls (dequeue, heartbeat, finish_attempt, add_spans): the Ray
-StoreClient or the HTTP LightningClient. Nothing here imports Ray.
+`store` is any RolloutStore (store/protocol.py): the Ray StoreClient or the HTTP LightningClient. Nothing here
+imports Ray.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 from lightning_ray import auth, tracing
 from lightning_ray.store.errors import StaleAttempt
+from lightning_ray.store.protocol import RolloutStore
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Rollout, new_id
 
@@ -40,9 +41,9 @@ def abandoned_agents() -> int:
     return len(ABANDONED)
 
 
-def work(store, agent: Callable, reward: Callable, policy_url: str, model: str, api_key: str | None = None,
-         worker_id: str | None = None, tracing_backend: str = "embedded", max_abandoned: int | None = None,
-         queue: str = "default") -> int:
+def work(store: RolloutStore, agent: Callable, reward: Callable, policy_url: str, model: str,
+         api_key: str | None = None, worker_id: str | None = None, tracing_backend: str = "embedded",
+         max_abandoned: int | None = None, queue: str = "default") -> int:
     """Run rollouts from `queue` until it is empty, or until `max_abandoned` agent threads left behind at timeouts
     still run here (the process is then due a restart); return how many this worker ran."""
     done = 0
@@ -53,7 +54,7 @@ def work(store, agent: Callable, reward: Callable, policy_url: str, model: str, 
     return done
 
 
-def _dequeue(store, worker_id: str | None, queue: str, tries: int = 5) -> Rollout | None:
+def _dequeue(store: RolloutStore, worker_id: str | None, queue: str, tries: int = 5) -> Rollout | None:
     """Ask for the next rollout under an attempt id chosen here, and ask again under the same id when the store could
     not be reached: a reply lost on the way back (a store restarting) gives the same lease again, instead of a
     second rollout while the first waits out its lease (and fails, with max_attempts=1)."""
@@ -71,7 +72,7 @@ def _dequeue(store, worker_id: str | None, queue: str, tries: int = 5) -> Rollou
             time.sleep(2 ** (failures - 1))
 
 
-def run_attempt(store, rollout: Rollout, agent: Callable, reward: Callable, policy_url: str, model: str,
+def run_attempt(store: RolloutStore, rollout: Rollout, agent: Callable, reward: Callable, policy_url: str, model: str,
                 api_key: str | None = None, tracing_backend: str = "embedded") -> None:
     """Run the unmodified agent on the rollout's task. It sees an ordinary OpenAI base URL whose path carries the
     rollout and attempt to the policy server; its spans and emitted rewards stream to the store; heartbeats keep
@@ -144,7 +145,7 @@ def _within(seconds: float | None, fn: Callable, *args, **kwargs):
 
 
 @contextmanager
-def _heartbeats(store, rollout: Rollout):
+def _heartbeats(store: RolloutStore, rollout: Rollout):
     """Beat at a third of the lease while the agent runs; set the event if the store says the lease is lost."""
     lost, stop = threading.Event(), threading.Event()
     every = (rollout.config.unresponsive_seconds or 30.0) / 3

@@ -24,6 +24,8 @@ from lightning_ray.types import Attempt, CancelOutcome, Rollout, RolloutConfig, 
 
 
 class StoreClient:
+    """A RolloutStore (store/protocol.py) over Ray, and the operator's calls beside it (cancel, queries, retention)."""
+
     def __init__(self, shards: list):
         self.shards = shards
         self._next = random.randrange(len(shards))  # spread dequeues of different workers over the shards
