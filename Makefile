@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STACK  ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 OTHER  := $(if $(filter gpu,$(STACK)),cpu,gpu)
 
-.PHONY: setup train test bundle clean
+.PHONY: setup train test test-unit bundle clean
 
 setup: $(VENV)/.installed-$(STACK)
 
@@ -48,6 +48,10 @@ train: setup
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)
+
+# The tests that start nothing (no Ray, no server, no job): ~1.5 min, for the edit-test loop. `make test` runs them too.
+test-unit: setup
+	$(PY) -m pytest -q tests/unit $(ARGS)
 
 # Wheels (and DeepSpeed's sdist) for an offline GPU node, from a connected machine: `make bundle ARGS="--help"`.
 bundle:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import random
-import socket
 from contextlib import contextmanager
 
 import pytest
@@ -12,6 +9,8 @@ import ray
 
 from lightning_ray.config import ModelConfig
 from lightning_ray.models import resolve_model_path
+
+from helpers import free_port
 
 
 @pytest.fixture(scope="session")
@@ -25,34 +24,6 @@ def ray_cluster():
 def tiny_model_path():
     """The tiny test model (model.path=null): built (~25 s) once into the user cache, then reused."""
     return resolve_model_path(ModelConfig())
-
-
-# Ports handed to a job that binds them later. The kernel hands out port-0 binds and outgoing connections from its
-# ephemeral range (/proc/sys/net/ipv4/ip_local_port_range: 32768-60999 by default), and Ray's workers bind ports in
-# 10002-19999: a port picked from either could be taken by someone else before the job binds it. Below both, only
-# a process that names the port itself can.
-PORT_RANGE = range(20_000, 32_768)
-_ports = random.Random(os.getpid()).sample(PORT_RANGE, len(PORT_RANGE))  # each pytest process its own order
-
-
-def free_ports(n: int) -> list[int]:
-    """n ports free on 127.0.0.1 now, outside the ranges the kernel and Ray take ports from (PORT_RANGE), and
-    never the same one twice in a session (tests that start a job in a subprocess give it one: `from conftest
-    import`)."""
-    found = []
-    while len(found) < n:
-        port = _ports.pop()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        found.append(port)
-    return found
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@
     SQLiteBackend    store/sqlite.py       the shard's durable storage beneath it (clock passed in, rows not spans)
 
 The rollout runner (rollout/runner.py) takes any RolloutStore, so a Ray worker and a Lightning client run agents with
-the same code. tests/test_store_protocol.py checks every layer against this.
+the same code. tests/unit/test_store_protocol.py checks every layer against this.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from lightning_ray.tasks.sql.execution import QueryError, execute, execution_mat
 from lightning_ray.tasks.sql.workflow import approves, extract_sql, run_query
 from lightning_ray.tracing import trace_attempt
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 
 
 @pytest.fixture(scope="module")

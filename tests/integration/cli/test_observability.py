@@ -16,12 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
+from helpers import ROOT, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from lightning_ray.metrics import metrics
 
-ROOT = Path(__file__).resolve().parents[1]
 # the smoke preset (tiny model, HF engine, the sums it was warmed up on: groups with a signal, updates), a bigger batch
 SMALL_RUN = ["experiment=calc_tiny", "ray.num_cpus=2", "rollout.tasks_per_iteration=8", "rollout.agents_per_worker=4"]
 RAY_LOG_LINE = re.compile(r"\bINFO\b|\((ServeController|ProxyActor|ServeReplica|TrainController|RayTrainWorker|"

@@ -27,6 +27,8 @@ from lightning_ray.tasks import calc
 from lightning_ray.tracing import semconv
 from lightning_ray.types import RolloutConfig, Task
 
+from helpers import agent_otel_spans
+
 MODEL = "tiny-calc"
 
 
@@ -131,28 +133,13 @@ def test_store_api_lifecycle_and_errors_over_http(app):
     assert errors["rollout_not_found"] >= 1 and errors["request_too_large"] == 1 and errors["invalid_request"] >= 2
 
 
-def otel_spans(rollout_id: str, attempt_id: str):
-    """Real SDK spans from a GenAI-instrumented agent: a chat call with its events, inside an agent span."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider(resource=Resource.create({"service.name": "outside-agent",
-                                                        semconv.ROLLOUT_ID: rollout_id,
-                                                        semconv.ATTEMPT_ID: attempt_id}))
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracer = provider.get_tracer("agent")
-    with tracer.start_as_current_span("invoke_agent calc", attributes={"gen_ai.agent.name": "calc"}):
-        with tracer.start_as_current_span("chat tiny-calc", attributes={
-                "gen_ai.operation.name": "chat", "gen_ai.request.model": MODEL, "gen_ai.usage.input_tokens": 12}) as s:
-            s.add_event("gen_ai.user.message", {"content": "What is 3 + 4?"})
-    return provider, exporter.get_finished_spans()
-
-
 def test_otlp_receiver_takes_protobuf_from_the_real_exporter_and_json(app):
     store, url = app["store"], app["store_url"] + "/v1/traces"
     [proto_rollout, json_rollout] = store.enqueue([Task(task_id="p", input={}), Task(task_id="j", input={})])
 
-    provider, spans = otel_spans(proto_rollout.rollout_id, "at-1")
+    provider, spans = agent_otel_spans(proto_rollout.rollout_id, "at-1")
     assert OTLPSpanExporter(endpoint=url).export(spans).name == "SUCCESS"  # the SDK's exporter, protobuf
-    _, spans = otel_spans(json_rollout.rollout_id, "at-2")
+    _, spans = agent_otel_spans(json_rollout.rollout_id, "at-2")
     reply = httpx.post(url, content=MessageToJson(encode_spans(spans)), headers={"content-type": "application/json"})
     assert reply.status_code == 200 and reply.json() == {}
 
@@ -174,7 +161,7 @@ def test_otlp_receiver_rejects_bad_payloads_clearly_and_keeps_serving(app):
                                (b"{}", "text/plain")):
         r = httpx.post(url, content=body, headers={"content-type": content_type})
         assert r.status_code == 400 and r.json()["error"]["code"] == "otlp_malformed", (content_type, r.text)
-    _, spans = otel_spans("ro-unknown", "at-1")  # well-formed, but for no rollout of ours
+    _, spans = agent_otel_spans("ro-unknown", "at-1")  # well-formed, but for no rollout of ours
     r = httpx.post(url, content=MessageToJson(encode_spans(spans)), headers={"content-type": "application/json"})
     assert r.status_code == 200 and r.json()["partialSuccess"]["rejectedSpans"] == "2"
     assert "ro-unknown" in r.json()["partialSuccess"]["errorMessage"]
@@ -189,7 +176,7 @@ def test_otlp_receiver_gunzips_within_the_size_limit(app):
 
     store, url = app["store"], app["store_url"] + "/v1/traces"
     [rollout] = store.enqueue([Task(task_id="gz", input={})])
-    _, spans = otel_spans(rollout.rollout_id, "at-1")
+    _, spans = agent_otel_spans(rollout.rollout_id, "at-1")
     assert OTLPSpanExporter(endpoint=url, compression=Compression.Gzip).export(spans).name == "SUCCESS"
     assert len(store.query_spans([rollout.rollout_id])) == 2
     bomb = gzip.compress(b"\0" * (80 << 20))  # ~80 KB on the wire

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port
+from helpers import free_port
 from transformers import (Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                           LlamaForCausalLM)
 

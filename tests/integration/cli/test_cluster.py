@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_ports
+from helpers import ROOT, free_ports
 
-ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
 HEAD = "node:__internal_head__"
 

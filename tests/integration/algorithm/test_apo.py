@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -18,7 +17,8 @@ from lightning_ray.models.tiny import EASY
 from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.tasks import calc, load_splits
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 
 
 # ---- sanitizing the editor's reply ---------------------------------------------------------------------------------

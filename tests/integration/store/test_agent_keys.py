@@ -19,7 +19,7 @@ from lightning_ray.rollout.runner import run_attempt
 from lightning_ray.tasks import calc
 from lightning_ray.tracing import semconv
 from lightning_ray.types import RolloutConfig, Task
-from test_store_http import otel_spans
+from helpers import agent_otel_spans
 
 KEY = "sk-operator-0123456789"
 MODEL = "tiny-calc"
@@ -72,8 +72,8 @@ def test_an_agents_key_reaches_the_policy_and_its_own_spans_only(app):
         http = httpx.Client(base_url=app["store_url"], headers={"Authorization": f"Bearer {api_key}"}, timeout=30)
         own = {"name": "agent.step", "rollout_id": rid, "attempt_id": aid}
         hello = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
-        _, foreign_otlp = otel_spans(other.rollout_id, "at-x")
-        _, own_otlp = otel_spans(rid, aid)
+        _, foreign_otlp = agent_otel_spans(other.rollout_id, "at-x")
+        _, own_otlp = agent_otel_spans(rid, aid)
         seen["tries"] = {
             "finish": http.post(f"/v1/rollouts/{rid}/attempts/{aid}/finish", json={"status": "succeeded", "reward": 1}),
             "heartbeat": http.post(f"/v1/rollouts/{rid}/attempts/{aid}/heartbeat"),

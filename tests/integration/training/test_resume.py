@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
-from test_cli import CLI, ROOT, TINY, cli
+from helpers import free_port
+from helpers import CLI, ROOT, TINY, cli
 
 from lightning_ray.training.checkpoint import LoopState, commit, latest, staging
 

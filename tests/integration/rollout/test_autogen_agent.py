@@ -14,8 +14,9 @@ import ray
 
 from lightning_ray.models import content_key
 
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+
 CONSTRAINTS = ROOT / "envs/autogen/constraints.txt"
 
 

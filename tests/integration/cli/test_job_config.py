@@ -11,13 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from helpers import ROOT, free_port
 import yaml
 from omegaconf import OmegaConf
 
 from lightning_ray.config import APOJobConfig, ConfigError, TrainConfig, compose, masked, validate
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 GROUPS = ["model", "engine", "task", "algorithm", "trainer", "store", "cluster", "placement"]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -18,7 +17,8 @@ from omegaconf import OmegaConf
 from lightning_ray.algorithm.select import agent_of
 from lightning_ray.types import Span
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 ROLLOUTS_PER_ITERATION = 2 * 2
 
 

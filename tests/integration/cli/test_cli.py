@@ -14,26 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port, free_ports
+from helpers import CLI, ROOT, TINY, cli, free_port, free_ports
 from openai import OpenAI
 
-from lightning_ray.models.tiny import EASY
 from lightning_ray.tracing import semconv
-
-ROOT = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "lightning_ray.cli"]
-# a run small enough for a test: the tiny model on the HF engine, one iteration of 8 GRPO groups, 4 held-out problems,
-# on the sums and differences it was warmed up on (a group with rewards that differ: an update, a checkpoint)
-TINY = [*(f"++task.generator.{key}={json.dumps(value)}" for key, value in EASY.items()),
-        "model=tiny", "engine=hf", "engine.max_model_len=512",
-        "ray.num_cpus=4", "rollout.num_workers=1", "rollout.agents_per_worker=8", "rollout.tasks_per_iteration=8",
-        "rollout.group_size=4", "rollout.temperature=1.0", "task.eval_size=4",
-        "trainer.iterations=1", "trainer.eval_every=1", "trainer.threads_per_worker=1"]
-
-
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
 
 def test_ports_given_to_jobs_are_ones_no_one_else_is_handed():
     """A job binds its port seconds after the test picked it: a port the kernel or Ray could hand to another socket

@@ -9,7 +9,8 @@ import jsonschema
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 # beside the checkout, as in CI; or the workplace's shared folder, for a checkout (a worktree) elsewhere
 CRDS = next((p for p in (ROOT.parent / "shared" / "kuberay-crds", Path("/work/shared/kuberay-crds")) if p.exists()),
             None)

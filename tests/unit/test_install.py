@@ -8,11 +8,11 @@ import socket
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT
+
 spec = importlib.util.spec_from_file_location("offline_bundle", ROOT / "scripts" / "offline_bundle.py")
 ob = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ob)

@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import ray
@@ -25,7 +24,8 @@ from lightning_ray.services import Services
 from lightning_ray.tasks import load_splits
 from lightning_ray.trainer import train
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 NODE_AGENT = ROOT / "examples" / "node_calc"
 
 

@@ -1,0 +1,80 @@
+"""What tests share besides fixtures (conftest.py): the repository's root, ports a job can bind later, an
+instrumented agent's OpenTelemetry spans, the lightning-ray command. Importable as `helpers` from any folder of
+tests (pyproject's pytest `pythonpath`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from lightning_ray.models.tiny import EASY
+from lightning_ray.tracing import semconv
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+
+
+# Ports handed to a job that binds them later. The kernel hands out port-0 binds and outgoing connections from its
+# ephemeral range (/proc/sys/net/ipv4/ip_local_port_range: 32768-60999 by default), and Ray's workers bind ports in
+# 10002-19999: a port picked from either could be taken by someone else before the job binds it. Below both, only
+# a process that names the port itself can.
+PORT_RANGE = range(20_000, 32_768)
+_ports = random.Random(os.getpid()).sample(PORT_RANGE, len(PORT_RANGE))  # each pytest process its own order
+
+
+def free_ports(n: int) -> list[int]:
+    """n ports free on 127.0.0.1 now, outside the ranges the kernel and Ray take ports from (PORT_RANGE), and
+    never the same one twice in a session (tests that start a job in a subprocess give it one)."""
+    found = []
+    while len(found) < n:
+        port = _ports.pop()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        found.append(port)
+    return found
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def agent_otel_spans(rollout_id: str, attempt_id: str, model: str = "tiny-calc"):
+    """Real SDK spans from a GenAI-instrumented agent: a chat call with its events, inside an agent span."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "outside-agent",
+                                                        semconv.ROLLOUT_ID: rollout_id,
+                                                        semconv.ATTEMPT_ID: attempt_id}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("agent")
+    with tracer.start_as_current_span("invoke_agent calc", attributes={"gen_ai.agent.name": "calc"}):
+        with tracer.start_as_current_span("chat tiny-calc", attributes={
+                "gen_ai.operation.name": "chat", "gen_ai.request.model": model, "gen_ai.usage.input_tokens": 12}) as s:
+            s.add_event("gen_ai.user.message", {"content": "What is 3 + 4?"})
+    return provider, exporter.get_finished_spans()
+
+
+# The lightning-ray command as a test runs it (tests of the CLI and of resuming a run)
+CLI = [sys.executable, "-m", "lightning_ray.cli"]
+# a run small enough for a test: the tiny model on the HF engine, one iteration of 8 GRPO groups, 4 held-out problems,
+# on the sums and differences it was warmed up on (a group with rewards that differ: an update, a checkpoint)
+TINY = [*(f"++task.generator.{key}={json.dumps(value)}" for key, value in EASY.items()),
+        "model=tiny", "engine=hf", "engine.max_model_len=512",
+        "ray.num_cpus=4", "rollout.num_workers=1", "rollout.agents_per_worker=8", "rollout.tasks_per_iteration=8",
+        "rollout.group_size=4", "rollout.temperature=1.0", "task.eval_size=4",
+        "trainer.iterations=1", "trainer.eval_every=1", "trainer.threads_per_worker=1"]
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)

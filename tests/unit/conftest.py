@@ -1,0 +1,19 @@
+"""The unit tier starts nothing: a test here that asks for the Ray cluster (directly or through another fixture) or
+starts Ray itself fails, and belongs in tests/integration/."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    pytest.fail("a unit test asked for the Ray cluster: move it to tests/integration/")
+
+
+@pytest.fixture(autouse=True)
+def starts_no_ray():
+    running = ray.is_initialized()  # in `make test`, the integration tests' session cluster may be up already
+    yield
+    assert running or not ray.is_initialized(), "a unit test started Ray: move it to tests/integration/"
