@@ -37,6 +37,8 @@ def test_two_iterations_of_the_tiny_model_on_one_gpu(ray_cluster, tiny_model_pat
                    f"model.path={tiny_model_path}", f"serve.port={serve_port}", "engine.max_model_len=512",
                    "trainer.eval_every=0", "task.eval_size=8", "rollout.tasks_per_iteration=16"])
     history = train(cfg)
+    for r in history:  # the iteration's phase split on a GPU (shown with `-rP`)
+        print(f"iteration {r['iteration']}: {r['seconds']} learner {r.get('learner_seconds')}")
     assert [r["iteration"] for r in history] == [0, 1]
     updated = [r for r in history if r["updated"]]
     assert updated, "no iteration had a learning signal"
