@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STACK  ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 OTHER  := $(if $(filter gpu,$(STACK)),cpu,gpu)
 
-.PHONY: setup train test test-unit bundle clean
+.PHONY: setup train test test-unit gpu-check bundle clean
 
 setup: $(VENV)/.installed-$(STACK)
 
@@ -52,6 +52,10 @@ test: setup
 # The tests that start nothing (no Ray, no server, no job): ~1.5 min, for the edit-test loop. `make test` runs them too.
 test-unit: setup
 	$(PY) -m pytest -q tests/unit $(ARGS)
+
+# On a GPU node: the gpu tests and the GPU benchmarks, logs and JSON lines into gpu-check/ (ARGS: another folder).
+gpu-check: setup
+	PYTHON=$(PY) scripts/gpu_check.sh $(ARGS)
 
 # Wheels (and DeepSpeed's sdist) for an offline GPU node, from a connected machine: `make bundle ARGS="--help"`.
 bundle:
