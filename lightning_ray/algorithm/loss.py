@@ -41,10 +41,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if is_weights is not None:
         surrogate = surrogate * is_weights
     loss = -(surrogate * weights).sum()
-    with torch.no_grad():
+    with torch.no_grad():  # 0-dim tensors, read once a step: a read per micro-batch would stall the GPU's queue
         n = max(len(ratio), 1)
-        stats = {"clip_frac": ((ratio < low) | (ratio > high)).float().sum().item() / n,
-                 "ratio_mean": ratio.sum().item() / n}
+        stats = {"clip_frac": ((ratio < low) | (ratio > high)).float().sum() / n, "ratio_mean": ratio.sum() / n}
     return loss, stats
 
 

@@ -202,7 +202,10 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
     steps = [[to_device(collate(mb, pad_id), engine.device) for mb in mini] for mini in mini_batches]
     batches = [b for mini in steps for b in mini]
     tokens = sum(len(b["served_logprobs"]) for b in batches)
-    totals = {"loss": 0.0, "value_loss": 0.0, "clip_frac": 0.0, "entropy": 0.0, "kl_ref": 0.0, "tis_capped": 0}
+    # summed on the device and read once at the end: a .item() per micro-batch would make the CPU wait for the GPU
+    # to drain before it queues the next kernels
+    totals = {k: torch.zeros((), dtype=torch.float64, device=engine.device)
+              for k in ("loss", "value_loss", "clip_frac", "entropy", "kl_ref", "tis_capped")}
     # PPO: every token's advantage from the value head, before any weight moves
     critic = alg.estimator == "ppo"
     critic_kl = critic_advantages(engine.module, batches, alg, reference) if critic else 0.0
@@ -223,27 +226,28 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
                 if alg.tis_cap:  # sampler → old policy; the ratio takes it on from there
                     is_weights = truncated_is_weights(batch["old_untempered"], batch["served_logprobs"], alg.tis_cap)
                     if epoch == 0:
-                        totals["tis_capped"] += (is_weights >= alg.tis_cap).sum().item()
+                        totals["tis_capped"] += (is_weights >= alg.tis_cap).sum()
                 loss, stats = policy_loss(scores.logprobs, batch["old_logprobs"], batch["advantages"], weights,
                                           alg.clip_eps, alg.clip_eps_high, is_weights)
                 loss = loss - alg.entropy_coef * (scores.entropy * weights).sum()
                 if scores.values is not None:
                     critic_loss = value_loss(scores.values, batch["returns"], batch["weights"])
                     loss = loss + alg.value_coef * critic_loss * world_size
-                    totals["value_loss"] += critic_loss.item()
+                    totals["value_loss"] += critic_loss.detach()
                 if reference is not None and alg.kl_penalty == "loss":
                     if "ref_logprobs" not in batch:
                         with torch.no_grad():
                             batch["ref_logprobs"] = score(reference, batch).logprobs
                     kl = kl_to_reference(scores.logprobs, batch["ref_logprobs"], alg.kl_estimator)
                     loss = loss + alg.kl_coef * (kl * weights).sum()
-                    totals["kl_ref"] += kl.detach().sum().item()
-                totals["loss"] += (value := loss.item()) / world_size
-                if not math.isfinite(value):  # a NaN gradient, so the step is skipped (a clipped token's may be 0)
-                    loss = scores.logprobs.sum() * math.nan
-                engine.backward(loss, scale_wrt_gas=False)
+                    totals["kl_ref"] += kl.detach().sum()
+                totals["loss"] += loss.detach() / world_size
+                # a non-finite loss makes every gradient NaN, so the step is skipped (a clipped token's would be 0);
+                # on the device: 0 × the logprobs' gradient otherwise
+                poison = torch.where(torch.isfinite(loss.detach()), 0.0, math.nan)
+                engine.backward(loss + poison * scores.logprobs.sum(), scale_wrt_gas=False)
                 totals["clip_frac"] += stats["clip_frac"] * len(scores.logprobs)
-                totals["entropy"] += scores.entropy.detach().sum().item()
+                totals["entropy"] += scores.entropy.detach().sum()
             if epoch == m == 0:  # every old logprob is known, and no weight has moved yet
                 # how far the trainer is from the server on the same tokens (both untempered): ~1e-7 when they agree
                 gap = torch.tensor([sum((b["old_untempered"] - b["served_logprobs"]).abs().sum().item()
@@ -255,6 +259,7 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
             norms.append(optimizer_step(engine, world_size))
             optimizer_s += time.perf_counter() - stepped
     skipped = sum(not applied for _, applied in norms)
+    totals = {k: v.item() if torch.is_tensor(v) else v for k, v in totals.items()}  # the step's one read
     updates, per_token = max(tokens * alg.ppo_epochs, 1), max(tokens, 1)
     return {"optimizer_s": optimizer_s, "loss": totals["loss"] / len(norms),
             "value_loss": totals["value_loss"] / len(norms), "tokens": tokens, "micro_batches": len(batches),
