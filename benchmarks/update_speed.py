@@ -13,7 +13,8 @@ random-init model of that shape (no download); `--prompt-tokens/--response-token
 The batch: 64 calc episodes in the text protocol, as the trajectory level trains them (one sequence per episode,
 ~150 tokens with SmolLM2's template): what an iteration of 16 tasks × 4 rollouts trains on.
 Each side takes `--steps` steps; the first warms up (allocations, DeepSpeed's buffers), the rest are timed. Ours
-includes publishing the new weights to the registry (the state dict into Ray's object store), as in training.
+includes publishing the new weights to the registry, as in training: on CPUs the state dict into Ray's object store,
+on a GPU CUDA IPC handles, as placement=colocated publishes them.
 Prints one JSON line per side, the learner's with its ratio to the bare step (bare seconds / ours: ≥ 1 is faster).
 """
 
@@ -108,6 +109,8 @@ def learner_steps(model_path, batch, steps: int, token_budget: int, workers: int
     cfg = validate({"run_dir": tempfile.mkdtemp(), "trainer": {
         "num_workers": workers, "threads_per_worker": threads, "micro_batch_tokens": token_budget, "lr": 1e-6,
         "zero_stage": stage, "resources_per_worker": {"CPU": 1, "GPU": 1} if torch.cuda.is_available() else {"CPU": 1},
+        # on a GPU, publish as placement=colocated does (CUDA IPC handles); on CPUs through the object store
+        "weight_sync": "cuda_ipc" if torch.cuda.is_available() else "auto",
         "max_logprob_gap": None}})  # made-up served logprobs
     learner = Learner(cfg, model_path, WeightRegistry.remote())
     times = []
