@@ -155,6 +155,10 @@ class ServeConfig(_Strict):
     # <tool_call> tools, for models whose template ignores tools, as SmolLM2's does), or a Jinja file's path.
     chat_template: str | None = None
     resources: Resources = {"CPU": 1}  # each replica's (placement.py); e.g. {CPU: 1, GPU: 1} on a GPU node
+    # Serve's limits per replica: calls generating at once (the engine batches them), and calls waiting beyond those
+    # (-1: no limit; past it a call is answered 503 at once, which the OpenAI client retries)
+    max_ongoing_requests: int = Field(256, gt=0)
+    max_queued_requests: int = Field(-1, ge=-1)
 
     @model_validator(mode="after")
     def _exposed_only_with_a_key(self):

@@ -136,6 +136,7 @@ def policy_options(cfg: TrainConfig) -> dict:
                 max_model_len=cfg.engine.max_model_len, api_key=cfg.serve.api_key, seed=cfg.seed, env=cfg.engine.env,
                 resources=cfg.serve.resources, chat_template=resolve_chat_template(cfg.serve.chat_template),
                 drain_timeout_s=cfg.serve.drain_timeout_s, sync_timeout_s=cfg.serve.sync_timeout_s,
+                max_ongoing_requests=cfg.serve.max_ongoing_requests, max_queued_requests=cfg.serve.max_queued_requests,
                 sleep_while_training=cfg.engine.sleep_while_training,
                 weight_sync=resolve_weight_sync(cfg.trainer.weight_sync, cfg.trainer.resources_per_worker,
                                                 cfg.serve.resources),

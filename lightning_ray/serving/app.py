@@ -47,7 +47,7 @@ APP_NAME = "policy"
 
 # Each proxy routes a rollout's calls to one replica (its prefix cache), another only if that one is dead or full.
 # A stopping replica checks for requests still running every 0.1 s, not Serve's 2 s: a run's end waits ~2 s less.
-@serve.deployment(max_ongoing_requests=256, logging_config={"enable_access_log": False},
+@serve.deployment(logging_config={"enable_access_log": False},
                   graceful_shutdown_wait_loop_s=0.1,
                   request_router_config={"request_router_class": RolloutAffinityRouter})
 @serve.ingress(api)
@@ -330,13 +330,15 @@ def policy_app(model_path: str, model_name: str, store, registry, num_replicas: 
                max_model_len: int = 512, defaults: dict | None = None, api_key: str | None = None, seed: int = 0,
                env: dict[str, str] | None = None, chat_template: str | None = None, drain_timeout_s: float = 60.0,
                resources: dict[str, float] | None = None, weight_sync: str = "object_store",
-               sync_timeout_s: float = 120.0, sleep_while_training: bool = False):
+               sync_timeout_s: float = 120.0, sleep_while_training: bool = False, max_ongoing_requests: int = 256,
+               max_queued_requests: int = -1):
     """The policy app, bound (Serve's Application). `autoscaling` is Serve's autoscaling_config (min_replicas,
     max_replicas, target_ongoing_requests, ...) and replaces num_replicas; `resources` are each replica's
     ({"CPU": 1, "policy_gpu": 1}: placement.actor_options). `weight_sync`: the run's transport, resolved
     (weight_sync.resolve): a vLLM engine on CUDA is built with the weight-transfer backend it needs."""
     options = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}
-    options["ray_actor_options"] = actor_options(resources or {})
+    options.update(ray_actor_options=actor_options(resources or {}), max_ongoing_requests=max_ongoing_requests,
+                   max_queued_requests=max_queued_requests)
     if env:  # the replicas' environment: engines read settings from it when they start (vLLM-CPU's binding)
         options["ray_actor_options"]["runtime_env"] = {"env_vars": env}
     return PolicyServer.options(**options).bind(

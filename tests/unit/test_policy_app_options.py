@@ -1,0 +1,28 @@
+"""The policy app's Serve limits come from the config (serve.max_ongoing_requests, serve.max_queued_requests), and a
+bad one is refused naming its key: checked on the bound app, nothing started."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_ray.config import ConfigError, compose
+from lightning_ray.serving.app import policy_app
+from lightning_ray.services import policy_options
+
+
+def deployment(overrides: list[str], tmp_path):
+    cfg = compose([f"run_dir={tmp_path}", "engine=hf", *overrides])
+    return policy_app("model", cfg.model.name, None, None, **policy_options(cfg))._bound_deployment
+
+
+def test_serve_limits_reach_each_replica(tmp_path):
+    default = deployment([], tmp_path)
+    assert (default.max_ongoing_requests, default.max_queued_requests) == (256, -1)
+    set_ = deployment(["serve.max_ongoing_requests=64", "serve.max_queued_requests=1000"], tmp_path)
+    assert (set_.max_ongoing_requests, set_.max_queued_requests) == (64, 1000)
+
+
+@pytest.mark.parametrize("override", ["serve.max_ongoing_requests=0", "serve.max_queued_requests=-2"])
+def test_a_bad_limit_names_its_key(override, tmp_path):
+    with pytest.raises(ConfigError, match=override.split("=")[0]):
+        compose([f"run_dir={tmp_path}", override])
