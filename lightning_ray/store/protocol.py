@@ -32,7 +32,7 @@ class RolloutStore(Protocol):
 
     def finish_attempt(self, rollout_id: str, attempt_id: str, status: str, reward: float | None = None,
                        error: str | None = None) -> Rollout:
-        """The attempt's end: succeeded with a reward, or failed (retried while attempts are left)."""
+        """The attempt's end, with its reward or error (only a platform failure is retried, while tries are left)."""
 
     def wait_for_rollouts(self, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
         """Those of the rollouts that ended within `timeout` seconds (None: all of them)."""
