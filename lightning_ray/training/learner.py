@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from pathlib import Path
 
+import ray
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Empty, Queue
@@ -13,6 +15,7 @@ from ray.util.queue import Empty, Queue
 from lightning_ray.algorithm.advantages import has_signal
 from lightning_ray.algorithm.loss import token_weights
 from lightning_ray.config import AlgorithmConfig, TrainConfig, TrainerConfig
+from lightning_ray.placement import ON_HEAD
 from lightning_ray.training.checkpoint import Checkpoint
 from lightning_ray.training.loop import MicroBatch, train_loop_per_worker
 from lightning_ray.types import Transition
@@ -27,9 +30,10 @@ class Learner:
         self.algorithm, self.max_tokens = cfg.algorithm, cfg.rollout.max_tokens
         self.version = resume_from.state.policy_version if resume_from else 0
         label = cfg.run_path.name  # the queues' names in the Ray dashboard
-        self.inboxes = [Queue(actor_options={"num_cpus": 0, "name": f"learner-inbox-{i}@{label}"})
+        # Beside the driver, whose messages they carry: on a cluster, not on whichever node had room for them.
+        self.inboxes = [Queue(actor_options={"num_cpus": 0, "name": f"learner-inbox-{i}@{label}", **ON_HEAD})
                         for i in range(self.n)]
-        self.outbox = Queue(actor_options={"num_cpus": 0, "name": f"learner-outbox@{label}"})
+        self.outbox = Queue(actor_options={"num_cpus": 0, "name": f"learner-outbox@{label}", **ON_HEAD})
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={
@@ -103,8 +107,11 @@ class Learner:
         self._gather()
 
     def close(self) -> None:
+        """Tells each rank to stop. A queue already gone (its node lost) is no reason to fail: closing runs on the
+        way out of a run, and whatever ended it is the error to see."""
         for inbox in self.inboxes:
-            inbox.put(None)
+            with contextlib.suppress(ray.exceptions.RayError):
+                inbox.put(None)
         self.thread.join(timeout=60)
 
 

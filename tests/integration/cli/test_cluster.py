@@ -56,7 +56,8 @@ def cluster(tmp_path_factory):
                     raise RuntimeError(f"ray start failed:\n{log.read_text()[-3000:]}")
                 return len(alive_nodes(env, dashboard)) == n
             wait_for(up, f"node {i}")
-        yield {"env": env, "address": f"http://127.0.0.1:{dashboard}", "dashboard": dashboard, "tmp": tmp}
+        yield {"env": env, "address": f"http://127.0.0.1:{dashboard}", "dashboard": dashboard, "tmp": tmp,
+               "ray_tmp": Path(ray_tmp)}
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -117,9 +118,21 @@ def job(cluster, tiny_model_path, tmp_path_factory):
     return {"result": r, "run_root": run_root, **cluster}
 
 
+def why_it_failed(job) -> str:
+    """The job's first traceback and its end, and the nodes' own lines about processes that died (a worker killed
+    for memory, a crash): what CI's log needs to tell a failure of ours from the machine's."""
+    out = job["result"].stdout + job["result"].stderr
+    first = out.find("Traceback")
+    died = [f"{log.name}: {line}" for log in sorted(job["ray_tmp"].glob("session_*/logs/raylet*.out"))
+            for line in log.read_text(errors="replace").splitlines()
+            if any(word in line for word in ("SIGSEGV", "SIGKILL", "OOM", "memory monitor", "Check failed",
+                                             "exited unexpectedly", "died"))]
+    return "\n".join([out[first:first + 3000] if first >= 0 else "", "...", out[-3000:], *died[-30:]])
+
+
 def test_a_submitted_job_succeeds_and_leaves_its_results_in_run_root(job):
     r = job["result"]
-    assert r.returncode == 0 and "succeeded" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    assert r.returncode == 0 and "succeeded" in r.stdout, why_it_failed(job)
     [run] = list(job["run_root"].iterdir())
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics] == [0] and metrics[0]["rollouts"] == 32 and metrics[0]["updated"]
@@ -129,7 +142,7 @@ def test_a_submitted_job_succeeds_and_leaves_its_results_in_run_root(job):
 
 
 def test_each_component_runs_on_the_node_with_its_resources(job):
-    assert job["result"].returncode == 0
+    assert job["result"].returncode == 0, "the job failed: see the test above"
     nodes = {n["node_id"]: n["resources_total"] for n in state(job["env"], job["dashboard"], "nodes")}
     actors = state(job["env"], job["dashboard"], "actors")
 
@@ -139,6 +152,7 @@ def test_each_component_runs_on_the_node_with_its_resources(job):
         return found
 
     assert all(HEAD in r for r in resources_of("TraceStore"))  # beside the driver and its run directory
+    assert all(HEAD in r for r in resources_of("_QueueActor"))  # the learner's inboxes and outbox, the driver's
     assert all("policy_gpu" in r for r in resources_of("ServeReplica:policy:PolicyServer"))
     assert all("trainer_gpu" in r for r in resources_of("RayTrainWorker"))
     [worker] = [a for a in actors if a["class_name"] == "RayTrainWorker"]
