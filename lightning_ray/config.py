@@ -103,7 +103,7 @@ class EngineConfig(_Strict):
     kind: Literal["hf", "vllm"] = "hf"
     # auto: bfloat16 on CUDA, float32 on CPUs (bf16 is unusably slow on CPUs without AMX)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_model_len: int = Field(512, gt=0)
+    max_model_len: int = Field(1024, gt=0)
     # Share of the GPU's memory the engine may take (vLLM: weights + KV cache; HF: a cap on its allocations). With
     # placement=colocated the learner needs the rest. vLLM-CPU sizes its KV cache by VLLM_CPU_KVCACHE_SPACE instead.
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
@@ -170,11 +170,11 @@ class ServeConfig(_Strict):
 
 class RolloutConfig(_Strict):
     num_workers: int = Field(2, gt=0)  # RolloutWorker actors
-    agents_per_worker: int = Field(8, gt=0)  # agents each runs at once, in threads
-    tasks_per_iteration: int = Field(4, gt=0)
+    agents_per_worker: int = Field(16, gt=0)  # agents each runs at once, in threads (the engine batches their calls)
+    tasks_per_iteration: int = Field(16, gt=0)
     group_size: int = Field(4, gt=0)  # rollouts per task: one GRPO group
     max_tokens: int = Field(96, gt=0)
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(0.7, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_attempts: int = Field(1, gt=0)  # tries per rollout; only a platform failure is retried (docs/05-trace-store.md)
     # wall-clock limit of one attempt, enforced by the store and the worker (which leaves a stuck agent behind)
@@ -239,7 +239,7 @@ class AlgorithmConfig(_Strict):
     loss_aggregation: LossAggregation = "token_mean"  # how token losses add up (algorithm/loss.py)
     # One sample per policy call, or a rollout's calls merged into one sequence where each prompt extends the last
     # call's context token for token (tool results masked out of the loss): the same gradient, far fewer tokens.
-    level: Literal["transition", "trajectory"] = "transition"
+    level: Literal["transition", "trajectory"] = "trajectory"
     # Dynamic sampling (DAPO, algorithm/dynamic_sampling.py): groups without a learning signal are dropped and new
     # tasks rolled out in further rounds, up to max_sampling_rounds, until tasks_per_iteration groups have one.
     dynamic_sampling: bool = False
@@ -281,7 +281,7 @@ class AlgorithmConfig(_Strict):
 
 
 class TrainerConfig(_Strict):
-    iterations: int = Field(2, gt=0)
+    iterations: int = Field(8, gt=0)
     max_minutes: float | None = Field(None, gt=0)  # the iteration running when this budget runs out is the last
     num_workers: int = Field(1, gt=0)  # Ray Train workers (DeepSpeed data-parallel ranks)
     threads_per_worker: int = Field(2, gt=0)  # torch threads in each: workers × threads ≈ the cores to train on
@@ -297,13 +297,14 @@ class TrainerConfig(_Strict):
     # ZeRO-Offload: optimizer state and step on the host, for a model whose Adam state does not fit the GPU
     # (needs zero_stage 1-3; DeepSpeed's CPU Adam compiles once, ~1 min)
     offload_optimizer: bool = False
-    lr: float = Field(1e-5, gt=0)
+    lr: float = Field(2e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     eval_every: int = Field(4, ge=0)  # held-out evaluation before training, every N iterations and at the end; 0: none
-    checkpoint_every: int = Field(1, gt=0)  # and after the last iteration (training/checkpoint.py)
+    # the policy, optimizer state and loop state (what resume=<run_dir> goes on from), and after the last iteration
+    checkpoint_every: int = Field(4, gt=0)
     keep_checkpoints: int = Field(1, gt=0)  # the last N checkpoints stay (each holds the optimizer state too)
-    step_timeout_s: float = Field(600.0, gt=0)
+    step_timeout_s: float = Field(900.0, gt=0)
     # The first step fails, before any update, where the learner's untempered logprobs of the sampled tokens are
     # further than this from the server's, per token on average (metrics' logprob_abs_diff: ~1e-7 at fp32 on CPUs,
     # < 0.05 in bf16 on a GPU): the two would not compute the same policy (another model or revision, chat template,
@@ -429,10 +430,22 @@ def _first_set(*values):
     return next((v for v in values if v not in (None, "", "None")), None)
 
 
-def _register_resolvers() -> None:
+def code_defaults(schema: type[_Strict]) -> dict:
+    """Every key of the schema at its default: what configs/ composes onto (`code_defaults`), so the code holds
+    the one set of defaults and each YAML file only what it changes."""
+    values = schema.model_validate({"run_dir": "."} if issubclass(schema, TrainConfig) else {})
+    return values.model_dump(mode="json", exclude={"run_dir"})
+
+
+def _register() -> None:
+    """What configs/ refers to and the YAML cannot hold: the schema's defaults, and our resolver."""
+    from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver("first_set", _first_set, replace=True)
+    store = ConfigStore.instance()
+    store.store(name="code_defaults", node=code_defaults(TrainConfig))
+    store.store(name="code_defaults", node=code_defaults(APOConfig), group="apo")
 
 
 def validate(raw: dict, schema: type[TrainConfig] = TrainConfig) -> TrainConfig:
@@ -491,7 +504,7 @@ def job(config_name: str, schema: type[TrainConfig] = TrainConfig):
     dict overrides replacing (dicts_replace), and the body called with the validated config."""
     import hydra
 
-    _register_resolvers()
+    _register()
 
     def wrap(body):
         @hydra.main(version_base=None, config_path=str(CONFIGS), config_name=config_name)
@@ -515,7 +528,7 @@ def compose(overrides: list[str] = (), config_name: str = "train",
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
-    _register_resolvers()
+    _register()
     with initialize_config_dir(str(CONFIGS), version_base=None):
         raw = hydra_compose(config_name, overrides=dicts_replace(list(overrides)), return_hydra_config=True)
     HydraConfig.instance().set_config(raw)  # as a job's start does: ${hydra:run.dir} resolves

@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from lightning_ray.config import TrainConfig, validate
 from lightning_ray.models.tiny import EASY
 from lightning_ray.tracing import semconv
 
@@ -70,7 +71,7 @@ CLI = [sys.executable, "-m", "lightning_ray.cli"]
 # a run small enough for a test: the tiny model on the HF engine, one iteration of 8 GRPO groups, 4 held-out problems,
 # on the sums and differences it was warmed up on (a group with rewards that differ: an update, a checkpoint)
 TINY = [*(f"++task.generator.{key}={json.dumps(value)}" for key, value in EASY.items()),
-        "model=tiny", "engine=hf", "engine.max_model_len=512",
+        "model=tiny", "engine=hf",
         "ray.num_cpus=4", "rollout.num_workers=1", "rollout.agents_per_worker=8", "rollout.tasks_per_iteration=8",
         "rollout.group_size=4", "rollout.temperature=1.0", "task.eval_size=4",
         "trainer.iterations=1", "trainer.eval_every=1", "trainer.threads_per_worker=1"]
@@ -78,3 +79,23 @@ TINY = [*(f"++task.generator.{key}={json.dumps(value)}" for key, value in EASY.i
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+# The settings tests run the loop with, named: on top of the code's defaults (what `make train` runs), the tiny
+# model's positions (model.path null: the tiny model), the HF engine, two short iterations of a few GRPO groups at
+# temperature 1, one sample per call (transition level), a checkpoint after each iteration. A test's own dict
+# overrides them key by key.
+SMALL = {
+    "engine": {"kind": "hf", "max_model_len": 512},
+    "rollout": {"tasks_per_iteration": 4, "agents_per_worker": 8, "temperature": 1.0},
+    "algorithm": {"level": "transition"},
+    "trainer": {"iterations": 2, "lr": 1e-5, "checkpoint_every": 1, "step_timeout_s": 600},
+}
+
+
+def small(raw: dict, schema: type[TrainConfig] = TrainConfig) -> TrainConfig:
+    """The validated config of a test's run: SMALL, with `raw` merged over it."""
+    def merged(base: dict, top: dict) -> dict:
+        return {**base, **{k: merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+                           for k, v in top.items()}}
+    return validate(merged(SMALL, raw), schema)

@@ -12,12 +12,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from lightning_ray.algorithm.apo import CRITIQUE_SPAN, EDIT_SPAN, Candidate, rejection, sanitize, select
-from lightning_ray.config import APOJobConfig, TaskConfig, validate
+from lightning_ray.config import APOJobConfig, TaskConfig
 from lightning_ray.models.tiny import EASY
 from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.tasks import calc, load_splits
 
-from helpers import ROOT
+from helpers import ROOT, small
 
 
 
@@ -102,7 +102,7 @@ def apo_run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     from lightning_ray.algorithm.apo import optimize
 
     run_dir = tmp_path_factory.mktemp("apo")
-    cfg = validate({
+    cfg = small({
         "run_dir": str(run_dir),
         "model": {"path": str(tiny_model_path)},
         "engine": {"kind": "hf", "max_model_len": 512},

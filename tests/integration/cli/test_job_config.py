@@ -83,7 +83,7 @@ def test_the_hf_engine_carries_no_vllm_options(tmp_path):
     with pytest.raises(ConfigError, match="engine.options"):  # vLLM's arguments on the hf engine: named, not run
         compose(["engine=hf", "+engine.options.max_num_seqs=8", f"run_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="engine.tensor_parallel_size"):
-        compose(["engine=hf", "+engine.tensor_parallel_size=2", f"run_dir={tmp_path}"])
+        compose(["engine=hf", "engine.tensor_parallel_size=2", f"run_dir={tmp_path}"])
 
 
 CPU_BINDING = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # configs/engine/vllm.yaml

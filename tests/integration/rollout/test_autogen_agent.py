@@ -14,7 +14,7 @@ import ray
 
 from lightning_ray.models import content_key
 
-from helpers import ROOT
+from helpers import ROOT, small
 
 
 CONSTRAINTS = ROOT / "envs/autogen/constraints.txt"
@@ -59,7 +59,6 @@ def test_autogen_calc_trains_from_its_own_runtime_env(ray_cluster, tiny_model_pa
     """configs/task/calc_autogen.yaml as it is, the agent wrapped to fail where protobuf is not AutoGen's 5."""
     from omegaconf import OmegaConf
 
-    from lightning_ray.config import validate
     from lightning_ray.models.tiny import EASY
     from lightning_ray.trainer import train
 
@@ -67,10 +66,10 @@ def test_autogen_calc_trains_from_its_own_runtime_env(ray_cluster, tiny_model_pa
     task.pop("defaults")
     task.update(agent="tests.agents.autogen_env:agent", generator=EASY, eval_size=4)
     task["runtime_env"]["pip"] = str(ROOT / task["runtime_env"]["pip"])
-    cfg = validate({"run_dir": str(tmp_path), "model": {"path": str(tiny_model_path)}, "task": task,
-                    "serve": {"port": serve_port, "chat_template": "hermes"},
-                    "rollout": {"tasks_per_iteration": 4, "group_size": 4, "agents_per_worker": 4},
-                    "trainer": {"iterations": 2, "eval_every": 0, "lr": 1e-3}})
+    cfg = small({"run_dir": str(tmp_path), "model": {"path": str(tiny_model_path)}, "task": task,
+                 "serve": {"port": serve_port, "chat_template": "hermes"},
+                 "rollout": {"tasks_per_iteration": 4, "group_size": 4, "agents_per_worker": 4},
+                 "trainer": {"iterations": 2, "eval_every": 0, "lr": 1e-3}})
     history = train(cfg)
     for h in history:  # every rollout ran AutoGen in its own environment, and its calls became transitions
         assert h["rollouts"] == 16 and h["failed_rollouts"] == 0 and h["transitions"] == h["llm_spans"] > 0

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from lightning_ray.algorithm.select import agent_of
 from lightning_ray.types import Span
 
-from helpers import ROOT
+from helpers import ROOT, small
 
 ROLLOUTS_PER_ITERATION = 2 * 2
 
@@ -25,7 +25,6 @@ ROLLOUTS_PER_ITERATION = 2 * 2
 @pytest.fixture(scope="module")
 def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     """configs/task/calc_crewai.yaml as it is, run for two iterations with the solver selected."""
-    from lightning_ray.config import validate
     from lightning_ray.models.tiny import EASY
     from lightning_ray.trainer import train
 
@@ -34,14 +33,14 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     task.pop("defaults")
     task.update(generator=EASY, eval_size=4)
     task["runtime_env"]["pip"] = str(ROOT / task["runtime_env"]["pip"])
-    cfg = validate({"run_dir": str(run_dir), "model": {"path": str(tiny_model_path)}, "task": task,
-                    "serve": {"port": serve_port, "chat_template": "hermes"},
-                    "rollout": {"tasks_per_iteration": 2, "group_size": 2, "max_tokens": 32,
-                                "agents_per_worker": 2},
-                    # one sample per selected call, so transitions count the solver's calls
-                    "algorithm": {"select": {"agents": ["solver"]}, "level": "transition"},
-                    "trainer": {"iterations": 2, "num_workers": 1, "threads_per_worker": 1, "eval_every": 0,
-                                "lr": 1e-3}})
+    cfg = small({"run_dir": str(run_dir), "model": {"path": str(tiny_model_path)}, "task": task,
+                 "serve": {"port": serve_port, "chat_template": "hermes"},
+                 "rollout": {"tasks_per_iteration": 2, "group_size": 2, "max_tokens": 32,
+                             "agents_per_worker": 2},
+                 # one sample per selected call, so transitions count the solver's calls
+                 "algorithm": {"select": {"agents": ["solver"]}, "level": "transition"},
+                 "trainer": {"iterations": 2, "num_workers": 1, "threads_per_worker": 1, "eval_every": 0,
+                             "lr": 1e-3}})
     history = train(cfg)
     spans = [Span(span_id=r[0], trace_id=r[1], parent_id=r[2], rollout_id=r[3], attempt_id=r[4], name=r[5],
                   start_time=r[6], attributes=json.loads(r[7]), origin=r[8])

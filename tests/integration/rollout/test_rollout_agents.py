@@ -17,14 +17,14 @@ import pytest
 import ray
 
 from lightning_ray.algorithm.lightningrl import adapt, recorded_calls
-from lightning_ray.config import TaskConfig, validate
+from lightning_ray.config import TaskConfig
 from lightning_ray.models.tiny import EASY
 from lightning_ray.rollout.agents import AGENT_ENV, CommandAgent, resolve_agent
 from lightning_ray.services import Services
 from lightning_ray.tasks import load_splits
 from lightning_ray.trainer import train
 
-from helpers import ROOT
+from helpers import ROOT, small
 
 NODE_AGENT = ROOT / "examples" / "node_calc"
 
@@ -43,7 +43,7 @@ def test_a_run_that_fails_to_start_stops_what_it_started(ray_cluster, tiny_model
         return {pg for pg, t in ray.util.placement_group_table().items() if t["state"] != "REMOVED"}
 
     before = reserved()
-    cfg = validate(config(tmp_path, serve_port, tiny_model_path, task={"agent": "tests.agents.no_such_agent:agent"}))
+    cfg = small(config(tmp_path, serve_port, tiny_model_path, task={"agent": "tests.agents.no_such_agent:agent"}))
     with pytest.raises(Exception, match="no_such_agent"):
         Services(cfg, learner=True)
     assert "policy" not in serve.status().applications
@@ -58,9 +58,9 @@ def test_agents_left_behind_at_timeouts_cost_their_worker_a_restart_not_a_leak(r
     """Every other rollout hangs past rollout.timeout_seconds: its thread cannot be stopped and is left behind. At
     max_abandoned_agents the worker takes no more rollouts and is restarted once its own have ended, so over many
     rounds the threads it holds stay bounded and every rollout ends (the hung ones timed out: failed, scored 0)."""
-    cfg = validate(config(tmp_path, serve_port, tiny_model_path, task={"agent": "tests.agents.hang_calc:agent"},
-                          rollout={"num_workers": 1, "agents_per_worker": 2, "timeout_seconds": 1.0,
-                                   "max_abandoned_agents": 2}))
+    cfg = small(config(tmp_path, serve_port, tiny_model_path, task={"agent": "tests.agents.hang_calc:agent"},
+                       rollout={"num_workers": 1, "agents_per_worker": 2, "timeout_seconds": 1.0,
+                                "max_abandoned_agents": 2}))
     with Services(cfg) as services:
         [worker], tasks = services.workers, load_splits(cfg.task)[0][:4]
         pids, threads, ended = set(), [], []
@@ -77,9 +77,9 @@ def test_agents_left_behind_at_timeouts_cost_their_worker_a_restart_not_a_leak(r
 
 def test_a_worker_killed_mid_rollout_costs_an_attempt_not_a_transition(ray_cluster, tiny_model_path, serve_port,
                                                                         tmp_path):
-    cfg = validate(config(tmp_path, serve_port, tiny_model_path, task={"agent": "tests.agents.slow_calc:agent"},
-                          rollout={"num_workers": 2, "agents_per_worker": 2, "max_attempts": 2,
-                                   "unresponsive_seconds": 6}))  # beats every 2 s: a late one costs no attempt
+    cfg = small(config(tmp_path, serve_port, tiny_model_path, task={"agent": "tests.agents.slow_calc:agent"},
+                       rollout={"num_workers": 2, "agents_per_worker": 2, "max_attempts": 2,
+                                "unresponsive_seconds": 6}))  # beats every 2 s: a late one costs no attempt
     release = tmp_path / "release"  # the agents wait for it after a first call (tests/agents/slow_calc.py)
     with Services(cfg) as services:
         tasks = [t.model_copy(update={"input": {**t.input, "release": str(release)}})
@@ -137,9 +137,9 @@ def node_agent() -> list[str]:
 
 
 def test_a_javascript_agent_trains_like_any_other(node_agent, ray_cluster, tiny_model_path, serve_port, tmp_path):
-    cfg = validate(config(tmp_path, serve_port, tiny_model_path, task={"command": node_agent},
-                          rollout={"tasks_per_iteration": 8, "group_size": 4, "agents_per_worker": 4},
-                          trainer={"iterations": 2, "eval_every": 0, "lr": 1e-3}))
+    cfg = small(config(tmp_path, serve_port, tiny_model_path, task={"command": node_agent},
+                       rollout={"tasks_per_iteration": 8, "group_size": 4, "agents_per_worker": 4},
+                       trainer={"iterations": 2, "eval_every": 0, "lr": 1e-3}))
     history = train(cfg)
     for h in history:  # its calls were recorded by the server and became transitions; no rollout failed
         assert h["failed_rollouts"] == 0 and h["transitions"] == h["llm_spans"] > 0

@@ -17,9 +17,10 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from helpers import small
 import torch
 
-from lightning_ray.config import ModelConfig, validate
+from lightning_ray.config import ModelConfig
 from lightning_ray.models import _cached, content_key
 from lightning_ray.serving.chat import template_messages
 from lightning_ray.serving.responses import ResponsesRequest, to_chat
@@ -85,7 +86,7 @@ def run(ray_cluster, rag_model_path, serve_port, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("rag-run")
     task = {"name": "rag", "dataset": "facts", "protocol": "tools", "generator": WORLD, "train_size": 40,
             "eval_size": 4}
-    cfg = validate({
+    cfg = small({
         "run_dir": str(run_dir),
         "model": {"path": str(rag_model_path)},
         "serve": {"port": serve_port},

@@ -11,9 +11,9 @@ import sqlite3
 from collections import Counter
 
 import pytest
+from helpers import small
 
 from lightning_ray.algorithm.select import agent_of
-from lightning_ray.config import validate
 from lightning_ray.tasks import sql
 from lightning_ray.trainer import train
 from lightning_ray.types import Span, Task
@@ -24,7 +24,7 @@ ROLLOUTS_PER_ITERATION = 4 * 2
 @pytest.fixture(scope="module")
 def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("sql-run")
-    cfg = validate({
+    cfg = small({
         "run_dir": str(run_dir),
         "model": {"path": str(tiny_model_path)},
         # the schema in every prompt is ~900 of the tiny model's tokens: its rotary positions extend past 512

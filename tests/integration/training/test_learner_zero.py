@@ -11,11 +11,11 @@ import random
 import time
 
 import pytest
+from helpers import small
 import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from lightning_ray.config import validate
 from lightning_ray.training.checkpoint import LoopState, commit, staging
 from lightning_ray.training.learner import Learner
 from lightning_ray.training.loop import clear_stale_build_locks, parameter_digest
@@ -60,7 +60,7 @@ def assert_whole_weights(replies: list[dict], published: dict, version: int, che
 # stage 1 takes 4 optimizer steps (2 mini-batches × 2 epochs): every rank in each of them; stage 3: below
 @pytest.mark.parametrize("stage, algorithm", [(0, {}), (1, {"ppo_epochs": 2, "mini_batches": 2})])
 def test_each_zero_stage_publishes_and_saves_whole_weights(ray_cluster, tiny_model_path, tmp_path, stage, algorithm):
-    cfg = validate({"run_dir": str(tmp_path), "algorithm": algorithm, "trainer": {
+    cfg = small({"run_dir": str(tmp_path), "algorithm": algorithm, "trainer": {
         "num_workers": 2, "threads_per_worker": 1, "zero_stage": stage, "lr": 1e-3, "micro_batch_tokens": 96,
         "max_logprob_gap": None}})  # made-up served logprobs
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_path)
@@ -84,7 +84,7 @@ def test_zero3_publishes_whole_weights_and_a_resumed_learner_takes_the_step_the_
     to the same weights. Only with AdamW's moments and the value head restored (from each rank's partitions): fresh
     moments or a fresh head would step elsewhere."""
     def config(run_dir):  # a run's learner queues are named after its directory
-        return validate({"run_dir": str(run_dir), "algorithm": PPO, "trainer": {
+        return small({"run_dir": str(run_dir), "algorithm": PPO, "trainer": {
             "num_workers": 2, "threads_per_worker": 1, "zero_stage": 3, "lr": 1e-3, "micro_batch_tokens": 96,
             "max_logprob_gap": None}})
 
@@ -123,7 +123,7 @@ def test_two_ranks_train_like_one(ray_cluster, tiny_model_path, tmp_path):
     vocab = AutoModelForCausalLM.from_pretrained(tiny_model_path).config.vocab_size
     runs = []
     for ranks in (1, 2):
-        cfg = validate({"run_dir": str(tmp_path / str(ranks)), "algorithm": PPO, "trainer": {
+        cfg = small({"run_dir": str(tmp_path / str(ranks)), "algorithm": PPO, "trainer": {
             "num_workers": ranks, "threads_per_worker": 1, "lr": 1e-3, "micro_batch_tokens": 96,
             "max_logprob_gap": None}})  # made-up served logprobs
         registry = WeightRegistry.remote()
@@ -158,7 +158,7 @@ def test_the_gpu_learner_settings_train_on_cpu_too(ray_cluster, tiny_model_path,
     and activation checkpointing — runs the same code on CPUs: the step moves the weights, and what is published is
     the bf16 policy, whole, and the checkpoint is it. A batch whose loss is not finite then changes nothing: its step
     is skipped (DeepSpeed's bf16 optimizer finds the gradient not finite), and no version is published."""
-    cfg = validate({"run_dir": str(tmp_path), "trainer": {
+    cfg = small({"run_dir": str(tmp_path), "trainer": {
         "num_workers": 1, "threads_per_worker": 1, "dtype": "bfloat16", "gradient_checkpointing": True, "lr": 1e-2,
         "micro_batch_tokens": 96, "max_logprob_gap": None}})
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_path)

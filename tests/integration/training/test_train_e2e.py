@@ -9,10 +9,10 @@ from collections import Counter, defaultdict
 
 import numpy as np
 import pytest
+from helpers import small
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_ray.config import validate
 from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.trainer import train
 from lightning_ray.training.loop import parameter_digest
@@ -23,7 +23,7 @@ from lightning_ray.models.tiny import EASY  # sums and differences of two small 
 @pytest.fixture(scope="module")
 def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
-    cfg = validate({
+    cfg = small({
         "run_dir": str(run_dir),
         "model": {"path": str(tiny_model_path)},
         "serve": {"port": serve_port},
@@ -183,7 +183,7 @@ def short_run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     """A run cut short by trainer.max_minutes, evaluated with pass@2 too, its answers cut at 4 tokens (the tiny model
     answers in 3-5) and the cut-off ones left out of the loss (algorithm.overlong_filter)."""
     run_dir = tmp_path_factory.mktemp("short")
-    cfg = validate({
+    cfg = small({
         "run_dir": str(run_dir), "model": {"path": str(tiny_model_path)}, "serve": {"port": serve_port},
         "trainer": {"iterations": 50, "max_minutes": 1e-3, "eval_every": 40, "checkpoint_every": 40,
                     "micro_batch_tokens": 512, "lr": 1e-3},

@@ -1,0 +1,63 @@
+"""One source of defaults: the schema in lightning_ray/config.py holds every default, Hydra composes configs/ onto
+them (`code_defaults`), and no YAML file repeats one, so what a run uses is the code's default or a difference some
+file states."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from lightning_ray.config import CONFIGS, APOJobConfig, TrainConfig, code_defaults, compose
+
+YAMLS = sorted(CONFIGS.rglob("*.yaml"))
+
+
+def package(path: Path) -> list[str]:
+    """Where a file's keys land: its `# @package` line, else its group's folder (a top-level file: the root)."""
+    for line in path.read_text().splitlines():
+        if line.startswith("# @package "):
+            name = line.split()[-1]
+            return [] if name == "_global_" else name.split(".")
+    group = path.parent.relative_to(CONFIGS).parts
+    return list(group)
+
+
+def repeated(schema: type[BaseModel], defaults: dict, values: dict, where: str) -> list[str]:
+    """The keys of `values` whose value is the schema's default. A field that is a model is compared key by key;
+    any other (a dict of resources, a generator's options) whole, as a user reads it."""
+    found = []
+    for key, value in values.items():
+        field = schema.model_fields.get(key)
+        if field is None:
+            continue  # not a key of the schema: its validation test names it
+        sub = field.annotation if isinstance(field.annotation, type) else None
+        if sub and issubclass(sub, BaseModel) and isinstance(value, dict):
+            found += repeated(sub, defaults[key], value, f"{where}{key}.")
+        elif value == defaults.get(key):
+            found.append(f"{where}{key}")
+    return found
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_no_yaml_file_repeats_a_default_of_the_code(path):
+    schema = APOJobConfig if path.name == "apo.yaml" or "apo" in path.parts else TrainConfig
+    data = {k: v for k, v in (yaml.safe_load(path.read_text()) or {}).items() if k not in ("defaults", "hydra")}
+    for key in reversed(package(path)):
+        data = {key: data}
+    assert repeated(schema, code_defaults(schema), data, "") == []
+
+
+def test_every_key_can_be_overridden_and_what_make_train_runs_is_stated():
+    """Each key is in the composed tree (an override needs no `+`), and the composed config differs from the
+    code's defaults only where a file of configs/ says so: the default groups' choices."""
+    cfg = compose(["run_dir=x", "trainer.keep_checkpoints=3", "store.keep_iterations=7", "rollout.max_attempts=2"])
+    assert (cfg.trainer.keep_checkpoints, cfg.store.keep_iterations, cfg.rollout.max_attempts) == (3, 7, 2)
+    composed = compose(["run_dir=x"]).model_dump(mode="json")
+    defaults = code_defaults(TrainConfig)
+    changed = {f"{section}.{k}" for section, values in composed.items() if isinstance(values, dict)
+               for k, v in values.items() if v != defaults[section][k]}
+    assert changed == {"engine.kind", "engine.gpu_memory_utilization", "engine.env", "model.path",
+                       "serve.chat_template", "task.generator"}
