@@ -30,7 +30,7 @@ from lightning_ray.serving.app import deploy_policy
 from lightning_ray.serving.engines import SamplingParams, generate, make_engine
 from lightning_ray.store.client import StoreClient
 from lightning_ray.tasks import calc
-from lightning_ray.training.weights import WeightRegistry
+from lightning_ray.weight_sync.registry import WeightRegistry
 
 
 MODEL_NAME = "policy"

@@ -94,7 +94,7 @@ def run(model: str, path: Path, kind: str, cuda: bool, replicas: int, versions: 
 
     from lightning_ray.serving.app import APP_NAME, deploy_policy
     from lightning_ray.store.client import StoreClient
-    from lightning_ray.training.weights import WeightRegistry
+    from lightning_ray.weight_sync.registry import WeightRegistry
 
     dtype = torch.bfloat16 if cuda else torch.float32
     gpus = (0.5 if kind == "cuda_ipc" else 1) if cuda else 0  # cuda_ipc: learner and replica share a GPU

@@ -17,7 +17,7 @@ import httpx
 
 from lightning_ray.rollout.runner import work
 from lightning_ray.store import errors
-from lightning_ray.types import Attempt, Rollout, RolloutConfig, Span, Task
+from lightning_ray.types import Attempt, Rollout, AttemptPolicy, Span, Task
 
 _ERRORS = {cls.code: cls for cls in errors.StoreError.__subclasses__()}
 
@@ -41,7 +41,7 @@ class LightningClient:
             raise _ERRORS.get(error.get("code"), errors.StoreError)(f"{r.status_code}: {error['message']}")
         return r.json()
 
-    def enqueue(self, tasks: list[Task], config: RolloutConfig | None = None, queue: str = "default") -> list[Rollout]:
+    def enqueue(self, tasks: list[Task], config: AttemptPolicy | None = None, queue: str = "default") -> list[Rollout]:
         body = {"tasks": [t.model_dump() for t in tasks], "config": config and config.model_dump(), "queue": queue}
         return [Rollout(**r) for r in self._call("POST", "/v1/rollouts", json=body)]
 

@@ -21,10 +21,10 @@ from lightning_ray.store.client import StoreClient
 from lightning_ray.store.http import APP_NAME as STORE_APP
 from lightning_ray.store.http import deploy_store_api
 from lightning_ray.terminal import console, status
-from lightning_ray.training.checkpoint import Checkpoint
-from lightning_ray.training.learner import Learner
-from lightning_ray.training.weights import WeightRegistry
-from lightning_ray.types import Rollout, RolloutConfig, Task
+from lightning_ray.learner.checkpoint import Checkpoint
+from lightning_ray.learner.driver import Learner
+from lightning_ray.weight_sync.registry import WeightRegistry
+from lightning_ray.types import Rollout, AttemptPolicy, Task
 from lightning_ray.weight_sync import resolve as resolve_weight_sync
 
 
@@ -32,7 +32,7 @@ class Services:
     def __init__(self, cfg: TrainConfig, rollout_workers: bool = True, learner: bool = False,
                  resume: Checkpoint | None = None):
         """rollout_workers=False: the policy and the store only, for agents that run elsewhere (jobs/serve.py);
-        learner=True: the learner too (training/learner.py), its ranks starting while the policy server does;
+        learner=True: the learner too (learner/driver.py), its ranks starting while the policy server does;
         resume: a checkpoint of this run to go on from (its policy served as its version, the learner's state
         loaded, the rollouts the stopped run left unfinished cancelled). What started is stopped again if a later
         part fails to start."""
@@ -68,7 +68,7 @@ class Services:
         self.store = StoreClient.start(cfg.run_path, cfg.store.num_shards, label=label, actor_options=ON_HEAD)
         if resume and (left := self.store.query_rollouts(status=["queued", "requeued", "running"])):
             self.store.cancel([r.rollout_id for r in left])  # the stopped run's: no worker is waiting for them
-        self.attempts = RolloutConfig(max_attempts=cfg.rollout.max_attempts, timeout_seconds=cfg.rollout.timeout_seconds,
+        self.attempts = AttemptPolicy(max_attempts=cfg.rollout.max_attempts, timeout_seconds=cfg.rollout.timeout_seconds,
                                       unresponsive_seconds=cfg.rollout.unresponsive_seconds,
                                       timeout_policy=cfg.rollout.timeout_policy)
         self.registry = WeightRegistry.options(name=f"weight-registry@{label}").remote(

@@ -24,8 +24,8 @@ from lightning_ray.report import plot_learning_curve
 from lightning_ray.services import Services
 from lightning_ray.tasks import load_splits
 from lightning_ray.terminal import status
-from lightning_ray.training import checkpoint
-from lightning_ray.training.checkpoint import LoopState
+from lightning_ray.learner import checkpoint
+from lightning_ray.learner.checkpoint import LoopState
 from lightning_ray.types import Task, Transition
 
 PROBE = [{"role": "user", "content": "What is 3 + 4?"}]  # a fixed prompt whose served logprobs track each update

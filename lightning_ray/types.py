@@ -40,7 +40,7 @@ class Task(BaseModel):
         return {**self.input, **self.reference}
 
 
-class RolloutConfig(BaseModel):
+class AttemptPolicy(BaseModel):
     """How long an attempt may take and when the store retries it."""
 
     max_attempts: int = Field(1, ge=1)
@@ -64,7 +64,7 @@ class Rollout(BaseModel):
     rollout_id: str
     task: Task
     status: RolloutStatus = "queued"
-    config: RolloutConfig = Field(default_factory=RolloutConfig)
+    config: AttemptPolicy = Field(default_factory=AttemptPolicy)
     attempt_id: str | None = None
     attempts: int = 0
     reward: float | None = None

@@ -12,7 +12,7 @@ start=$(date +%s)
 lap() { echo "== $1: rc=$2, $(( $(date +%s) - start )) s in all" | tee -a "$out/summary.txt"; }
 nvidia-smi -L | tee "$out/summary.txt" || { echo "no NVIDIA GPU answers here" >&2; exit 1; }
 
-$py -m pytest -m gpu -rP -p no:cacheprovider tests/integration/training/test_gpu.py \
+$py -m pytest -m gpu -rP -p no:cacheprovider tests/integration/trainer/test_gpu.py \
     tests/integration/weight_sync/test_weight_transports.py > "$out/pytest.log" 2>&1
 rc=$?; lap "gpu tests ($(tail -1 "$out/pytest.log"))" $rc
 [ -n "${NO_BENCH:-}" ] && exit 0

@@ -42,7 +42,7 @@ def policy_app(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     from lightning_ray.serving.app import APP_NAME, deploy_policy
     from lightning_ray.store.client import StoreClient
     from lightning_ray.types import Task
-    from lightning_ray.training.weights import WeightRegistry
+    from lightning_ray.weight_sync.registry import WeightRegistry
 
     @contextmanager
     def deploy(model_name: str = "tiny-calc", registry=None, **options):

@@ -53,7 +53,7 @@ def app(args: dict):
     from lightning_ray.services import policy_options
     from lightning_ray.serving.app import policy_app
     from lightning_ray.store.client import StoreClient
-    from lightning_ray.training.weights import WeightRegistry
+    from lightning_ray.weight_sync.registry import WeightRegistry
 
     cfg = compose(args.get("overrides", []))
     cfg.run_path.mkdir(parents=True, exist_ok=True)

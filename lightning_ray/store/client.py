@@ -20,7 +20,7 @@ from lightning_ray.store.errors import InvalidSpans, UnknownRollout
 from lightning_ray.store.sqlite import span_from_row, span_row
 from lightning_ray.store.trace_store import TraceStore
 from lightning_ray.tracing import semconv
-from lightning_ray.types import Attempt, CancelOutcome, Rollout, RolloutConfig, Span, Task, new_id
+from lightning_ray.types import Attempt, CancelOutcome, Rollout, AttemptPolicy, Span, Task, new_id
 
 
 class StoreClient:
@@ -57,8 +57,8 @@ class StoreClient:
 
     # --- the rollout queue ---------------------------------------------------------------------------------
 
-    def enqueue(self, tasks: list[Task], config: RolloutConfig | None = None, queue: str = "default") -> list[Rollout]:
-        rollouts = [Rollout(rollout_id=new_id("ro"), task=t, config=config or RolloutConfig(), queue=queue)
+    def enqueue(self, tasks: list[Task], config: AttemptPolicy | None = None, queue: str = "default") -> list[Rollout]:
+        rollouts = [Rollout(rollout_id=new_id("ro"), task=t, config=config or AttemptPolicy(), queue=queue)
                     for t in tasks]
         groups = self._by_shard([r.rollout_id for r in rollouts])
         ray.get([self.shards[s].enqueue.remote([rollouts[i] for i in idx]) for s, idx in groups.items()])

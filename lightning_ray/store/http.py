@@ -22,7 +22,7 @@ from lightning_ray.serving.http import ApiError, error_response, install
 from lightning_ray.store.client import StoreClient
 from lightning_ray.store.errors import StoreError
 from lightning_ray.tracing.otlp import OtlpDecodeError, spans_from_otlp
-from lightning_ray.types import (Attempt, AttemptStatus, CancelOutcome, QueueName, Rollout, RolloutConfig, RolloutStatus,
+from lightning_ray.types import (Attempt, AttemptStatus, CancelOutcome, QueueName, Rollout, AttemptPolicy, RolloutStatus,
                                  Span, Task)
 
 APP_NAME, ROUTE_PREFIX = "store", "/store"
@@ -40,7 +40,7 @@ async def _store_error(_: Request, e: StoreError):
 
 class EnqueueRequest(BaseModel):
     tasks: list[Task] = Field(min_length=1)
-    config: RolloutConfig | None = None
+    config: AttemptPolicy | None = None
     queue: QueueName = "default"
 
 

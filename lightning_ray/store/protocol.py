@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from lightning_ray.types import Attempt, Rollout, RolloutConfig, Span, Task
+from lightning_ray.types import Attempt, Rollout, AttemptPolicy, Span, Task
 
 
 class RolloutStore(Protocol):
-    def enqueue(self, tasks: list[Task], config: RolloutConfig | None = None,
+    def enqueue(self, tasks: list[Task], config: AttemptPolicy | None = None,
                 queue: str = "default") -> list[Rollout]:
         """A rollout per task on `queue`, each with its attempts' settings (`config`)."""
 

@@ -21,7 +21,7 @@ import numpy as np
 from lightning_ray.store.errors import InvalidReward, InvalidTransition, StaleAttempt, UnknownAttempt, UnknownRollout
 from lightning_ray.store.lifecycle import check_move
 from lightning_ray.store.prompt_chain import PromptChain, restore
-from lightning_ray.types import FINISHED, Attempt, CancelOutcome, Rollout, RolloutConfig, Span, SpanEvent, Task, new_id
+from lightning_ray.types import FINISHED, Attempt, CancelOutcome, Rollout, AttemptPolicy, Span, SpanEvent, Task, new_id
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
@@ -456,7 +456,7 @@ def _where(*conditions) -> tuple[str, list]:
 
 
 def _rollout(r) -> Rollout:
-    return Rollout(rollout_id=r[0], task=Task.model_validate_json(r[1]), config=RolloutConfig.model_validate_json(r[2]),
+    return Rollout(rollout_id=r[0], task=Task.model_validate_json(r[1]), config=AttemptPolicy.model_validate_json(r[2]),
                    status=r[3], attempt_id=r[4], attempts=r[5], reward=r[6], error=r[7], enqueued_at=r[8],
                    ended_at=r[9], queue=r[10])
 

@@ -2,7 +2,7 @@
 
 One file per transport, behind one small interface. The learner side, `publish(version, module) -> payload`, runs on
 rank 0 with the policy's parameters whole (inside ZeRO-3's gather: it copies what it needs); the payload is small
-and picklable and goes to the weight registry (training/weights.py), the one control plane: replicas pull it,
+and picklable and goes to the weight registry (weight_sync/registry.py), the one control plane: replicas pull it,
 acknowledge or report a failure, and the trainer's barrier waits on them, whatever the transport. The replica side,
 `Receiver.receive(payload, version, paused)`, gets the tensors into its engine and returns False if the version
 was superseded before it could be fetched (the newer one follows).

@@ -17,8 +17,8 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, GraniteConfig, Granit
 from lightning_ray.algorithm.loss import policy_loss, token_weights
 from lightning_ray.algorithm.lightningrl import merge_calls
 from lightning_ray.config import AlgorithmConfig, TrainerConfig
-from lightning_ray.training.learner import batch_plan, micro_batches
-from lightning_ray.training.loop import collate, deepspeed_engine, parameter_digest, score, train_step
+from lightning_ray.learner.driver import batch_plan, micro_batches
+from lightning_ray.learner.worker import collate, deepspeed_engine, parameter_digest, score, train_step
 from lightning_ray.types import Transition
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

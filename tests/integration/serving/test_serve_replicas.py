@@ -117,7 +117,7 @@ class Network:
 
 def test_a_replica_out_of_reach_for_a_while_is_waited_for_not_dropped(ray_cluster):
     """Dropped, the barrier went on without it, and the replica, once back, was never waited for again."""
-    from lightning_ray.training.weights import WeightRegistry
+    from lightning_ray.weight_sync.registry import WeightRegistry
 
     class OutOfReach:
         """A replica's handle as the registry sees it while Ray cannot reach the replica's node: every call raises

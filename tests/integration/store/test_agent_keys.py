@@ -18,7 +18,7 @@ from lightning_ray.client import LightningClient
 from lightning_ray.rollout.runner import run_attempt
 from lightning_ray.tasks import calc
 from lightning_ray.tracing import semconv
-from lightning_ray.types import RolloutConfig, Task
+from lightning_ray.types import AttemptPolicy, Task
 from helpers import agent_otel_spans
 
 KEY = "sk-operator-0123456789"
@@ -55,7 +55,7 @@ def refused(r: httpx.Response) -> tuple[int, str]:
 def test_an_agents_key_reaches_the_policy_and_its_own_spans_only(app):
     store = app["store"]
     [task] = calc.make_tasks(1, seed=0)
-    [mine] = store.enqueue([task], RolloutConfig(unresponsive_seconds=30))
+    [mine] = store.enqueue([task], AttemptPolicy(unresponsive_seconds=30))
     leased = lease(store, mine.rollout_id)
     [other] = store.enqueue([Task(task_id="other", input={"question": "q"}, reference={"answer": "42"})])
     seen: dict = {}

@@ -19,7 +19,7 @@ from lightning_ray.store.errors import (BatchTooLarge, InvalidReward, InvalidSpa
                                        UnknownAttempt, UnknownRollout)
 from lightning_ray.store.sqlite import SQLiteBackend, span_row
 from lightning_ray.tracing.spans import new_span_id
-from lightning_ray.types import Rollout, RolloutConfig, Span, Task
+from lightning_ray.types import Rollout, AttemptPolicy, Span, Task
 
 
 def wait_until(done, what: str, timeout: float = 60.0) -> None:
@@ -31,7 +31,7 @@ def wait_until(done, what: str, timeout: float = 60.0) -> None:
 
 
 def rollouts(n: int, **config) -> list[Rollout]:
-    return [Rollout(rollout_id=f"r{i}", task=Task(task_id=f"t{i}", input={"i": i}), config=RolloutConfig(**config))
+    return [Rollout(rollout_id=f"r{i}", task=Task(task_id=f"t{i}", input={"i": i}), config=AttemptPolicy(**config))
             for i in range(n)]
 
 
@@ -86,7 +86,7 @@ def test_a_worker_takes_rollouts_of_its_own_queue_only(tmp_path):
                "config TEXT NOT NULL, status TEXT NOT NULL, attempt_id TEXT, attempts INTEGER NOT NULL, reward REAL, "
                "error TEXT, enqueued_at REAL NOT NULL, ended_at REAL)")
     db.execute("INSERT INTO rollouts VALUES ('r', 1, ?, ?, 'queued', NULL, 0, NULL, NULL, 0, NULL)",
-               (Task(task_id="t", input={}).model_dump_json(), RolloutConfig().model_dump_json()))
+               (Task(task_id="t", input={}).model_dump_json(), AttemptPolicy().model_dump_json()))
     db.commit()
     db.close()
     assert SQLiteBackend(old).dequeue("w", now=1.0)[0].queue == "default"
@@ -191,9 +191,9 @@ def test_timeouts_and_lost_leases_end_attempts_and_retry_them():
     store = SQLiteBackend()
     store.enqueue([*rollouts(1, timeout_seconds=10, max_attempts=2, timeout_policy="platform"),
                    Rollout(rollout_id="quiet", task=Task(task_id="q", input={}),
-                           config=RolloutConfig(unresponsive_seconds=2)),
+                           config=AttemptPolicy(unresponsive_seconds=2)),
                    Rollout(rollout_id="loops", task=Task(task_id="l", input={}),
-                           config=RolloutConfig(timeout_seconds=10, max_attempts=2))])  # timeout_policy: policy
+                           config=AttemptPolicy(timeout_seconds=10, max_attempts=2))])  # timeout_policy: policy
     _, slow = store.dequeue(None, now=0.0)
     _, quiet = store.dequeue(None, now=0.0)
     store.dequeue(None, now=0.0)
@@ -403,9 +403,9 @@ def test_a_reward_that_is_not_finite_fails_the_attempt_without_a_reward(ray_clus
 def test_waiting_for_rollouts_and_expiring_silent_attempts(ray_cluster):
     client = StoreClient.start(expire_every_s=0.05)
     # Only the second rollout has a lease: 2 s, so its retry's outlasts the waiter's 0.3 s below on a loaded machine.
-    ids = [client.enqueue([Task(task_id="t0", input={})], RolloutConfig(max_attempts=2))[0].rollout_id,
+    ids = [client.enqueue([Task(task_id="t0", input={})], AttemptPolicy(max_attempts=2))[0].rollout_id,
            client.enqueue([Task(task_id="t1", input={})],
-                          RolloutConfig(unresponsive_seconds=2.0, max_attempts=2))[0].rollout_id]
+                          AttemptPolicy(unresponsive_seconds=2.0, max_attempts=2))[0].rollout_id]
     first, second = client.dequeue("w"), client.dequeue("w")
     assert client.wait_for_rollouts(ids, timeout=0.2) == []  # nothing ended yet: the timeout returns
     client.finish_attempt(first.rollout_id, first.attempt_id, "succeeded", reward=1.0)
@@ -518,7 +518,7 @@ def test_a_stuck_agent_cannot_hold_its_worker(ray_cluster, timeout_policy):
     client = StoreClient.start(expire_every_s=0.05)
     stuck = threading.Event()
     # The deadline is the stuck rollout's only; 2.5 s leaves its retry room on a loaded machine.
-    config = RolloutConfig(timeout_seconds=2.5, max_attempts=2, timeout_policy=timeout_policy)
+    config = AttemptPolicy(timeout_seconds=2.5, max_attempts=2, timeout_policy=timeout_policy)
     ids = [client.enqueue([Task(task_id="stuck", input={"stuck": True})], config)[0].rollout_id,
            client.enqueue([Task(task_id="fine", input={"stuck": False})])[0].rollout_id]
 
@@ -575,12 +575,12 @@ def test_a_requeued_rollout_is_taken_by_the_next_free_slot(ray_cluster):
     client = StoreClient.start(expire_every_s=0.05)
     worker = SleepyWorker.remote()
     ray.get(worker.__ray_ready__.remote())  # started: its slots find the queue at once
-    [lost] = client.enqueue([Task(task_id="lost", input={})], RolloutConfig(unresponsive_seconds=1.5, max_attempts=2))
+    [lost] = client.enqueue([Task(task_id="lost", input={})], AttemptPolicy(unresponsive_seconds=1.5, max_attempts=2))
     assert client.dequeue("a worker that dies").rollout_id == lost.rollout_id  # and never heartbeats
     # The slow rollout runs until the lost one has ended (not a guessed duration): taken only after the slow one
     # ended, the lost one would end last.
     [slow] = client.enqueue([Task(task_id="slow", input={"until_ended": lost.rollout_id})],
-                            RolloutConfig(unresponsive_seconds=5))
+                            AttemptPolicy(unresponsive_seconds=5))
     ended = run_to_end(client, [worker], 2, [slow.rollout_id, lost.rollout_id], "test")
     by_id = {r.rollout_id: r for r in ended}
     assert [by_id[r.rollout_id].status for r in (slow, lost)] == ["succeeded", "succeeded"]

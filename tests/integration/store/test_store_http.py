@@ -25,7 +25,7 @@ from lightning_ray.algorithm.lightningrl import transitions_from_spans
 from lightning_ray.store.http import gunzip
 from lightning_ray.tasks import calc
 from lightning_ray.tracing import semconv
-from lightning_ray.types import RolloutConfig, Task
+from lightning_ray.types import AttemptPolicy, Task
 
 from helpers import agent_otel_spans
 
@@ -63,7 +63,7 @@ OUTSIDE_AGENT = textwrap.dedent("""
 
 def test_an_agent_outside_ray_pulls_rollouts_and_streams_its_spans_back(app, tmp_path):
     store = app["store"]
-    rollouts = store.enqueue(calc.make_tasks(3, seed=1), RolloutConfig(unresponsive_seconds=30))
+    rollouts = store.enqueue(calc.make_tasks(3, seed=1), AttemptPolicy(unresponsive_seconds=30))
     fake_ray = tmp_path / "ray"
     fake_ray.mkdir()
     (fake_ray / "__init__.py").write_text("raise ImportError('the Lightning client must not need Ray')\n")
@@ -304,7 +304,7 @@ def test_a_worker_whose_dequeue_reply_is_lost_gets_the_same_rollout_again(app):
     from lightning_ray.client import LightningClient
 
     store = app["store"]
-    mine = store.enqueue([Task(task_id=f"lossy{i}", input={}) for i in range(2)], RolloutConfig(max_attempts=1))
+    mine = store.enqueue([Task(task_id=f"lossy{i}", input={}) for i in range(2)], AttemptPolicy(max_attempts=1))
     client, transport = LightningClient(app["store_url"]), LosesTheFirstDequeueReply()
     client.http = httpx.Client(base_url=app["store_url"], transport=transport, timeout=30)
     ran = client.work(lambda task, **_: "ok", lambda task, answer: 1.0, "http://127.0.0.1:9", MODEL, worker_id="lossy")

@@ -16,7 +16,7 @@ import ray
 import torch
 
 from lightning_ray.serving.app import APP_NAME
-from lightning_ray.training.weights import WeightRegistry
+from lightning_ray.weight_sync.registry import WeightRegistry
 
 MODEL = "tiny-calc"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 3}

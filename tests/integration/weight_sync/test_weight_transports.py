@@ -14,7 +14,7 @@ import ray
 import torch
 
 from lightning_ray.serving.app import deploy_policy
-from lightning_ray.training.weights import WeightRegistry
+from lightning_ray.weight_sync.registry import WeightRegistry
 from lightning_ray.weight_sync import buckets as bk
 from lightning_ray.weight_sync import resolve
 

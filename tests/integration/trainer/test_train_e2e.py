@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.trainer import train
-from lightning_ray.training.loop import parameter_digest
+from lightning_ray.learner.worker import parameter_digest
 
 from lightning_ray.models.tiny import EASY  # sums and differences of two small numbers, as it was warmed up on
 

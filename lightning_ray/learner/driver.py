@@ -1,4 +1,5 @@
-"""The driver's side of training: one TorchTrainer.fit() in a thread, fed batches through Ray queues."""
+"""The learner, as the trainer sees it: one TorchTrainer.fit() in a thread (the ranks: learner/worker.py), fed
+batches through Ray queues."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from lightning_ray.algorithm.advantages import has_signal
 from lightning_ray.algorithm.loss import token_weights
 from lightning_ray.config import AlgorithmConfig, TrainConfig, TrainerConfig
 from lightning_ray.placement import ON_HEAD
-from lightning_ray.training.checkpoint import Checkpoint
-from lightning_ray.training.loop import MicroBatch, train_loop_per_worker
+from lightning_ray.learner.checkpoint import Checkpoint
+from lightning_ray.learner.worker import MicroBatch, train_loop_per_worker
 from lightning_ray.types import Transition
 from lightning_ray.weight_sync import resolve as resolve_weight_sync
 
@@ -100,7 +101,7 @@ class Learner:
         return replies
 
     def save(self, path: Path) -> None:
-        """The policy (HF) into path/policy, the learner's whole state into path/learner (training/checkpoint.py)."""
+        """The policy (HF) into path/policy, the learner's whole state into path/learner (learner/checkpoint.py)."""
         self.wait_ready()
         for inbox in self.inboxes:
             inbox.put({"kind": "save", "path": str(path)})

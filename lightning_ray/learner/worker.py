@@ -133,7 +133,7 @@ def train_loop_per_worker(cfg: dict) -> None:
         outbox.put({"rank": rank, "ready": True, "digest": parameter_digest(module)})
     first = True
     while (msg := inbox.get()) is not None:
-        if msg["kind"] == "save":  # training/checkpoint.py's layout
+        if msg["kind"] == "save":  # learner/checkpoint.py's layout
             with whole_weights(engine) as module:
                 if rank == 0:
                     module.save_pretrained(Path(msg["path"]) / "policy")  # a critic's value head is the run's own

@@ -16,7 +16,7 @@ import pytest
 from helpers import free_port
 from helpers import CLI, ROOT, TINY, cli
 
-from lightning_ray.training.checkpoint import LoopState, commit, latest, staging
+from lightning_ray.learner.checkpoint import LoopState, commit, latest, staging
 
 
 def state(next_iteration: int) -> LoopState:

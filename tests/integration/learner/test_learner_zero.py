@@ -16,10 +16,10 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from lightning_ray.training.checkpoint import LoopState, commit, staging
-from lightning_ray.training.learner import Learner
-from lightning_ray.training.loop import clear_stale_build_locks, parameter_digest
-from lightning_ray.training.weights import WeightRegistry
+from lightning_ray.learner.checkpoint import LoopState, commit, staging
+from lightning_ray.learner.driver import Learner
+from lightning_ray.learner.worker import clear_stale_build_locks, parameter_digest
+from lightning_ray.weight_sync.registry import WeightRegistry
 from lightning_ray.types import Transition
 
 
