@@ -35,12 +35,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2C
 
 from lightning_ray.algorithm.loss import policy_loss, token_weights
 from lightning_ray.config import ModelConfig, validate
-from lightning_ray.models import SMOLLM2, resolve_model_path
-from lightning_ray.tasks import calc
 from lightning_ray.learner.driver import Learner, micro_batches, zero_stage
 from lightning_ray.learner.worker import collate, score, to_device
-from lightning_ray.weight_sync.registry import WeightRegistry
+from lightning_ray.models import SMOLLM2, resolve_model_path
+from lightning_ray.tasks import calc
 from lightning_ray.types import Transition
+from lightning_ray.weight_sync.registry import WeightRegistry
 
 
 def make_batch(model_path, n: int, seed: int = 0) -> list[Transition]:

@@ -11,6 +11,8 @@ import ray
 from ray import serve
 
 from lightning_ray.config import EngineConfig, TrainConfig
+from lightning_ray.learner.checkpoint import Checkpoint
+from lightning_ray.learner.driver import Learner
 from lightning_ray.models import resolve_model_path
 from lightning_ray.placement import ON_HEAD, actor_options
 from lightning_ray.rollout.dispatch import run_to_end
@@ -21,11 +23,9 @@ from lightning_ray.store.client import StoreClient
 from lightning_ray.store.http import APP_NAME as STORE_APP
 from lightning_ray.store.http import deploy_store_api
 from lightning_ray.terminal import console, status
-from lightning_ray.learner.checkpoint import Checkpoint
-from lightning_ray.learner.driver import Learner
-from lightning_ray.weight_sync.registry import WeightRegistry
 from lightning_ray.types import Rollout, AttemptPolicy, Task
 from lightning_ray.weight_sync import resolve as resolve_weight_sync
+from lightning_ray.weight_sync.registry import WeightRegistry
 
 
 class Services:

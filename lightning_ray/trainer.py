@@ -19,13 +19,13 @@ from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, scored_fa
 from lightning_ray.algorithm.select import Selection
 from lightning_ray.config import TrainConfig
 from lightning_ray.evaluation import evaluate
+from lightning_ray.learner import checkpoint
+from lightning_ray.learner.checkpoint import LoopState
 from lightning_ray.metrics import metrics
 from lightning_ray.report import plot_learning_curve
 from lightning_ray.services import Services
 from lightning_ray.tasks import load_splits
 from lightning_ray.terminal import status
-from lightning_ray.learner import checkpoint
-from lightning_ray.learner.checkpoint import LoopState
 from lightning_ray.types import Task, Transition
 
 PROBE = [{"role": "user", "content": "What is 3 + 4?"}]  # a fixed prompt whose served logprobs track each update

@@ -16,9 +16,9 @@ from ray.util.queue import Empty, Queue
 from lightning_ray.algorithm.advantages import has_signal
 from lightning_ray.algorithm.loss import token_weights
 from lightning_ray.config import AlgorithmConfig, TrainConfig, TrainerConfig
-from lightning_ray.placement import ON_HEAD
 from lightning_ray.learner.checkpoint import Checkpoint
 from lightning_ray.learner.worker import MicroBatch, train_loop_per_worker
+from lightning_ray.placement import ON_HEAD
 from lightning_ray.types import Transition
 from lightning_ray.weight_sync import resolve as resolve_weight_sync
 

@@ -14,8 +14,8 @@ from helpers import free_port
 from transformers import (Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                           LlamaForCausalLM)
 
-from lightning_ray.algorithm.loss import policy_loss, token_weights
 from lightning_ray.algorithm.lightningrl import merge_calls
+from lightning_ray.algorithm.loss import policy_loss, token_weights
 from lightning_ray.config import AlgorithmConfig, TrainerConfig
 from lightning_ray.learner.driver import batch_plan, micro_batches
 from lightning_ray.learner.worker import collate, deepspeed_engine, parameter_digest, score, train_step

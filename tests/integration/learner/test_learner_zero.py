@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 from lightning_ray.learner.checkpoint import LoopState, commit, staging
 from lightning_ray.learner.driver import Learner
 from lightning_ray.learner.worker import clear_stale_build_locks, parameter_digest
-from lightning_ray.weight_sync.registry import WeightRegistry
 from lightning_ray.types import Transition
+from lightning_ray.weight_sync.registry import WeightRegistry
 
 
 def transitions(vocab: int, n: int = 8) -> list[Transition]:

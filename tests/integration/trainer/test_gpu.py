@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_ray.config import compose
-from lightning_ray.trainer import train
 from lightning_ray.learner.worker import parameter_digest
+from lightning_ray.trainer import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a GPU node)")]
 

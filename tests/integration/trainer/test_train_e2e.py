@@ -13,9 +13,9 @@ from helpers import small
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lightning_ray.learner.worker import parameter_digest
 from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.trainer import train
-from lightning_ray.learner.worker import parameter_digest
 
 from lightning_ray.models.tiny import EASY  # sums and differences of two small numbers, as it was warmed up on
 

@@ -14,9 +14,9 @@ import ray
 import torch
 
 from lightning_ray.serving.app import deploy_policy
-from lightning_ray.weight_sync.registry import WeightRegistry
 from lightning_ray.weight_sync import buckets as bk
 from lightning_ray.weight_sync import resolve
+from lightning_ray.weight_sync.registry import WeightRegistry
 
 MODEL = "tiny-calc"
 SMALL_BUCKETS = 64 << 10  # the tiny model (707 KB) in 8 buckets: a transfer has a middle to die in
