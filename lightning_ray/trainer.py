@@ -15,13 +15,14 @@ from openai import OpenAI
 from lightning_ray.algorithm.advantages import best_rollouts, compute_advantages
 from lightning_ray.algorithm.air import air_spans
 from lightning_ray.algorithm.dynamic_sampling import sample_groups
-from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, scored_faithfully, spans_read
+from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, spans_read
 from lightning_ray.algorithm.select import Selection
 from lightning_ray.config import TrainConfig
 from lightning_ray.evaluation import evaluate
 from lightning_ray.learner import checkpoint
 from lightning_ray.learner.checkpoint import LoopState
 from lightning_ray.metrics import metrics
+from lightning_ray.record import iteration_record, line, summary
 from lightning_ray.report import plot_learning_curve
 from lightning_ray.services import Services
 from lightning_ray.tasks import load_splits
@@ -43,7 +44,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             state = resume.state
             history, evals, started, first = state.history, state.evals, state.started, state.next_iteration
             rng.setstate(state.random_state())
-            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+            (run / "metrics.jsonl").write_text("".join(json.dumps(line(r)) + "\n" for r in history))
             print(f"resumed from {resume.path.name}: iteration {first}, policy v{state.policy_version}", flush=True)
         elif t.eval_every:
             evals.append({"after": 0, **evaluate(services, held_out, cfg.eval.pass_k, "eval before")})
@@ -103,8 +104,8 @@ def train(cfg: TrainConfig) -> list[dict]:
                 with phase("eval"):
                     evals.append({"after": iteration + 1, **evaluate(services, held_out, cfg.eval.pass_k,
                                                                      f"eval after {iteration + 1}")})
-            record = _record(iteration, rollouts, spans, transitions, adapted, sampling, learner.version, results,
-                             phase.seconds)
+            record = iteration_record(iteration, rollouts, spans, transitions, adapted, sampling, learner.version,
+                                      results, phase.seconds)
             if results:
                 served_before, probe = probe, _probe(services.server_url, cfg)
                 record.update({"served_policy_version": probe["version"],
@@ -124,8 +125,8 @@ def train(cfg: TrainConfig) -> list[dict]:
                         evals=evals, started=started, history=history), t.keep_checkpoints)
             _export(record)
             with open(run / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
-            print(_summary(record), flush=True)
+                f.write(json.dumps(line(record)) + "\n")  # its fields are docs/01-training.md's table
+            print(summary(record), flush=True)
             if (keep := cfg.store.keep_iterations) and iteration >= keep:  # the last `keep` iterations' spans stay
                 services.store.delete_spans(before=started[iteration - keep + 1])
             if last:
@@ -139,84 +140,11 @@ def train(cfg: TrainConfig) -> list[dict]:
     return history
 
 
-def _record(iteration, rollouts, spans, transitions, adapted, sampling, version, results, seconds) -> dict:
-    """One line of metrics.jsonl (docs/01-training.md's table explains each field); rollouts, spans, transitions: of
-    every sampling round, whether their group was trained on or dropped."""
-    llm_spans = recorded_calls(spans)
-    record = {
-        "iteration": iteration,
-        "reward_mean": sum(r.reward or 0.0 for r in rollouts) / len(rollouts),
-        "rollouts": len(rollouts),
-        "failed_rollouts": sum(r.status == "failed" for r in rollouts),
-        # no reward, or not a finite one: left out of training
-        "infra_failed_rollouts": adapted["infra_failed_rollouts"],
-        "transitions": len(transitions),
-        "policy_calls": adapted["policy_calls"],
-        "unanswered_calls": adapted["unanswered_calls"],  # errored or aborted: the agent never saw them
-        "truncation_rate": adapted["truncated_calls"] / max(adapted["policy_calls"], 1),
-        # re-tokenization drift between a rollout's consecutive calls
-        "prefix_break_rate": adapted["prefix_breaks"] / max(adapted["call_joins"], 1),
-        **sampling,  # groups_with_signal, groups_dropped, sampling_rounds
-        "llm_spans": len(llm_spans),
-        "unfaithfully_scored_calls": sum(not scored_faithfully(s) for s in llm_spans),
-        # the policy's own tokens per rollout (what the response-length curve shows)
-        "action_tokens_mean": sum(tr.action_tokens for tr in transitions) / len(rollouts),
-        "response_diversity": response_diversity(transitions),
-        "rollout_policy_versions": sorted({tr.policy_version for tr in transitions}),
-        "policy_version": version,
-        "updated": bool(results) and results[0]["updated"],  # not when every step was skipped (non-finite)
-        "seconds": seconds,
-    }
-    if results:
-        record.update({
-            "loss": sum(r["loss"] for r in results),
-            "clip_frac": sum(r["clip_frac"] for r in results) / len(results),
-            "logprob_abs_diff": sum(r["logprob_abs_diff"] for r in results) / len(results),
-            # training health: the sampling distribution's entropy and the KL to the initial policy (kl_coef > 0)
-            # per trained token, the gradient norm before clipping
-            "entropy": sum(r["entropy"] for r in results) / len(results),
-            "kl_ref": sum(r["kl_ref"] for r in results) / len(results),
-            "value_loss": sum(r["value_loss"] for r in results),  # PPO's critic (0 without one)
-            "tis_capped_frac": sum(r["tis_capped"] for r in results) / len(results),  # tokens at algorithm.tis_cap
-            "grad_norm": results[0]["grad_norm"],
-            # optimizer steps (algorithm.mini_batches × ppo_epochs), those skipped: a loss or gradient not finite
-            "steps": results[0]["steps"], "skipped_nonfinite": results[0]["skipped_nonfinite"],
-            "trained_tokens": sum(r["tokens"] for r in results),
-            "micro_batches": sum(r["micro_batches"] for r in results),
-            "worker_digests": [r["digest"] for r in results],
-            # where rank 0's step went: forward/backward, the optimizer, publishing the weights, the digest
-            "learner_seconds": {k: round(results[0][k], 2) for k in ("compute_s", "optimizer_s", "publish_s",
-                                                                     "digest_s")},
-        })
-    return record
-
-
 def _export(record: dict) -> None:
     """The iteration's outcome on the Ray dashboard (lightning_ray/metrics.py)."""
     metrics().reward_mean.set(record["reward_mean"])
     metrics().transitions.inc(record["transitions"])
     metrics().policy_version.set(record["policy_version"], tags={"role": "trained"})
-
-
-def response_diversity(transitions) -> float:
-    """Distinct responses per rollout within a task's group, averaged over groups: 1 when every rollout of a group
-    answered differently; it falls towards 1 / group size as exploration collapses."""
-    by_group: dict[str, dict[str, bytes]] = {}
-    for tr in transitions:  # the responses' token ids as bytes: their dtype is fixed (types.Transition)
-        episode = by_group.setdefault(tr.group_id, {})
-        episode[tr.rollout_id] = episode.get(tr.rollout_id, b"") + tr.response_ids.tobytes()
-    ratios = [len(set(episodes.values())) / len(episodes) for episodes in by_group.values()]
-    return sum(ratios) / len(ratios) if ratios else 0.0
-
-
-def _summary(r: dict) -> str:
-    update = (f"policy v{r['policy_version']} served" if r["updated"] else
-              "steps skipped (not finite): policy unchanged" if r.get("skipped_nonfinite") else
-              "no signal: policy unchanged")
-    held_out = f" | held-out {r['eval']['accuracy']:.3f}" if "eval" in r else ""
-    rounds = f" ({r['sampling_rounds']} rounds)" if r["sampling_rounds"] > 1 else ""
-    return (f"iter {r['iteration']}: reward {r['reward_mean']:.3f} | groups with signal {r['groups_with_signal']}"
-            f"{rounds} | {update}{held_out} | " + " ".join(f"{k} {v:.1f}s" for k, v in r["seconds"].items()))
 
 
 def _probe(server_url: str, cfg: TrainConfig) -> dict:

@@ -1,0 +1,51 @@
+"""metrics.jsonl's line is a typed record whose field descriptions are the docs' table: a field the trainer writes
+without a row there fails, and the docs cannot drift from what the code writes."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from helpers import ROOT
+from pydantic import ValidationError
+
+from lightning_ray.record import IterationRecord, fields_table, iteration_record, line, summary
+from lightning_ray.types import Rollout, Task, Transition
+
+ADAPTED = Counter(infra_failed_rollouts=1, policy_calls=4, unanswered_calls=0, truncated_calls=1, prefix_breaks=0,
+                  call_joins=2)
+SAMPLING = {"sampling_rounds": 1, "groups_with_signal": 1, "groups_dropped": 0}
+REPLY = {"rank": 0, "updated": True, "loss": 0.5, "clip_frac": 0.1, "logprob_abs_diff": 1e-7, "entropy": 1.2,
+         "kl_ref": 0.0, "value_loss": 0.0, "tis_capped": 0.0, "grad_norm": 0.3, "steps": 1, "skipped_nonfinite": 0,
+         "tokens": 12, "micro_batches": 2, "digest": "ab12", "compute_s": 0.5, "optimizer_s": 0.1, "publish_s": 0.2,
+         "digest_s": 0.01}
+
+
+def made(results: list[dict]) -> dict:
+    rollouts = [Rollout(rollout_id=f"r{i}", task=Task(task_id="t", input={}), status="succeeded", reward=float(i))
+                for i in range(2)]
+    transitions = [Transition(rollout_id=r.rollout_id, group_id="g", span_id=f"s{i}", prompt_ids=[1],
+                              response_ids=[2 + i], logprobs=[-1.0], reward=r.reward, policy_version=3)
+                   for i, r in enumerate(rollouts)]
+    return iteration_record(0, rollouts, [], transitions, ADAPTED, SAMPLING, 4, results, {"rollout": 1.5})
+
+
+def test_the_docs_table_is_the_records_field_descriptions():
+    """docs/01-training.md shows `python -m lightning_ray.record`'s table as it is."""
+    assert fields_table() in (ROOT / "docs" / "01-training.md").read_text()
+
+
+@pytest.mark.parametrize("results", [[], [REPLY, {**REPLY, "rank": 1, "digest": "ab12"}]], ids=["no update", "update"])
+def test_every_field_the_trainer_writes_has_a_row(results):
+    record = made(results)
+    record.update({"eval": {"after": 1, "tasks": 4, "accuracy": 0.5}})
+    written = line(record)
+    assert written == {k: v for k, v in record.items()}  # nothing dropped, nothing renamed
+    assert set(written) <= set(IterationRecord.model_fields)
+    assert ("loss" in written) == bool(results) and written["response_diversity"] == 1.0
+    assert summary(written).startswith("iter 0: reward 0.500 | groups with signal 1 | ")
+
+
+def test_a_field_without_a_row_is_refused():
+    with pytest.raises(ValidationError, match="new_metric"):
+        line({**made([]), "new_metric": 1})
