@@ -17,7 +17,7 @@ import httpx
 
 from lightning_ray.rollout.runner import work
 from lightning_ray.store import errors
-from lightning_ray.types import Attempt, Rollout, AttemptPolicy, Span, Task
+from lightning_ray.types import Attempt, AttemptPolicy, Rollout, Span, Task
 
 _ERRORS = {cls.code: cls for cls in errors.StoreError.__subclasses__()}
 

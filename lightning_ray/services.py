@@ -23,7 +23,7 @@ from lightning_ray.store.client import StoreClient
 from lightning_ray.store.http import APP_NAME as STORE_APP
 from lightning_ray.store.http import deploy_store_api
 from lightning_ray.terminal import console, status
-from lightning_ray.types import Rollout, AttemptPolicy, Task
+from lightning_ray.types import AttemptPolicy, Rollout, Task
 from lightning_ray.weight_sync import resolve as resolve_weight_sync
 from lightning_ray.weight_sync.registry import WeightRegistry
 

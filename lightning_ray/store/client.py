@@ -20,7 +20,7 @@ from lightning_ray.store.errors import InvalidSpans, UnknownRollout
 from lightning_ray.store.sqlite import span_from_row, span_row
 from lightning_ray.store.trace_store import TraceStore
 from lightning_ray.tracing import semconv
-from lightning_ray.types import Attempt, CancelOutcome, Rollout, AttemptPolicy, Span, Task, new_id
+from lightning_ray.types import Attempt, AttemptPolicy, CancelOutcome, Rollout, Span, Task, new_id
 
 
 class StoreClient:

@@ -22,7 +22,7 @@ from lightning_ray.serving.http import ApiError, error_response, install
 from lightning_ray.store.client import StoreClient
 from lightning_ray.store.errors import StoreError
 from lightning_ray.tracing.otlp import OtlpDecodeError, spans_from_otlp
-from lightning_ray.types import (Attempt, AttemptStatus, CancelOutcome, QueueName, Rollout, AttemptPolicy, RolloutStatus,
+from lightning_ray.types import (Attempt, AttemptPolicy, AttemptStatus, CancelOutcome, QueueName, Rollout, RolloutStatus,
                                  Span, Task)
 
 APP_NAME, ROUTE_PREFIX = "store", "/store"

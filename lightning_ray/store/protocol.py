@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from lightning_ray.types import Attempt, Rollout, AttemptPolicy, Span, Task
+from lightning_ray.types import Attempt, AttemptPolicy, Rollout, Span, Task
 
 
 class RolloutStore(Protocol):

@@ -21,7 +21,7 @@ import numpy as np
 from lightning_ray.store.errors import InvalidReward, InvalidTransition, StaleAttempt, UnknownAttempt, UnknownRollout
 from lightning_ray.store.lifecycle import check_move
 from lightning_ray.store.prompt_chain import PromptChain, restore
-from lightning_ray.types import FINISHED, Attempt, CancelOutcome, Rollout, AttemptPolicy, Span, SpanEvent, Task, new_id
+from lightning_ray.types import FINISHED, Attempt, AttemptPolicy, CancelOutcome, Rollout, Span, SpanEvent, Task, new_id
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (

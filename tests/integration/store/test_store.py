@@ -19,7 +19,7 @@ from lightning_ray.store.errors import (BatchTooLarge, InvalidReward, InvalidSpa
                                        UnknownAttempt, UnknownRollout)
 from lightning_ray.store.sqlite import SQLiteBackend, span_row
 from lightning_ray.tracing.spans import new_span_id
-from lightning_ray.types import Rollout, AttemptPolicy, Span, Task
+from lightning_ray.types import AttemptPolicy, Rollout, Span, Task
 
 
 def wait_until(done, what: str, timeout: float = 60.0) -> None:
