@@ -25,7 +25,7 @@ DIR, LINK = "checkpoints", "checkpoint"
 
 
 class LoopState(BaseModel):
-    """Where the RL loop stands after an iteration (trainer.py)."""
+    """Where the RL loop stands after an iteration (trainer/run.py)."""
 
     next_iteration: int  # the iteration a resumed run starts with
     policy_version: int  # the learner's version, the one the checkpoint's policy is served as

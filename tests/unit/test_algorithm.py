@@ -252,7 +252,7 @@ def test_clip_higher_leaves_more_room_above_than_below():
 
 
 def test_response_diversity_counts_distinct_episodes_per_group():
-    from lightning_ray.record import response_diversity
+    from lightning_ray.trainer.record import response_diversity
 
     def call(rollout, group, step, ids):
         return transition(rollout, group, 1.0, step=step).model_copy(update={"response_ids": np.array(ids, np.int32)})

@@ -9,7 +9,7 @@ import pytest
 from helpers import ROOT
 from pydantic import ValidationError
 
-from lightning_ray.record import IterationRecord, fields_table, iteration_record, line, summary
+from lightning_ray.trainer.record import IterationRecord, fields_table, iteration_record, line, summary
 from lightning_ray.types import Rollout, Task, Transition
 
 ADAPTED = Counter(infra_failed_rollouts=1, policy_calls=4, unanswered_calls=0, truncated_calls=1, prefix_breaks=0,
@@ -31,7 +31,7 @@ def made(results: list[dict]) -> dict:
 
 
 def test_the_docs_table_is_the_records_field_descriptions():
-    """docs/01-training.md shows `python -m lightning_ray.record`'s table as it is."""
+    """docs/01-training.md shows `python -m lightning_ray.trainer.record`'s table as it is."""
     assert fields_table() in (ROOT / "docs" / "01-training.md").read_text()
 
 

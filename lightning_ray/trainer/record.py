@@ -1,5 +1,5 @@
 """One line of <run_dir>/metrics.jsonl: what an iteration did. Each field's description is its row of the table in
-docs/01-training.md (`python -m lightning_ray.record` prints the table; tests/unit/test_record.py keeps the two the
+docs/01-training.md (`python -m lightning_ray.trainer.record` prints the table; tests/unit/test_record.py keeps the two the
 same)."""
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from collections import defaultdict
 
 from lightning_ray.metrics import metrics
 from lightning_ray.services import Services
+from lightning_ray.trainer.run import Run
 from lightning_ray.types import Rollout, Task
 
 
@@ -36,3 +37,12 @@ def evaluate(services: Services, tasks: list[Task], pass_k: int = 0, desc: str =
 
 def _solved(rollouts: list[Rollout]) -> int:
     return sum(r.reward is not None and r.reward >= 1.0 for r in rollouts)
+
+
+def evaluate_held_out(run: Run, after: int) -> dict:
+    """The held-out split, after `after` iterations, kept with the run's evaluations."""
+    with run.phase("eval"):
+        result = {"after": after, **evaluate(run.services, run.held_out, run.cfg.eval.pass_k,
+                                             f"eval after {after}" if after else "eval before")}
+    run.evals.append(result)
+    return result

@@ -1,0 +1,63 @@
+"""Collect a batch: a group of rollouts per task by the unmodified agent, their spans read back from the store
+(AIR's intermediate rewards stored beside them), LightningRL's transitions with their advantages; with dynamic
+sampling, more rounds for the groups whose rollouts all scored the same."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from lightning_ray.algorithm.advantages import best_rollouts, compute_advantages
+from lightning_ray.algorithm.air import air_spans
+from lightning_ray.algorithm.dynamic_sampling import sample_groups
+from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, spans_read
+from lightning_ray.trainer.run import Run
+from lightning_ray.types import Rollout, Span, Task, Transition
+
+
+@dataclass
+class Batch:
+    """What an iteration collected, over every sampling round (dropped groups included, but in `transitions`)."""
+
+    iteration: int
+    rollouts: list[Rollout] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
+    transitions: list[Transition] = field(default_factory=list)
+    adapted: Counter = field(default_factory=Counter)  # the adapter's counts (policy calls, prefix breaks, ...)
+    sampling: dict = field(default_factory=dict)  # dynamic sampling's counts (rounds, groups with a signal, dropped)
+
+
+def collect(run: Run, iteration: int) -> Batch:
+    cfg, alg = run.cfg, run.cfg.algorithm
+    batch = Batch(iteration)
+
+    def rollout_round(tasks: list[Task]) -> list[Transition]:
+        with run.phase("rollout"):
+            groups = [task.model_copy(update={"group_id": f"{task.task_id}@{iteration}"})
+                      for task in tasks for _ in range(cfg.rollout.group_size)]
+            done = run.services.run_rollouts(groups, f"iter {iteration} rollouts")
+        with run.phase("adapt"):
+            found = run.services.store.query_spans([r.rollout_id for r in done],
+                                                   name=spans_read(run.select, cfg.task.air.enabled))
+            if cfg.task.air.enabled:  # stored with the trace, where each sits beside the call it judges
+                air = air_spans(found, cfg.task.air, lambda sp: run.select.calls(recorded_calls(sp), sp))
+                run.services.store.add_spans(air, origin="server")
+                found += air
+            transitions, counts = adapt(done, found, cfg.model.name, alg.level, cfg.task.agent_rewards, run.select)
+            transitions = (best_rollouts(transitions, alg.sft_min_reward) if alg.objective == "sft" else
+                           compute_advantages(transitions, alg.estimator, alg.credit, alg.gamma, alg.baseline))
+            if alg.overlong_filter:  # a cut-off answer's reward says little about it: left out of the loss
+                transitions = [tr for tr in transitions if tr.finish_reason != "length"]
+        batch.rollouts += done
+        batch.spans += found
+        batch.adapted.update(counts)
+        return transitions
+
+    # one round of tasks_per_iteration groups; with dynamic sampling, more rounds for the groups whose rollouts all
+    # scored the same (zero advantages: no learning signal; a critic still has one, its baseline being the value
+    # head, not the group)
+    rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
+    tasks = run.rng.sample(run.train_tasks, min(cfg.rollout.tasks_per_iteration * rounds, len(run.train_tasks)))
+    batch.transitions, batch.sampling = sample_groups(tasks, cfg.rollout.tasks_per_iteration, rounds, rollout_round,
+                                                      alg.estimator)
+    return batch

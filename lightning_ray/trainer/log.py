@@ -1,0 +1,41 @@
+"""Log the iteration: its record (record.py) kept in the run's history (before the checkpoint, which holds it), then
+its line in metrics.jsonl, its outcome on the Ray dashboard and its line on the terminal; the store then keeps only
+the last `store.keep_iterations` iterations' spans."""
+
+from __future__ import annotations
+
+import json
+
+from lightning_ray.metrics import metrics
+from lightning_ray.trainer.collect import Batch
+from lightning_ray.trainer.record import iteration_record, line, summary
+from lightning_ray.trainer.run import Run
+from lightning_ray.trainer.update import Update
+
+
+def record_iteration(run: Run, batch: Batch, update: Update) -> dict:
+    i = batch.iteration
+    record = iteration_record(i, batch.rollouts, batch.spans, batch.transitions, batch.adapted, batch.sampling,
+                              run.learner.version, update.results, run.phase.seconds)  # seconds: filled till logged
+    if update.probe_after:
+        record.update({"served_policy_version": update.probe_after["version"],
+                       "probe_logprob_before": update.probe_before["logprob_mean"],
+                       "probe_logprob_after": update.probe_after["logprob_mean"]})
+    if i == 0 and run.evals:
+        record["eval_before"] = run.evals[0]
+    if run.evals and run.evals[-1]["after"] == i + 1:
+        record["eval"] = run.evals[-1]
+    run.history.append(record)
+    return record
+
+
+def log(run: Run, record: dict) -> None:
+    metrics().reward_mean.set(record["reward_mean"])
+    metrics().transitions.inc(record["transitions"])
+    metrics().policy_version.set(record["policy_version"], tags={"role": "trained"})
+    with open(run.cfg.run_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(line(record)) + "\n")  # its fields are docs/01-training.md's table
+    print(summary(record), flush=True)
+    i, keep = record["iteration"], run.cfg.store.keep_iterations
+    if keep and i >= keep:  # the last `keep` iterations' spans stay
+        run.services.store.delete_spans(before=run.started[i - keep + 1])

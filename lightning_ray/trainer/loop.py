@@ -1,0 +1,55 @@
+"""The LightningRL training loop, top to bottom: collect a batch (tasks → rollouts by the unmodified agent → spans →
+transitions) → update the policy (GRPO, PPO, ...; new weights on every serve replica) → evaluate on held-out tasks →
+log; a step each, in its own module here."""
+
+from __future__ import annotations
+
+import json
+
+from lightning_ray.config import TrainConfig
+from lightning_ray.learner import checkpoint
+from lightning_ray.report import plot_learning_curve
+from lightning_ray.services import Services
+from lightning_ray.trainer.collect import collect
+from lightning_ray.trainer.evaluate import evaluate_held_out
+from lightning_ray.trainer.log import log, record_iteration
+from lightning_ray.trainer.record import line
+from lightning_ray.trainer.run import Run
+from lightning_ray.trainer.update import save_checkpoint, update
+
+
+def train(cfg: TrainConfig) -> list[dict]:
+    resume = checkpoint.resume_point(cfg)
+    with Services(cfg, learner=True, resume=resume) as services:
+        run = Run(cfg, services, resume)
+        if resume:  # metrics.jsonl as the checkpoint's history has it: later lines go
+            (cfg.run_path / "metrics.jsonl").write_text("".join(json.dumps(line(r)) + "\n" for r in run.history))
+            print(f"resumed from {resume.path.name}: iteration {run.first}, "
+                  f"policy v{resume.state.policy_version}", flush=True)
+        elif cfg.trainer.eval_every:
+            print(f"held-out accuracy before training: {evaluate_held_out(run, 0)['accuracy']:.3f}", flush=True)
+        for iteration in run.iterations():
+            batch = collect(run, iteration)
+            last = run.ends_at(iteration)
+            updated = update(run, batch)
+            if run.evaluates_at(iteration, last):
+                evaluate_held_out(run, iteration + 1)
+            record = record_iteration(run, batch, updated)
+            if run.checkpoints_at(iteration, last):
+                save_checkpoint(run, iteration)
+            log(run, record)
+            if last:
+                break
+        finish(run)
+    return run.history
+
+
+def finish(run: Run) -> None:
+    """The learning curve beside metrics.jsonl, and the held-out accuracy before and after on the terminal."""
+    if run.history:
+        title = f"{run.cfg.task.dataset} · {run.cfg.model.path or 'tiny test model'}"
+        plot_learning_curve(run.history, run.evals, run.cfg.run_path / "learning_curve.png", title)
+    if len(run.evals) > 1:
+        first, final = run.evals[0], run.evals[-1]
+        print(f"held-out accuracy: {first['accuracy']:.3f} before → {final['accuracy']:.3f} after "
+              f"{final['after']} iterations ({len(run.held_out)} problems)", flush=True)

@@ -1,0 +1,72 @@
+"""What the RL loop carries from step to step and from iteration to iteration, and a checkpoint keeps: the run's
+settings and services, the task splits and the sampler drawing from them, the records and evaluations so far."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from lightning_ray.algorithm.select import Selection
+from lightning_ray.config import TrainConfig
+from lightning_ray.learner.checkpoint import Checkpoint, LoopState
+from lightning_ray.services import Services
+from lightning_ray.tasks import load_splits
+
+
+class Run:
+    def __init__(self, cfg: TrainConfig, services: Services, resume: Checkpoint | None):
+        self.cfg, self.services, self.learner = cfg, services, services.learner
+        self.train_tasks, self.held_out = load_splits(cfg.task)
+        self.rng = random.Random(cfg.seed)  # the task sampler
+        self.select = Selection.of(cfg.model.name, cfg.algorithm.select.models, cfg.algorithm.select.agents)
+        self.history: list[dict] = []  # metrics.jsonl's lines
+        self.evals: list[dict] = []  # held-out evaluations, each with the iterations it came "after"
+        self.started: list[float] = []  # each iteration's start (span retention cuts there)
+        self.first = 0
+        if resume:  # as the stopped run stood after its checkpoint's iteration
+            state = resume.state
+            self.history, self.evals, self.started, self.first = (state.history, state.evals, state.started,
+                                                                  state.next_iteration)
+            self.rng.setstate(state.random_state())
+        minutes = cfg.trainer.max_minutes
+        self.deadline = time.monotonic() + 60 * minutes if minutes else float("inf")
+        self.phase = PhaseTimer()
+        self.probe: dict | None = None  # the fixed prompt's served logprobs, as of the last sync
+
+    def iterations(self) -> Iterator[int]:
+        """The iterations still to run, each with a new phase timer."""
+        for iteration in range(self.first, self.cfg.trainer.iterations):
+            self.phase = PhaseTimer()
+            self.started.append(time.time())
+            yield iteration
+
+    def ends_at(self, iteration: int) -> bool:
+        """Whether this iteration is the run's last: the number of iterations reached or the time budget spent
+        (asked once its batch is in)."""
+        return iteration + 1 == self.cfg.trainer.iterations or time.monotonic() >= self.deadline
+
+    def evaluates_at(self, iteration: int, last: bool) -> bool:
+        every = self.cfg.trainer.eval_every
+        return bool(every) and ((iteration + 1) % every == 0 or last)
+
+    def checkpoints_at(self, iteration: int, last: bool) -> bool:
+        return (iteration + 1) % self.cfg.trainer.checkpoint_every == 0 or last
+
+    def state(self, iteration: int) -> LoopState:
+        return LoopState(next_iteration=iteration + 1, policy_version=self.learner.version,
+                         rng_state=self.rng.getstate(), evals=self.evals, started=self.started, history=self.history)
+
+
+class PhaseTimer:
+    """Seconds per phase of an iteration (rollout, adapt, train, sync, eval, checkpoint), summed over rounds."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - start, 3)

@@ -1,0 +1,62 @@
+"""Update the policy: the learner's step on the batch, the new weights synced to every serve replica (checked
+through the API with a fixed probe), and the checkpoint a resumed run goes on from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ray
+from openai import OpenAI
+
+from lightning_ray.config import TrainConfig
+from lightning_ray.learner import checkpoint
+from lightning_ray.metrics import metrics
+from lightning_ray.terminal import status
+from lightning_ray.trainer.collect import Batch
+from lightning_ray.trainer.run import Run
+
+PROBE = [{"role": "user", "content": "What is 3 + 4?"}]  # a fixed prompt whose served logprobs track each update
+
+
+@dataclass
+class Update:
+    results: list[dict] = field(default_factory=list)  # each learner rank's reply; none when nothing was trained
+    probe_before: dict | None = None  # the probe's version and logprobs, served before and after the sync
+    probe_after: dict | None = None
+
+
+def update(run: Run, batch: Batch) -> Update:
+    """No step when no group has a learning signal: the policy stays as it is, no new version."""
+    cfg, learner, services = run.cfg, run.learner, run.services
+    if not batch.sampling["groups_with_signal"]:
+        return Update()
+    # versions the learner is ahead of the oldest policy that generated this data
+    metrics().staleness.set(learner.version - min(tr.policy_version for tr in batch.transitions))
+    probe_before = run.probe or probe(services.server_url, cfg)
+    with run.phase("train"), status(f"iter {batch.iteration}: training on {len(batch.transitions)} transitions",
+                                    report=False):
+        if cfg.engine.sleep_while_training:  # the GPU they share is the learner's till the sync
+            services.sleep_engines()
+        results = learner.step(batch.transitions)
+    with run.phase("sync"), status(f"iter {batch.iteration}: syncing weights", report=False):
+        ray.get(services.registry.wait_synced.remote(learner.version, cfg.serve.sync_timeout_s))
+    metrics().weight_sync_seconds.observe(run.phase.seconds["sync"])
+    run.probe = probe(services.server_url, cfg)
+    return Update(results, probe_before, run.probe)
+
+
+def save_checkpoint(run: Run, iteration: int) -> None:
+    """After the iteration's record: the checkpoint holds it."""
+    with run.phase("checkpoint"), status(f"iter {iteration}: checkpoint", report=False):
+        staged = checkpoint.staging(run.cfg.run_path, iteration + 1)
+        run.learner.save(staged)
+        checkpoint.commit(staged, run.state(iteration), run.cfg.trainer.keep_checkpoints)
+
+
+def probe(server_url: str, cfg: TrainConfig) -> dict:
+    """Greedy-decode a fixed prompt through the real API: its logprobs move when the served weights do."""
+    client = OpenAI(base_url=f"{server_url}/v1", api_key=cfg.serve.api_key or "EMPTY", max_retries=0)
+    out = client.chat.completions.create(model=cfg.model.name, messages=PROBE, temperature=0, max_tokens=8,
+                                         logprobs=True)
+    lps = [c.logprob for c in out.choices[0].logprobs.content]
+    return {"version": int(out.system_fingerprint.rsplit("v", 1)[1]), "logprob_mean": sum(lps) / max(len(lps), 1)}
