@@ -1,6 +1,6 @@
 """The `lightning-ray` command on real runs: a short `train` on the tiny model (Ray, Serve, the HF engine, DeepSpeed,
-SQLite), then `store inspect|export` and `report` on its run directory, and `serve` on its checkpoint answering a real
-openai client until Ctrl-C."""
+SQLite; conftest.py's run), then `store inspect|export` and `report` on its run directory, `eval` and `serve` on its
+checkpoint, `serve` answering a real openai client until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -70,11 +70,13 @@ def test_console_script_is_installed():
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    run = tmp_path_factory.mktemp("cli-run")
-    r = cli("train", *TINY, f"serve.port={free_port()}", f"hydra.run.dir={run}", timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return run
+def run_dir(cli_run) -> Path:
+    """conftest.py's run of `lightning-ray train`: two iterations of eight groups of four, four held-out problems."""
+    return cli_run["dir"]
+
+
+def history(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def sql(run: Path, query: str, spans: bool = False) -> list[tuple]:
@@ -82,9 +84,9 @@ def sql(run: Path, query: str, spans: bool = False) -> list[tuple]:
 
 
 def test_train_writes_a_run_directory(run_dir):
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 1 and metrics[0]["rollouts"] == 32
-    assert metrics[0]["updated"] and (run_dir / "config.yaml").exists()
+    metrics = history(run_dir)
+    assert [m["rollouts"] for m in metrics] == [32, 32]
+    assert all(m["updated"] for m in metrics) and (run_dir / "config.yaml").exists()
     assert (run_dir / "checkpoint" / "config.json").exists(), sorted(p.name for p in run_dir.iterdir())
 
 
@@ -93,11 +95,11 @@ def test_store_inspect_summarizes_the_run(run_dir):
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     assert s["rollouts_by_status"] == dict(sql(run_dir, "SELECT status, COUNT(*) FROM rollouts GROUP BY status"))
-    assert s["rollouts"] == 32 + 4 * 2  # training; held-out evaluation before and after
+    assert s["rollouts"] == 2 * 32 + 2 * 4  # training; held-out evaluation before and after
     assert s["spans"] == sql(run_dir, "SELECT COUNT(*) FROM spans", spans=True)[0][0]
-    assert s["spans_by_name"][semconv.LLM_CALL] >= s["policy_calls"] >= json.loads(
-        (run_dir / "metrics.jsonl").read_text())["policy_calls"] > 0
-    assert s["iterations"] == 1 and 0 < s["transitions"] <= s["policy_calls"]
+    # the spans kept (store.keep_iterations=1): the last iteration's calls and the final evaluation's
+    assert s["spans_by_name"][semconv.LLM_CALL] >= s["policy_calls"] >= history(run_dir)[-1]["policy_calls"] > 0
+    assert s["iterations"] == 2 and 0 < s["transitions"] <= s["policy_calls"]
     rewards = [r for (r,) in sql(run_dir, "SELECT reward FROM rollouts WHERE reward IS NOT NULL")]
     assert s["rewards"]["scored"] == len(rewards) and s["rewards"]["mean"] == pytest.approx(sum(rewards) / len(rewards))
     human = cli("store", "inspect", str(run_dir))
@@ -136,8 +138,7 @@ def test_report_writes_a_page_with_curves(run_dir, tmp_path, fmt):
     for stem in ("reward", "loss", "response_length", "heldout_accuracy"):
         assert f"{stem}.png" in page
         assert (tmp_path / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    metrics = json.loads((run_dir / "metrics.jsonl").read_text())
-    assert "iterations" in page and f"{metrics['eval']['accuracy']:.3f}" in page
+    assert "iterations" in page and f"{history(run_dir)[-1]['eval']['accuracy']:.3f}" in page
 
 
 def test_eval_measures_the_checkpoint(run_dir, tmp_path):
