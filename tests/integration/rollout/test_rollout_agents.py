@@ -57,19 +57,21 @@ def test_agents_left_behind_at_timeouts_cost_their_worker_a_restart_not_a_leak(r
                                                                                 serve_port, tmp_path):
     """Every other rollout hangs past rollout.timeout_seconds: its thread cannot be stopped and is left behind. At
     max_abandoned_agents the worker takes no more rollouts and is restarted once its own have ended, so over many
-    rounds the threads it holds stay bounded and every rollout ends (the hung ones timed out: failed, scored 0)."""
+    rounds the threads it holds stay bounded and every rollout ends (the hung ones timed out: failed, scored 0). The
+    timeout is ten times what a rollout that does not hang takes here (~0.5 s), so a loaded machine cannot time one
+    of those out too (at 1 s, one did: a CI run with other work beside it)."""
     cfg = small(config(tmp_path, serve_port, tiny_model_path, task={"agent": "tests.agents.hang_calc:agent"},
-                       rollout={"num_workers": 1, "agents_per_worker": 2, "timeout_seconds": 1.0,
+                       rollout={"num_workers": 1, "agents_per_worker": 2, "timeout_seconds": 5.0,
                                 "max_abandoned_agents": 2}))
     with Services(cfg) as services:
         [worker], tasks = services.workers, load_splits(cfg.task)[0][:4]
         pids, threads, ended = set(), [], []
-        for round_ in range(5):
+        for round_ in range(3):
             ended += services.run_rollouts(tasks, f"round {round_}")
             pids.add(ray.get(worker.__ray_call__.remote(lambda self: os.getpid())))
             threads.append(ray.get(worker.__ray_call__.remote(lambda self: threading.active_count())))
     hung = [r for r in ended if r.status != "succeeded"]  # the 2nd and 4th of each round, in a fresh process
-    assert len(ended) == 20 and len(hung) == 10
+    assert len(ended) == 12 and len(hung) == 6
     assert all(r.status == "failed" and r.reward == 0.0 and "timeout" in r.error for r in hung)  # the policy's
     assert len(pids) > 1, "the worker was never restarted"
     assert max(threads) <= min(threads) + 2, threads  # the abandoned threads went with the old processes
