@@ -10,10 +10,10 @@ from lightning_ray.config import TrainConfig, job
 @job("train")
 def main(cfg: TrainConfig) -> None:
     """Held-out accuracy (and pass@k) of model.path through the same server and agent as training."""
-    from lightning_ray.trainer.evaluate import evaluate  # imported late: `--help` and config errors stay instant
-    from lightning_ray.services import Services
+    from lightning_ray.services import Services  # imported late: `--help` and config errors stay instant
     from lightning_ray.tasks import load_splits
     from lightning_ray.terminal import route_logs
+    from lightning_ray.trainer.evaluate import evaluate
 
     route_logs(cfg.run_path / "logs", cfg.verbose)
     with Services(cfg) as services:

@@ -35,10 +35,6 @@ def evaluate(services: Services, tasks: list[Task], pass_k: int = 0, desc: str =
     return result
 
 
-def _solved(rollouts: list[Rollout]) -> int:
-    return sum(r.reward is not None and r.reward >= 1.0 for r in rollouts)
-
-
 def evaluate_held_out(run: Run, after: int) -> dict:
     """The held-out split, after `after` iterations, kept with the run's evaluations."""
     with run.phase("eval"):
@@ -46,3 +42,7 @@ def evaluate_held_out(run: Run, after: int) -> dict:
                                              f"eval after {after}" if after else "eval before")}
     run.evals.append(result)
     return result
+
+
+def _solved(rollouts: list[Rollout]) -> int:
+    return sum(r.reward is not None and r.reward >= 1.0 for r in rollouts)
