@@ -17,7 +17,7 @@ from lightning_ray.types import Rollout, Span, Task, Transition
 
 @dataclass
 class Batch:
-    """What an iteration collected, over every sampling round (dropped groups included, but in `transitions`)."""
+    """What an iteration collected, over every sampling round (the groups dynamic sampling dropped included)."""
 
     iteration: int
     rollouts: list[Rollout] = field(default_factory=list)

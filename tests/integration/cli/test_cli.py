@@ -75,22 +75,18 @@ def run_dir(cli_run) -> Path:
     return cli_run["dir"]
 
 
-def history(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 def sql(run: Path, query: str, spans: bool = False) -> list[tuple]:
     return sqlite3.connect(run / ("traces-spans.sqlite" if spans else "traces.sqlite")).execute(query).fetchall()
 
 
-def test_train_writes_a_run_directory(run_dir):
-    metrics = history(run_dir)
+def test_train_writes_a_run_directory(run_dir, cli_run):
+    metrics = cli_run["history"]
     assert [m["rollouts"] for m in metrics] == [32, 32]
     assert all(m["updated"] for m in metrics) and (run_dir / "config.yaml").exists()
     assert (run_dir / "checkpoint" / "config.json").exists(), sorted(p.name for p in run_dir.iterdir())
 
 
-def test_store_inspect_summarizes_the_run(run_dir):
+def test_store_inspect_summarizes_the_run(run_dir, cli_run):
     r = cli("store", "inspect", str(run_dir), "--json")
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
@@ -98,7 +94,7 @@ def test_store_inspect_summarizes_the_run(run_dir):
     assert s["rollouts"] == 2 * 32 + 2 * 4  # training; held-out evaluation before and after
     assert s["spans"] == sql(run_dir, "SELECT COUNT(*) FROM spans", spans=True)[0][0]
     # the spans kept (store.keep_iterations=1): the last iteration's calls and the final evaluation's
-    assert s["spans_by_name"][semconv.LLM_CALL] >= s["policy_calls"] >= history(run_dir)[-1]["policy_calls"] > 0
+    assert s["spans_by_name"][semconv.LLM_CALL] >= s["policy_calls"] >= cli_run["history"][-1]["policy_calls"] > 0
     assert s["iterations"] == 2 and 0 < s["transitions"] <= s["policy_calls"]
     rewards = [r for (r,) in sql(run_dir, "SELECT reward FROM rollouts WHERE reward IS NOT NULL")]
     assert s["rewards"]["scored"] == len(rewards) and s["rewards"]["mean"] == pytest.approx(sum(rewards) / len(rewards))
@@ -131,14 +127,14 @@ def test_store_export_writes_jsonl(run_dir, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["md", "html"])
-def test_report_writes_a_page_with_curves(run_dir, tmp_path, fmt):
+def test_report_writes_a_page_with_curves(run_dir, cli_run, tmp_path, fmt):
     r = cli("report", str(run_dir), "--format", fmt, "-o", str(tmp_path))
     assert r.returncode == 0, r.stderr
     page = (tmp_path / f"report.{fmt}").read_text()
     for stem in ("reward", "loss", "response_length", "heldout_accuracy"):
         assert f"{stem}.png" in page
         assert (tmp_path / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "iterations" in page and f"{history(run_dir)[-1]['eval']['accuracy']:.3f}" in page
+    assert "iterations" in page and f"{cli_run['history'][-1]['eval']['accuracy']:.3f}" in page
 
 
 def test_eval_measures_the_checkpoint(run_dir, tmp_path):

@@ -167,8 +167,8 @@ def test_a_stream_the_client_abandons_is_recorded_as_aborted_and_never_trained(s
     from lightning_ray.tracing import semconv
 
     # The engine can finish the answer before the server sees the client go (the tiny model on vLLM-CPU writes 280
-    # tokens in about a second; a CI run's server saw the close later): that call was whole, not abandoned mid-answer,
-    # and is recorded as answered. Such a try is not this test's case: up to three, each in a rollout of its own.
+    # tokens in about a second; the likely cause of a CI run that found no aborted call): that call was whole, not
+    # abandoned mid-answer, and is recorded as answered. Not this test's case: up to three tries, a rollout each.
     for _ in range(3):
         rid = server["new_rollout"]()
         agent = client(server, f"/rollouts/{rid}/attempts/at-1/v1")
