@@ -14,12 +14,10 @@ was superseded before it could be fetched (the newer one follows).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-
-from lightning_ray.weight_sync import object_store
-from lightning_ray.weight_sync.buckets import BUCKET_BYTES
+if TYPE_CHECKING:  # torch is imported where a transport runs: the weight registry's process needs none of it (~2 s)
+    import torch
 
 TRANSPORTS = ("object_store", "cuda_ipc", "collective")
 
@@ -43,6 +41,11 @@ def resolve(kind: str, learner_resources: dict, replica_resources: dict) -> str:
 
 def make_publisher(options: dict, registry, device: torch.device) -> Publisher:
     """options: {"kind": a resolved transport, "timeout_s": serve.sync_timeout_s, "bucket_bytes": optional}."""
+    import torch
+
+    from lightning_ray.weight_sync import object_store
+    from lightning_ray.weight_sync.buckets import BUCKET_BYTES
+
     kind, bucket_bytes = options["kind"], options.get("bucket_bytes", BUCKET_BYTES)
     if kind == "object_store":
         return object_store.ObjectStorePublisher()
@@ -61,6 +64,8 @@ def make_publisher(options: dict, registry, device: torch.device) -> Publisher:
 
 def engine_weight_transfer(kind: str, engine: str) -> str | None:
     """The vLLM weight-transfer backend a replica's engine is built with (vLLM fixes it at start), on CUDA only."""
+    import torch
+
     if engine != "vllm" or not torch.cuda.is_available():
         return None
     return {"cuda_ipc": "ipc", "collective": "nccl"}.get(kind)
@@ -86,4 +91,6 @@ class Receiver:
             from lightning_ray.weight_sync import cuda_ipc
 
             return await cuda_ipc.receive(payload, version, self.engine, paused)
+        from lightning_ray.weight_sync import object_store
+
         return await object_store.receive(payload, version, self.engine, paused)

@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import re
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
-import xgrammar as xgr
 from jsonschema import SchemaError, validators
+
+if TYPE_CHECKING:
+    import xgrammar
 
 ANY_WHITESPACE, SEPARATORS = False, (",", ":")
 
@@ -50,7 +53,7 @@ def schema_error(text: str) -> str | None:
     if where := _unenforced(schema, ""):
         return f"JSON schema keyword {where} cannot be enforced by constrained decoding"
     try:
-        xgr.Grammar.from_json_schema(text, any_whitespace=ANY_WHITESPACE, separators=SEPARATORS)
+        _xgrammar().Grammar.from_json_schema(text, any_whitespace=ANY_WHITESPACE, separators=SEPARATORS)
     except RuntimeError as e:
         reason = re.sub(r"^\[.*?\] \S+: ", "", str(e)).strip()  # drop xgrammar's "[time] file.cc:line: "
         return f"JSON schema not supported for constrained decoding: {reason}"
@@ -82,17 +85,27 @@ class JsonGrammars:
     """Compiles JSON schemas for one tokenizer, keeping the most recent ones, and makes per-request matchers."""
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64):
+        xgr = _xgrammar()
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)  # our LRU is the cache
         self._compile = lru_cache(maxsize=cache_size)(
             lambda text: compiler.compile_json_schema(text, any_whitespace=ANY_WHITESPACE, separators=SEPARATORS))
 
-    def matcher(self, schema: dict, stop_token_ids: set[int]) -> xgr.GrammarMatcher:
+    def matcher(self, schema: dict, stop_token_ids: set[int]) -> xgrammar.GrammarMatcher:
         # The key keeps the schema's key order: properties are generated in the order they are declared.
-        return xgr.GrammarMatcher(self._compile(json.dumps(schema)), override_stop_tokens=sorted(stop_token_ids))
+        return _xgrammar().GrammarMatcher(self._compile(json.dumps(schema)), override_stop_tokens=sorted(stop_token_ids))
 
     def bitmask(self):
-        return xgr.allocate_token_bitmask(1, self.info.vocab_size)
+        return _xgrammar().allocate_token_bitmask(1, self.info.vocab_size)
 
 
-apply_bitmask = xgr.apply_token_bitmask_inplace
+def apply_bitmask(logits, bitmask) -> None:
+    _xgrammar().apply_token_bitmask_inplace(logits, bitmask)
+
+
+def _xgrammar():
+    """xgrammar, imported on first use: it imports transformers (~2 s), and a run's driver imports this module (the
+    API's request schemas check JSON schemas) without compiling any."""
+    import xgrammar
+
+    return xgrammar
