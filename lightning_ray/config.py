@@ -186,6 +186,9 @@ class RolloutConfig(_Strict):
     max_abandoned_agents: int = Field(4, gt=0)
     unresponsive_seconds: float | None = Field(60.0, gt=0)  # lease: longest silence between worker heartbeats
     tracing: Literal["embedded", "otel"] = "embedded"  # how the agent's own spans are traced
+    # sync: an iteration's rollouts, then its update; async: the next algorithm.max_staleness batches' rollouts run
+    # while the learner trains on this one (trainer/schedule.py)
+    mode: Literal["sync", "async"] = "sync"
     # each worker's; {}: none, anywhere. A worker reaches the policy through the Serve proxy of its own node, which
     # runs on the head and on nodes holding a replica.
     resources: Resources = {}
@@ -236,6 +239,9 @@ class AlgorithmConfig(_Strict):
     # truncated importance sampling: each token's gradient weighted by min(π_learner / π_sampler, tis_cap), for
     # samples from an older policy version or an engine whose numerics differ from the learner's; null: off
     tis_cap: float | None = Field(None, gt=0)
+    # rollout.mode=async: how many policy versions a trained transition's sampler may be behind the learner (and how
+    # many batches ahead rollouts run); older transitions are left out, counted
+    max_staleness: int = Field(1, ge=1)
     loss_aggregation: LossAggregation = "token_mean"  # how token losses add up (algorithm/loss.py)
     # One sample per policy call, or a rollout's calls merged into one sequence where each prompt extends the last
     # call's context token for token (tool results masked out of the loss): the same gradient, far fewer tokens.
@@ -355,6 +361,13 @@ class TrainConfig(_Strict):
     verbose: bool = False  # Ray's, Serve's and the libraries' logs on the terminal too, not only in <run_dir>/logs
     # A run directory to go on with from its latest checkpoint, with the same config (it becomes run_dir)
     resume: str | None = None
+
+    @model_validator(mode="after")
+    def _async_needs_awake_engines(self):
+        if self.rollout.mode == "async" and self.engine.sleep_while_training:
+            raise ValueError("rollout.mode=async runs rollouts while the learner trains, and "
+                             "engine.sleep_while_training puts the engines to sleep then: choose one")
+        return self
 
     @model_validator(mode="after")
     def _resume_in_place(self):

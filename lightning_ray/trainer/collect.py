@@ -11,7 +11,7 @@ from lightning_ray.algorithm.advantages import best_rollouts, compute_advantages
 from lightning_ray.algorithm.air import air_spans
 from lightning_ray.algorithm.dynamic_sampling import sample_groups
 from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, spans_read
-from lightning_ray.trainer.run import Run
+from lightning_ray.trainer.run import PhaseTimer, Run
 from lightning_ray.types import Rollout, Span, Task, Transition
 
 
@@ -25,18 +25,25 @@ class Batch:
     transitions: list[Transition] = field(default_factory=list)
     adapted: Counter = field(default_factory=Counter)  # the adapter's counts (policy calls, prefix breaks, ...)
     sampling: dict = field(default_factory=dict)  # dynamic sampling's counts (rounds, groups with a signal, dropped)
+    phase: PhaseTimer = field(default_factory=PhaseTimer)  # its seconds: the iteration's, from its collection on
 
 
-def collect(run: Run, iteration: int) -> Batch:
+def draw(run: Run) -> list[Task]:
+    """A batch's tasks, from the run's sampler: the first round's and those dynamic sampling may need."""
+    rounds = run.cfg.algorithm.max_sampling_rounds if run.cfg.algorithm.dynamic_sampling else 1
+    return run.rng.sample(run.train_tasks, min(run.cfg.rollout.tasks_per_iteration * rounds, len(run.train_tasks)))
+
+
+def collect(run: Run, iteration: int, tasks: list[Task]) -> Batch:
     cfg, alg = run.cfg, run.cfg.algorithm
     batch = Batch(iteration)
 
     def rollout_round(tasks: list[Task]) -> list[Transition]:
-        with run.phase("rollout"):
+        with batch.phase("rollout"):
             groups = [task.model_copy(update={"group_id": f"{task.task_id}@{iteration}"})
                       for task in tasks for _ in range(cfg.rollout.group_size)]
             done = run.services.run_rollouts(groups, f"iter {iteration} rollouts")
-        with run.phase("adapt"):
+        with batch.phase("adapt"):
             found = run.services.store.query_spans([r.rollout_id for r in done],
                                                    name=spans_read(run.select, cfg.task.air.enabled))
             if cfg.task.air.enabled:  # stored with the trace, where each sits beside the call it judges
@@ -57,7 +64,6 @@ def collect(run: Run, iteration: int) -> Batch:
     # scored the same (zero advantages: no learning signal; a critic still has one, its baseline being the value
     # head, not the group)
     rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
-    tasks = run.rng.sample(run.train_tasks, min(cfg.rollout.tasks_per_iteration * rounds, len(run.train_tasks)))
     batch.transitions, batch.sampling = sample_groups(tasks, cfg.rollout.tasks_per_iteration, rounds, rollout_round,
                                                       alg.estimator)
     return batch

@@ -13,10 +13,13 @@ from lightning_ray.trainer.run import Run
 from lightning_ray.trainer.update import Update
 
 
-def record_iteration(run: Run, batch: Batch, update: Update) -> dict:
+def record_iteration(run: Run, batch: Batch, update: Update, idle: dict[str, float]) -> dict:
     i = batch.iteration
     record = iteration_record(i, batch.rollouts, batch.spans, batch.transitions, batch.adapted, batch.sampling,
                               run.learner.version, update.results, run.phase.seconds)  # seconds: filled till logged
+    record["idle_seconds"] = idle
+    if run.cfg.rollout.mode == "async":
+        record.update({"staleness": dict(sorted(update.staleness.items())), "stale_dropped": update.stale_dropped})
     if update.probe_after:
         record.update({"served_policy_version": update.probe_after["version"],
                        "probe_logprob_before": update.probe_before["logprob_mean"],

@@ -1,6 +1,7 @@
 """The LightningRL training loop, top to bottom: collect a batch (tasks → rollouts by the unmodified agent → spans →
 transitions) → update the policy (GRPO, PPO, ...; new weights on every serve replica) → evaluate on held-out tasks →
-log; a step each, in its own module here."""
+log; a step each, in its own module here. schedule.py says when a batch is collected: before its update (sync) or
+while the updates before it train (async)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from lightning_ray.config import TrainConfig
 from lightning_ray.learner import checkpoint
 from lightning_ray.report import plot_learning_curve
 from lightning_ray.services import Services
-from lightning_ray.trainer.collect import collect
 from lightning_ray.trainer.evaluate import evaluate_held_out
 from lightning_ray.trainer.log import log, record_iteration
 from lightning_ray.trainer.record import line
 from lightning_ray.trainer.run import Run
+from lightning_ray.trainer.schedule import Batches
 from lightning_ray.trainer.update import save_checkpoint, update
 
 
@@ -28,18 +29,20 @@ def train(cfg: TrainConfig) -> list[dict]:
                   f"policy v{resume.state.policy_version}", flush=True)
         elif cfg.trainer.eval_every:
             print(f"held-out accuracy before training: {evaluate_held_out(run, 0)['accuracy']:.3f}", flush=True)
-        for iteration in run.iterations():
-            batch = collect(run, iteration)
-            last = run.ends_at(iteration)
-            updated = update(run, batch)
-            if run.evaluates_at(iteration, last):
-                evaluate_held_out(run, iteration + 1)
-            record = record_iteration(run, batch, updated)
-            if run.checkpoints_at(iteration, last):
-                save_checkpoint(run, iteration)
-            log(run, record)
-            if last:
-                break
+        with Batches(run) as batches:
+            for iteration in run.iterations():
+                batch = batches.take(iteration)
+                if not (last := run.ends_at(iteration)):
+                    batches.start_after(iteration)  # async: the next batches' rollouts run while this one trains
+                updated = update(run, batch)
+                if run.evaluates_at(iteration, last):
+                    evaluate_held_out(run, iteration + 1)
+                record = record_iteration(run, batch, updated, batches.idle_seconds())
+                if run.checkpoints_at(iteration, last):
+                    save_checkpoint(run, iteration)
+                log(run, record)
+                if last:
+                    break
         finish(run)
     return run.history
 

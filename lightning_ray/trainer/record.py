@@ -55,7 +55,17 @@ class IterationRecord(BaseModel):
     policy_version: int = described("the learner's version after the update")
     updated: bool = described(
         "whether the policy was updated (not when no group had a signal, or every step was skipped)")
-    seconds: dict[str, float] = described("per phase: rollout, adapt, train, sync, eval, checkpoint")
+    seconds: dict[str, float] = described(
+        "per phase: rollout, adapt, train, sync, eval, checkpoint; `rollout.mode=async`: wait (the learner waiting for "
+        "the batch), and rollout and adapt ran while the update before trained")
+    idle_seconds: dict[str, float] = described(
+        "`learner`: waiting for the batch (`sync`: its whole collection); `rollouts`: no batch collecting (rollout "
+        "workers and engines waiting for the update)")
+    staleness: dict[int, int] | None = described(
+        "`rollout.mode=async`: transitions by how many versions their sampler was behind the learner", optional=True)
+    stale_dropped: int | None = described(
+        "`rollout.mode=async`: transitions left out, sampled more than `algorithm.max_staleness` versions behind",
+        optional=True)
     loss: float | None = described("PPO-clip loss of the batch, averaged over its optimizer steps", optional=True)
     clip_frac: float | None = described("share of clipped tokens, averaged over the steps", optional=True)
     logprob_abs_diff: float | None = described(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
 from contextlib import contextmanager
 
 from lightning_ray.algorithm.select import Selection
@@ -23,7 +22,7 @@ class Run:
         self.select = Selection.of(cfg.model.name, cfg.algorithm.select.models, cfg.algorithm.select.agents)
         self.history: list[dict] = []  # metrics.jsonl's lines
         self.evals: list[dict] = []  # held-out evaluations, each with the iterations it came "after"
-        self.started: list[float] = []  # each iteration's start (span retention cuts there)
+        self.started: list[float] = []  # when each iteration's collection started (span retention cuts there)
         self.first = 0
         if resume:  # as the stopped run stood after its checkpoint's iteration
             state = resume.state
@@ -35,12 +34,9 @@ class Run:
         self.phase = PhaseTimer()
         self.probe: dict | None = None  # the fixed prompt's served logprobs, as of the last sync
 
-    def iterations(self) -> Iterator[int]:
-        """The iterations still to run, each with a new phase timer."""
-        for iteration in range(self.first, self.cfg.trainer.iterations):
-            self.phase = PhaseTimer()
-            self.started.append(time.time())
-            yield iteration
+    def iterations(self) -> range:
+        """The iterations still to run."""
+        return range(self.first, self.cfg.trainer.iterations)
 
     def ends_at(self, iteration: int) -> bool:
         """Whether this iteration is the run's last: the number of iterations reached or the time budget spent
@@ -56,7 +52,8 @@ class Run:
 
     def state(self, iteration: int) -> LoopState:
         return LoopState(next_iteration=iteration + 1, policy_version=self.learner.version,
-                         rng_state=self.rng.getstate(), evals=self.evals, started=self.started, history=self.history)
+                         rng_state=self.rng.getstate(), evals=self.evals, started=self.started[:iteration + 1],
+                         history=self.history)  # (batches collected ahead are not in it: a resumed run draws anew)
 
 
 class PhaseTimer:
@@ -69,4 +66,7 @@ class PhaseTimer:
     def __call__(self, name: str):
         start = time.perf_counter()
         yield
-        self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - start, 3)
+        self.add(name, time.perf_counter() - start)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + seconds, 3)

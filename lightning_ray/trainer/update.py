@@ -3,6 +3,7 @@ through the API with a fixed probe), and the checkpoint a resumed run goes on fr
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import ray
@@ -23,15 +24,20 @@ class Update:
     results: list[dict] = field(default_factory=list)  # each learner rank's reply; none when nothing was trained
     probe_before: dict | None = None  # the probe's version and logprobs, served before and after the sync
     probe_after: dict | None = None
+    staleness: Counter = field(default_factory=Counter)  # transitions by versions their sampler is behind the learner
+    stale_dropped: int = 0  # transitions left out, sampled more than algorithm.max_staleness versions behind
 
 
 def update(run: Run, batch: Batch) -> Update:
-    """No step when no group has a learning signal: the policy stays as it is, no new version."""
+    """No step when no group has a learning signal: the policy stays as it is, no new version. Transitions sampled
+    more than `algorithm.max_staleness` versions behind the learner are left out (rollout.mode=async)."""
     cfg, learner, services = run.cfg, run.learner, run.services
-    if not batch.sampling["groups_with_signal"]:
-        return Update()
-    # versions the learner is ahead of the oldest policy that generated this data
-    metrics().staleness.set(learner.version - min(tr.policy_version for tr in batch.transitions))
+    staleness = Counter(learner.version - tr.policy_version for tr in batch.transitions)
+    fresh = [tr for tr in batch.transitions if learner.version - tr.policy_version <= cfg.algorithm.max_staleness]
+    stale_dropped, batch.transitions = len(batch.transitions) - len(fresh), fresh
+    if not batch.sampling["groups_with_signal"] or not fresh:
+        return Update(staleness=staleness, stale_dropped=stale_dropped)
+    metrics().staleness.set(max(staleness))  # versions the learner is ahead of the oldest policy in the batch
     probe_before = run.probe or probe(services.server_url, cfg)
     with run.phase("train"), status(f"iter {batch.iteration}: training on {len(batch.transitions)} transitions",
                                     report=False):
@@ -42,7 +48,7 @@ def update(run: Run, batch: Batch) -> Update:
         ray.get(services.registry.wait_synced.remote(learner.version, cfg.serve.sync_timeout_s))
     metrics().weight_sync_seconds.observe(run.phase.seconds["sync"])
     run.probe = probe(services.server_url, cfg)
-    return Update(results, probe_before, run.probe)
+    return Update(results, probe_before, run.probe, staleness, stale_dropped)
 
 
 def save_checkpoint(run: Run, iteration: int) -> None:

@@ -38,7 +38,9 @@ def test_the_docs_table_is_the_records_field_descriptions():
 @pytest.mark.parametrize("results", [[], [REPLY, {**REPLY, "rank": 1, "digest": "ab12"}]], ids=["no update", "update"])
 def test_every_field_the_trainer_writes_has_a_row(results):
     record = made(results)
-    record.update({"eval": {"after": 1, "tasks": 4, "accuracy": 0.5}})
+    # what trainer/log.py adds: the evaluation, the idle times, async mode's staleness
+    record.update({"eval": {"after": 1, "tasks": 4, "accuracy": 0.5}, "idle_seconds": {"learner": 1.5, "rollouts": 0.5},
+                   "staleness": {0: 1, 1: 1}, "stale_dropped": 0})
     written = line(record)
     assert written == record  # nothing dropped, nothing renamed
     assert set(written) <= set(IterationRecord.model_fields)

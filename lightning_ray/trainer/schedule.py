@@ -1,0 +1,93 @@
+"""When each batch is collected. `rollout.mode=sync`: an iteration collects its batch, then updates, so the learner
+waits for the slowest rollout and the rollouts for the update. `async`: the next `algorithm.max_staleness` batches'
+rollouts run while the learner trains on this one (in threads: collecting is waiting on Ray), so part of a batch is
+sampled by the policy one or more versions before the one it trains, which update.py bounds and the learner's
+truncated importance weights (algorithm.tis_cap) correct. The same steps either way, scheduled two ways."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+from lightning_ray.trainer.collect import Batch, collect, draw
+from lightning_ray.trainer.run import Run
+
+
+class Batches:
+    def __init__(self, run: Run):
+        self.run = run
+        self.ahead = run.cfg.algorithm.max_staleness if run.cfg.rollout.mode == "async" else 0
+        self.pool = ThreadPoolExecutor(self.ahead, thread_name_prefix="collect") if self.ahead else None
+        self.pending: dict[int, Future] = {}
+        self.lock = threading.Lock()
+        self.collecting, self.idle_since = 0, time.monotonic()
+        self.idle = {"learner": 0.0, "rollouts": 0.0}  # seconds the learner waited for a batch; none collected
+
+    def take(self, iteration: int) -> Batch:
+        """The iteration's batch: collected now (sync, or a first batch), or waited for (async: as the phase
+        `wait`). Its phase timer goes on as the iteration's (run.phase)."""
+        start = time.monotonic()
+        if iteration not in self.pending:
+            batch = self._started(iteration).result()  # sync: collected here, in this thread
+        else:
+            batch = self.pending.pop(iteration).result()
+            batch.phase.add("wait", time.monotonic() - start)
+        self.idle["learner"] += time.monotonic() - start
+        self.run.phase = batch.phase
+        return batch
+
+    def start_after(self, iteration: int) -> None:
+        """async: the collection of the batches up to `max_staleness` past this iteration, while it trains."""
+        for ahead in range(iteration + 1, min(iteration + 1 + self.ahead, self.run.cfg.trainer.iterations)):
+            if ahead not in self.pending:
+                self.pending[ahead] = self._started(ahead)
+
+    def idle_seconds(self) -> dict[str, float]:
+        """Since the last call: how long the learner waited for a batch, and how long no batch was collecting
+        (rollout workers and engines waiting for the learner)."""
+        with self.lock:
+            now = time.monotonic()
+            if not self.collecting:
+                self.idle["rollouts"] += now - self.idle_since
+            self.idle_since = now
+            idle, self.idle = {k: round(v, 3) for k, v in self.idle.items()}, {"learner": 0.0, "rollouts": 0.0}
+            return idle
+
+    def _started(self, iteration: int) -> Future:
+        """Draws the batch's tasks here (the sampler's state, which a checkpoint keeps, changes in this thread
+        only) and collects them: inline without a pool, else in one of its threads."""
+        self.run.started.append(time.time())  # started[i]: batch i's (its spans are all after it)
+        tasks = draw(self.run)
+        if self.pool:
+            return self.pool.submit(self._collect, iteration, tasks)
+        done: Future = Future()
+        done.set_result(self._collect(iteration, tasks))
+        return done
+
+    def _collect(self, iteration: int, tasks) -> Batch:
+        with self.lock:
+            if not self.collecting:
+                self.idle["rollouts"] += time.monotonic() - self.idle_since
+            self.collecting += 1
+        try:
+            return collect(self.run, iteration, tasks)
+        finally:
+            with self.lock:
+                self.collecting -= 1
+                self.idle_since = time.monotonic()
+
+    def __enter__(self) -> Batches:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Batches collected ahead of a run's end (its time budget, an error) are not trained: their unfinished
+        rollouts are cancelled, so their collection ends (what it raises then concerns no one). An agent still
+        running a cancelled rollout is given a minute to return before the services stop under it."""
+        if self.pending:
+            store = self.run.services.store
+            if left := store.query_rollouts(status=["queued", "requeued", "running"]):
+                store.cancel([r.rollout_id for r in left])
+            wait(self.pending.values(), timeout=60)
+        if self.pool:
+            self.pool.shutdown(wait=False, cancel_futures=True)

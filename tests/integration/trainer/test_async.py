@@ -1,0 +1,70 @@
+"""rollout.mode=async on the real stack (Ray, Serve with the HF engine, the SQLite store, Ray Train + DeepSpeed, the
+tiny model): the next batch's rollouts run while the learner trains on this one, each transition's sampler is at most
+algorithm.max_staleness versions behind the learner that trains it, and the run's records say so."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+from helpers import small
+
+from lightning_ray.config import ConfigError, validate
+from lightning_ray.models.tiny import EASY
+from lightning_ray.trainer import train
+
+
+@pytest.fixture(scope="module")
+def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("async")
+    cfg = small({
+        "run_dir": str(run_dir), "model": {"path": str(tiny_model_path)}, "serve": {"port": serve_port},
+        "trainer": {"iterations": 3, "eval_every": 0, "lr": 1e-3, "checkpoint_every": 3},
+        "task": {"generator": EASY, "eval_size": 4},
+        # PPO: its value head gives every transition a signal, so each iteration updates and versions advance by one
+        "algorithm": {"estimator": "ppo", "tis_cap": 2.0},
+        "rollout": {"mode": "async", "tasks_per_iteration": 8, "group_size": 4, "agents_per_worker": 4},
+    })
+    history = train(cfg)
+    db = sqlite3.connect(run_dir / "traces.sqlite")
+    enqueued = {}  # batch -> when its first rollout was queued
+    for task, at in db.execute("SELECT task, enqueued_at FROM rollouts"):
+        batch = int(json.loads(task)["group_id"].rsplit("@", 1)[1])
+        enqueued[batch] = min(at, enqueued.get(batch, at))
+    served = {}  # policy version -> when the first call it answered started
+    spans = sqlite3.connect(run_dir / "traces-spans.sqlite")
+    for attributes, start in spans.execute("SELECT attributes, start_time FROM spans WHERE name = 'llm.call'"):
+        version = json.loads(attributes)["lightning_ray.policy_version"]
+        served[version] = min(start, served.get(version, start))
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"history": history, "enqueued": enqueued, "served": served, "lines": lines}
+
+
+def test_each_batch_is_sampled_within_the_staleness_bound(run):
+    history = run["history"]
+    assert [h["iteration"] for h in history] == [0, 1, 2] and all(h["updated"] for h in history)
+    assert [h["policy_version"] for h in history] == [1, 2, 3]
+    for i, h in enumerate(history):
+        # batch i started before update i-1 (learner at version i-1) and was trained after it (version i)
+        assert set(h["rollout_policy_versions"]) <= {max(i - 1, 0), i}
+        assert set(h["staleness"]) <= {0, 1} and h["stale_dropped"] == 0
+        assert sum(h["staleness"].values()) == h["transitions"]
+    assert history[0]["staleness"] == {0: history[0]["transitions"]}  # the first batch: collected before any update
+
+
+def test_the_next_batch_runs_while_the_learner_trains(run):
+    """Batch i+1's rollouts were queued before version i+1 answered its first call: during update i, not after it
+    (sync mode queues them once iteration i is logged). The learner waited for those batches (phase `wait`), not
+    for their whole collection."""
+    for i in (0, 1):
+        assert run["enqueued"][i + 1] < run["served"][i + 1]
+    for h in run["history"][1:]:
+        assert "wait" in h["seconds"] and h["idle_seconds"]["learner"] == pytest.approx(h["seconds"]["wait"], abs=0.05)
+    assert [line["staleness"] for line in run["lines"]] == [
+        {str(k): v for k, v in h["staleness"].items()} for h in run["history"]]  # metrics.jsonl has the histogram
+
+
+def test_async_and_sleeping_engines_exclude_each_other():
+    with pytest.raises(ConfigError, match="rollout.mode=async.*engine.sleep_while_training"):
+        validate({"run_dir": "x", "rollout": {"mode": "async"}, "engine": {"sleep_while_training": True}})
