@@ -237,7 +237,8 @@ class AlgorithmConfig(_Strict):
     value_coef: float = Field(0.5, gt=0)  # the value loss's weight against the policy loss
     value_lr: float | None = Field(1e-4, gt=0)  # the freshly initialized head learns faster; null: trainer.lr
     # truncated importance sampling: each token's gradient weighted by min(π_learner / π_sampler, tis_cap), for
-    # samples from an older policy version or an engine whose numerics differ from the learner's; null: off
+    # samples from an older policy version or an engine whose numerics differ from the learner's; null: off (2 under
+    # rollout.mode=async)
     tis_cap: float | None = Field(None, gt=0)
     # rollout.mode=async: how many policy versions a trained transition's sampler may be behind the learner (and how
     # many batches ahead rollouts run); older transitions are left out, counted
@@ -344,6 +345,9 @@ class RayConfig(_Strict):
     metrics_export_port: int | None = Field(None, ge=1, le=65535)  # a local cluster's Prometheus port; None: any free
 
 
+ASYNC_TIS_CAP = 2.0  # algorithm.tis_cap under rollout.mode=async when none is set
+
+
 class TrainConfig(_Strict):
     run_dir: str  # relative: to the directory the job started in (placement.results_base)
     run_root: str = "runs"  # where run directories go (configs/train.yaml: run_dir is run_root/<time>)
@@ -363,10 +367,13 @@ class TrainConfig(_Strict):
     resume: str | None = None
 
     @model_validator(mode="after")
-    def _async_needs_awake_engines(self):
-        if self.rollout.mode == "async" and self.engine.sleep_while_training:
-            raise ValueError("rollout.mode=async runs rollouts while the learner trains, and "
-                             "engine.sleep_while_training puts the engines to sleep then: choose one")
+    def _async_corrects_for_staleness(self):
+        if self.rollout.mode == "async":
+            if self.engine.sleep_while_training:
+                raise ValueError("rollout.mode=async runs rollouts while the learner trains, and "
+                                 "engine.sleep_while_training puts the engines to sleep then: choose one")
+            if self.algorithm.tis_cap is None:  # samples from older versions: weighed against their sampler
+                self.algorithm.tis_cap = ASYNC_TIS_CAP
         return self
 
     @model_validator(mode="after")

@@ -23,7 +23,7 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
         "trainer": {"iterations": 3, "eval_every": 0, "lr": 1e-3, "checkpoint_every": 3},
         "task": {"generator": EASY, "eval_size": 4},
         # PPO: its value head gives every transition a signal, so each iteration updates and versions advance by one
-        "algorithm": {"estimator": "ppo", "tis_cap": 2.0},
+        "algorithm": {"estimator": "ppo"},
         "rollout": {"mode": "async", "tasks_per_iteration": 8, "group_size": 4, "agents_per_worker": 4},
     })
     history = train(cfg)
@@ -65,6 +65,10 @@ def test_the_next_batch_runs_while_the_learner_trains(run):
         {str(k): v for k, v in h["staleness"].items()} for h in run["history"]]  # metrics.jsonl has the histogram
 
 
-def test_async_and_sleeping_engines_exclude_each_other():
+def test_async_weighs_stale_samples_and_keeps_engines_awake():
+    """Truncated importance sampling is on in async mode unless set otherwise; sleeping engines are refused."""
+    assert validate({"run_dir": "x", "rollout": {"mode": "async"}}).algorithm.tis_cap == 2.0
+    assert validate({"run_dir": "x", "rollout": {"mode": "async"}, "algorithm": {"tis_cap": 5}}).algorithm.tis_cap == 5
+    assert validate({"run_dir": "x"}).algorithm.tis_cap is None
     with pytest.raises(ConfigError, match="rollout.mode=async.*engine.sleep_while_training"):
         validate({"run_dir": "x", "rollout": {"mode": "async"}, "engine": {"sleep_while_training": True}})
