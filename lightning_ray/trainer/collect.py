@@ -28,10 +28,14 @@ class Batch:
     phase: PhaseTimer = field(default_factory=PhaseTimer)  # its seconds: the iteration's, from its collection on
 
 
+def sampling_rounds(run: Run) -> int:
+    return run.cfg.algorithm.max_sampling_rounds if run.cfg.algorithm.dynamic_sampling else 1
+
+
 def draw(run: Run) -> list[Task]:
     """A batch's tasks, from the run's sampler: the first round's and those dynamic sampling may need."""
-    rounds = run.cfg.algorithm.max_sampling_rounds if run.cfg.algorithm.dynamic_sampling else 1
-    return run.rng.sample(run.train_tasks, min(run.cfg.rollout.tasks_per_iteration * rounds, len(run.train_tasks)))
+    wanted = run.cfg.rollout.tasks_per_iteration * sampling_rounds(run)
+    return run.rng.sample(run.train_tasks, min(wanted, len(run.train_tasks)))
 
 
 def collect(run: Run, iteration: int, tasks: list[Task]) -> Batch:
@@ -63,7 +67,6 @@ def collect(run: Run, iteration: int, tasks: list[Task]) -> Batch:
     # one round of tasks_per_iteration groups; with dynamic sampling, more rounds for the groups whose rollouts all
     # scored the same (zero advantages: no learning signal; a critic still has one, its baseline being the value
     # head, not the group)
-    rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
-    batch.transitions, batch.sampling = sample_groups(tasks, cfg.rollout.tasks_per_iteration, rounds, rollout_round,
-                                                      alg.estimator)
+    batch.transitions, batch.sampling = sample_groups(tasks, cfg.rollout.tasks_per_iteration, sampling_rounds(run),
+                                                      rollout_round, alg.estimator)
     return batch

@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from lightning_ray.trainer.collect import Batch, collect, draw
 from lightning_ray.trainer.run import Run
+from lightning_ray.types import Task
 
 
 class Batches:
@@ -27,13 +28,12 @@ class Batches:
     def take(self, iteration: int) -> Batch:
         """The iteration's batch: collected now (sync, or a first batch), or waited for (async: as the phase
         `wait`). Its phase timer goes on as the iteration's (run.phase)."""
-        start = time.monotonic()
-        if iteration not in self.pending:
-            batch = self._started(iteration).result()  # sync: collected here, in this thread
-        else:
-            batch = self.pending.pop(iteration).result()
-            batch.phase.add("wait", time.monotonic() - start)
-        self.idle["learner"] += time.monotonic() - start
+        start, pending = time.monotonic(), self.pending.pop(iteration, None)
+        batch = pending.result() if pending else self._collect(iteration, self._begin())
+        waited = time.monotonic() - start
+        if pending:
+            batch.phase.add("wait", waited)
+        self.idle["learner"] += waited
         self.run.phase = batch.phase
         return batch
 
@@ -41,41 +41,39 @@ class Batches:
         """async: the collection of the batches up to `max_staleness` past this iteration, while it trains."""
         for ahead in range(iteration + 1, min(iteration + 1 + self.ahead, self.run.cfg.trainer.iterations)):
             if ahead not in self.pending:
-                self.pending[ahead] = self._started(ahead)
+                self.pending[ahead] = self.pool.submit(self._collect, ahead, self._begin())
 
     def idle_seconds(self) -> dict[str, float]:
         """Since the last call: how long the learner waited for a batch, and how long no batch was collecting
         (rollout workers and engines waiting for the learner)."""
         with self.lock:
-            now = time.monotonic()
-            if not self.collecting:
-                self.idle["rollouts"] += now - self.idle_since
-            self.idle_since = now
+            self._count_idle()
             idle, self.idle = {k: round(v, 3) for k, v in self.idle.items()}, {"learner": 0.0, "rollouts": 0.0}
             return idle
 
-    def _started(self, iteration: int) -> Future:
-        """Draws the batch's tasks here (the sampler's state, which a checkpoint keeps, changes in this thread
-        only) and collects them: inline without a pool, else in one of its threads."""
-        self.run.started.append(time.time())  # started[i]: batch i's (its spans are all after it)
-        tasks = draw(self.run)
-        if self.pool:
-            return self.pool.submit(self._collect, iteration, tasks)
-        done: Future = Future()
-        done.set_result(self._collect(iteration, tasks))
-        return done
+    def _begin(self) -> list[Task]:
+        """A batch's start, in the loop's thread: its time (started[i]: its spans are all after it) and its tasks
+        (the sampler's state, which a checkpoint keeps, changes in this thread only)."""
+        self.run.started.append(time.time())
+        return draw(self.run)
 
-    def _collect(self, iteration: int, tasks) -> Batch:
+    def _collect(self, iteration: int, tasks: list[Task]) -> Batch:
         with self.lock:
-            if not self.collecting:
-                self.idle["rollouts"] += time.monotonic() - self.idle_since
+            self._count_idle()
             self.collecting += 1
         try:
             return collect(self.run, iteration, tasks)
         finally:
             with self.lock:
+                self._count_idle()
                 self.collecting -= 1
-                self.idle_since = time.monotonic()
+
+    def _count_idle(self) -> None:
+        """Adds the time since the last count to the rollouts' idle time if no batch was collecting (under the lock)."""
+        now = time.monotonic()
+        if not self.collecting:
+            self.idle["rollouts"] += now - self.idle_since
+        self.idle_since = now
 
     def __enter__(self) -> Batches:
         return self

@@ -32,8 +32,9 @@ def update(run: Run, batch: Batch) -> Update:
     """No step when no group has a learning signal: the policy stays as it is, no new version. Transitions sampled
     more than `algorithm.max_staleness` versions behind the learner are left out (rollout.mode=async)."""
     cfg, learner, services = run.cfg, run.learner, run.services
-    staleness = Counter(learner.version - tr.policy_version for tr in batch.transitions)
-    fresh = [tr for tr in batch.transitions if learner.version - tr.policy_version <= cfg.algorithm.max_staleness]
+    behind = [learner.version - tr.policy_version for tr in batch.transitions]
+    staleness = Counter(behind)
+    fresh = [tr for tr, b in zip(batch.transitions, behind) if b <= cfg.algorithm.max_staleness]
     stale_dropped, batch.transitions = len(batch.transitions) - len(fresh), fresh
     if not batch.sampling["groups_with_signal"] or not fresh:
         return Update(staleness=staleness, stale_dropped=stale_dropped)
