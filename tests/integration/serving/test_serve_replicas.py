@@ -61,11 +61,12 @@ def test_a_killed_replica_is_replaced_on_the_latest_policy(app):
     # Calls keep being answered by the live replica; one caught in flight may fail, but cleanly (no hang).
     during = served_versions(app["url"], 6)
     assert during.count("lightning_ray-policy-v2") >= 5, during
+    # The new replica registers (at version 0) before it loads the latest version, then acknowledges v2 with no
+    # new publish: wait for the dead one, the live one and the new one all on v2.
     deadline = time.time() + 120
-    while len(ray.get(app["registry"].served_versions.remote())) < 3:  # the dead one, the live one, the new one
-        assert time.time() < deadline, "Serve did not replace the replica"
+    while len(versions := ray.get(app["registry"].served_versions.remote())) < 3 or set(versions.values()) != {2}:
+        assert time.time() < deadline, f"Serve did not replace the replica on the latest policy: {versions}"
         time.sleep(0.5)
-    assert set(ray.get(app["registry"].served_versions.remote()).values()) == {2}  # the new one started on v2
     publish(app, 3)  # the barrier completes: the dead replica is forgotten, the new one acknowledged
     versions = ray.get(app["registry"].served_versions.remote())
     assert len(versions) == 2 and set(versions.values()) == {3}
