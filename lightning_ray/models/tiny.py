@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import render_jinja_template
@@ -80,12 +81,15 @@ def _train_bpe(corpus: list[str]) -> Tokenizer:
 def _warm_up(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, texts: list[str], steps: int,
              seed: int) -> None:
     rng = random.Random(seed)
+    encoded = [torch.tensor(ids) for ids in tokenizer(texts).input_ids]  # once, not per batch (~10% of a step)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
-        batch = tokenizer(rng.sample(texts, 16), return_tensors="pt", padding=True)
-        labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)
-        loss = model(**batch, labels=labels).loss
+        sample = rng.sample(encoded, 16)
+        input_ids = pad_sequence(sample, batch_first=True, padding_value=tokenizer.pad_token_id)
+        attention_mask = pad_sequence([torch.ones_like(ids) for ids in sample], batch_first=True)
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
