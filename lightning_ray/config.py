@@ -311,7 +311,10 @@ class TrainerConfig(_Strict):
     # the policy, optimizer state and loop state (what resume=<run_dir> goes on from), and after the last iteration
     checkpoint_every: int = Field(4, gt=0)
     keep_checkpoints: int = Field(1, gt=0)  # the last N checkpoints stay (each holds the optimizer state too)
-    step_timeout_s: float = Field(900.0, gt=0)
+    step_timeout_s: float = Field(900.0, gt=0)  # for one step or save, a restart of the ranks included
+    # Ray Train restarts the ranks when one's process dies (FailureConfig.max_failures), at most this often in a run:
+    # they go on from the latest checkpoint (learner/driver.py). An error raised in a rank fails the run at once.
+    max_restarts: int = Field(3, ge=0)
     # The first step fails, before any update, where the learner's untempered logprobs of the sampled tokens are
     # further than this from the server's, per token on average (metrics' logprob_abs_diff: ~1e-7 at fp32 on CPUs,
     # < 0.05 in bf16 on a GPU): the two would not compute the same policy (another model or revision, chat template,

@@ -1,5 +1,10 @@
 """The learner, as the trainer sees it: one TorchTrainer.fit() in a thread (the ranks: learner/worker.py), fed
-batches through Ray queues."""
+batches through Ray queues.
+
+A rank whose process dies (its node lost, killed, out of host memory) is restarted by Ray Train with every other rank
+(trainer.max_restarts, Ray Train's FailureConfig); the new ranks load the run's latest checkpoint and take the
+command that was in flight again, and the run goes on. Updates since that checkpoint are lost (none with
+trainer.checkpoint_every=1); the versions go on from the last one published, never back."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import threading
 from pathlib import Path
 
 import ray
-from ray.train import RunConfig, ScalingConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Empty, Queue
 
@@ -30,6 +35,9 @@ class Learner:
         self.n, self.timeout_s, self.token_budget = t.num_workers, t.step_timeout_s, t.micro_batch_tokens
         self.algorithm, self.max_tokens = cfg.algorithm, cfg.rollout.max_tokens
         self.version = resume_from.state.policy_version if resume_from else 0
+        self.checkpoint = resume_from  # what a (re)started rank loads: the run's latest (set as each one is made)
+        self.registry, self.restarts, self.max_restarts = registry, 0, t.max_restarts
+        self.ranks: dict[int, dict] = {}  # rank -> the ready message of its process now attached (nonce, pid, actor)
         label = cfg.run_path.name  # the queues' names in the Ray dashboard
         # Beside the driver, whose messages they carry: on a cluster, not on whichever node had room for them.
         self.inboxes = [Queue(actor_options={"num_cpus": 0, "name": f"learner-inbox-{i}@{label}", **ON_HEAD})
@@ -42,7 +50,6 @@ class Learner:
                 "weight_sync": {"kind": resolve_weight_sync(t.weight_sync, t.resources_per_worker, cfg.serve.resources),
                                 "timeout_s": cfg.serve.sync_timeout_s},
                 "trainer": resolved(t), "algorithm": cfg.algorithm,
-                "resume_from": str(resume_from.path) if resume_from else None,
                 "extensions_dir": str(Path("~/.cache/lightning_ray/torch_extensions").expanduser()),
             },
             # trainer.resources_per_worker is one logical CPU by default, whatever the threads: phases alternate, so
@@ -51,39 +58,102 @@ class Learner:
             scaling_config=ScalingConfig(num_workers=self.n, use_gpu=t.resources_per_worker.get("GPU", 0) > 0,
                                          resources_per_worker=t.resources_per_worker,
                                          placement_strategy=t.placement_strategy),
-            run_config=RunConfig(name="learner", storage_path=str(cfg.run_path / "ray_train")),
+            run_config=RunConfig(name="learner", storage_path=str(cfg.run_path / "ray_train"),
+                                 failure_config=FailureConfig(max_failures=t.max_restarts)),
         )
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._fit, args=(trainer,), daemon=True, name="learner-fit")
         self.thread.start()  # returns at once: the ranks start while the caller starts other things (services.py)
-        self.ready = False
 
     def wait_ready(self) -> None:
-        """Until every rank has built its DeepSpeed engine (the first step or save waits for it too)."""
-        if not self.ready:
-            self._gather()
-            self.ready = True
+        """Until every rank has built its DeepSpeed engine and loaded the checkpoint it goes on from, if any (the
+        first step or save waits for it too)."""
+        self._command(None)
 
     def _fit(self, trainer: TorchTrainer) -> None:
         try:
             trainer.fit()
-        except BaseException as e:  # surfaced to the driver by _gather
+        except BaseException as e:  # surfaced to the driver by _next
             self.error = e
 
-    def _gather(self) -> list[dict]:
-        """One reply per rank, in rank order; fails fast if the training run died."""
-        replies: list[dict] = []
+    def _next(self) -> dict:
+        """The next message from a rank; fails fast if the training run died or a rank failed."""
         waited = 0.0
-        while len(replies) < self.n:
+        while True:
             try:
-                replies.append(self.outbox.get(timeout=1.0))
+                msg = self.outbox.get(timeout=1.0)
             except (Empty, queue.Empty):
                 waited += 1.0
                 if not self.thread.is_alive():
                     raise RuntimeError("the training run stopped") from self.error
                 if waited > self.timeout_s:
                     raise TimeoutError(f"no reply from the training workers in trainer.step_timeout_s={self.timeout_s}s")
-        return sorted(replies, key=lambda r: r["rank"])
+                continue
+            if "error" not in msg:
+                return msg
+            if not self._peer_died(msg["rank"]):
+                raise RuntimeError(f"learner rank {msg['rank']} failed:\n{msg['error']}")
+            # its collective broke because another rank died: Ray Train restarts them all (_gather sees it)
+
+    def _peer_died(self, rank: int) -> bool:
+        """Whether a rank other than `rank` is dead (or does not answer within 10 s)."""
+        for other, msg in self.ranks.items():
+            if other != rank:
+                try:
+                    ray.get(msg["actor"].__ray_ready__.remote(), timeout=10)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    return True
+        return False
+
+    def _attach(self, ready: dict[int, dict]) -> None:
+        """Waits for every rank's process to start (`ready`: those already heard from), then tells each the checkpoint
+        to load, if any, and waits for them all to have loaded it."""
+        while len(ready) < self.n:
+            if (msg := self._next()).get("ready"):
+                ready[msg["rank"]] = msg
+        self.ranks = ready
+        load = str(self.checkpoint.path) if self.checkpoint else None
+        for rank, msg in ready.items():
+            self.inboxes[rank].put({"kind": "attach", "nonce": msg["nonce"], "load": load})
+        self._gather()
+
+    def _command(self, messages: list[dict] | None) -> list[dict]:
+        """Each rank its message (None: none, only attach the ranks); their replies, in rank order. Ranks restarted
+        meanwhile are attached to the latest checkpoint and get the message again."""
+        restarted = None  # the new processes heard from, once the ranks restart
+        while True:
+            try:
+                if not self.ranks or restarted is not None:
+                    self._attach(restarted or {})
+                    if restarted is not None and messages and messages[0]["kind"] == "step":
+                        # rank 0 may have published the step's version before it died: the versions only go up
+                        published, _ = ray.get(self.registry.wait_newer.remote(0, 0.0))
+                        self.version = max(self.version, published + 1)
+                        messages = [{**msg, "version": self.version} for msg in messages]
+                    restarted = None
+                if messages is None:
+                    return []
+                for inbox, msg in zip(self.inboxes, messages):
+                    inbox.put(msg)
+                return self._gather()
+            except _Restarted as restart:
+                self.restarts, restarted = self.restarts + 1, restart.ready
+                since = f"{self.checkpoint.path.name} (policy v{self.checkpoint.state.policy_version})" \
+                    if self.checkpoint else "the initial policy"
+                print(f"the learner's ranks were restarted ({self.restarts} of trainer.max_restarts="
+                      f"{self.max_restarts}): going on from {since}; the updates after it are lost", flush=True)
+
+    def _gather(self) -> list[dict]:
+        """One reply per rank from its attached process, in rank order. Replies from a process since replaced are
+        dropped; a new process's start means the ranks restarted (_Restarted)."""
+        replies: dict[int, dict] = {}
+        while len(replies) < self.n:
+            msg = self._next()
+            if msg.get("ready"):
+                raise _Restarted(msg)
+            if msg["nonce"] == self.ranks[msg["rank"]]["nonce"]:
+                replies[msg["rank"]] = msg
+        return [replies[rank] for rank in range(self.n)]
 
     def step(self, transitions: list[Transition]) -> list[dict]:
         """The optimizer steps over the batch (batch_plan), publishing policy version v+1, unless every step was
@@ -91,21 +161,16 @@ class Learner:
         were. The caller skips batches without any signal: an empty step would still move the weights (Adam's
         momentum) and bump the version for nothing."""
         plan = batch_plan(transitions, self.algorithm, self.max_tokens, self.token_budget, self.n)
-        self.wait_ready()
         self.version += 1
-        for inbox, mini_batches in zip(self.inboxes, plan):
-            inbox.put({"kind": "step", "version": self.version, "mini_batches": mini_batches})
-        replies = self._gather()
+        replies = self._command([{"kind": "step", "version": self.version, "mini_batches": mini_batches}
+                                 for mini_batches in plan])
         if not replies[0]["updated"]:  # every rank skipped the same steps
             self.version -= 1
         return replies
 
     def save(self, path: Path) -> None:
         """The policy (HF) into path/policy, the learner's whole state into path/learner (learner/checkpoint.py)."""
-        self.wait_ready()
-        for inbox in self.inboxes:
-            inbox.put({"kind": "save", "path": str(path)})
-        self._gather()
+        self._command([{"kind": "save", "path": str(path)}] * self.n)
 
     def close(self) -> None:
         """Tells each rank to stop. A queue already gone (its node lost) is no reason to fail: closing runs on the
@@ -171,3 +236,11 @@ def micro_batches(weighted: MicroBatch, token_budget: int) -> list[MicroBatch]:
         else:
             out.append([item])
     return out
+
+
+class _Restarted(Exception):
+    """The ranks were restarted: `ready` holds the new processes' start messages heard so far."""
+
+    def __init__(self, msg: dict):
+        super().__init__(f"rank {msg['rank']} restarted")
+        self.rank, self.ready = msg["rank"], {msg["rank"]: msg}

@@ -7,6 +7,8 @@ import hashlib
 import math
 import os
 import time
+import traceback
+import uuid
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import NamedTuple
@@ -79,9 +81,27 @@ def clear_stale_build_locks(extensions_dir: str, max_age_s: float = 900) -> list
 
 
 def train_loop_per_worker(cfg: dict) -> None:
+    """One rank (learn); an error in it goes to the driver before Ray Train sees it, so the run fails at once with
+    it rather than restarting the ranks into the same error (restarts are for ranks that die: the driver tells the
+    error of a rank whose collective broke because another died from its own)."""
+    nonce = uuid.uuid4().hex  # this process
+    try:
+        learn(cfg, nonce)
+    except Exception as e:
+        with suppress(Exception):
+            cfg["outbox"].put({"rank": ray.train.get_context().get_world_rank(), "nonce": nonce,
+                               "error": "".join(traceback.format_exception(e))})
+        raise
+
+
+def learn(cfg: dict, nonce: str) -> None:
     """`cfg`: the learner's settings (`trainer`, `auto` resolved) and the algorithm's, typed, beside the run's model
-    path (the initial policy: the KL reference), the checkpoint a resumed run starts from, queues, registry and weight
-    transport (learner.py)."""
+    path (the initial policy: the KL reference), queues, registry and weight transport (learner/driver.py).
+
+    Ray Train may run this more than once on a rank: when a rank's process dies it restarts every rank
+    (trainer.max_restarts). So each start announces itself with a nonce and takes no command before the driver
+    attaches it (naming the checkpoint to load): commands queued for the process before it, and its replies once
+    another has replaced it, are told apart by the nonce."""
     t, alg = cfg["trainer"], cfg["algorithm"]
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", cfg["extensions_dir"])  # CPU Adam (offload_optimizer) builds once
     clear_stale_build_locks(os.environ["TORCH_EXTENSIONS_DIR"])
@@ -120,17 +140,22 @@ def train_loop_per_worker(cfg: dict) -> None:
         model = WithValueHead(model)
         parameters.append({"params": list(model.value_head.parameters()), "lr": alg.value_lr or t.lr})
     engine = deepspeed_engine(model, parameters, t, on_cuda)
-    if cfg["resume_from"]:  # a resumed run: the checkpoint's weights, optimizer state and value head
-        loaded, _ = engine.load_checkpoint(str(Path(cfg["resume_from"]) / "learner"), tag="state")
-        if loaded is None:  # DeepSpeed only warns
-            raise FileNotFoundError(f"no learner state to resume from in {cfg['resume_from']}/learner")
     inbox, outbox, registry = cfg["inboxes"][rank], cfg["outbox"], cfg["registry"]
     from lightning_ray.weight_sync import make_publisher
 
     # rank 0 publishes each version, by the run's transport (object store, CUDA IPC, or a broadcast it serves)
     publisher = make_publisher(cfg["weight_sync"], registry, engine.device) if rank == 0 else None
-    with whole_weights(engine) as module:
-        outbox.put({"rank": rank, "ready": True, "digest": parameter_digest(module)})
+    outbox.put({"rank": rank, "ready": True, "nonce": nonce, "pid": os.getpid(),
+                "actor": ray.get_runtime_context().current_actor})
+    while (msg := inbox.get()) is not None and not (msg["kind"] == "attach" and msg["nonce"] == nonce):
+        pass  # sent to the process this one replaces
+    if msg is None:
+        return
+    if msg["load"]:  # a resumed run or a restarted rank: the checkpoint's weights, optimizer state and value head
+        loaded, _ = engine.load_checkpoint(str(Path(msg["load"]) / "learner"), tag="state")
+        if loaded is None:  # DeepSpeed only warns
+            raise FileNotFoundError(f"no learner state to load in {msg['load']}/learner")
+    outbox.put({"rank": rank, "nonce": nonce, "attached": msg["load"]})
     first = True
     while (msg := inbox.get()) is not None:
         if msg["kind"] == "save":  # learner/checkpoint.py's layout
@@ -140,7 +165,7 @@ def train_loop_per_worker(cfg: dict) -> None:
                     tokenizer.save_pretrained(Path(msg["path"]) / "policy")
             # every rank its share: weights, optimizer state (ZeRO's partitions), the value head
             engine.save_checkpoint(str(Path(msg["path"]) / "learner"), tag="state", save_latest=False)
-            outbox.put({"rank": rank, "saved": msg["path"]})
+            outbox.put({"rank": rank, "nonce": nonce, "saved": msg["path"]})
             continue
         started = time.perf_counter()
         stats = train_step(engine, msg["mini_batches"], pad_id, alg, world, reference,
@@ -158,7 +183,7 @@ def train_loop_per_worker(cfg: dict) -> None:
             torch.cuda.empty_cache()
         stats.update(compute_s=trained - started, publish_s=published - trained,
                      digest_s=time.perf_counter() - published)
-        outbox.put({"rank": rank, "version": msg["version"], "digest": digest, **stats})
+        outbox.put({"rank": rank, "nonce": nonce, "version": msg["version"], "digest": digest, **stats})
 
 
 class WithValueHead(torch.nn.Module):

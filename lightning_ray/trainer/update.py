@@ -57,7 +57,8 @@ def save_checkpoint(run: Run, iteration: int) -> None:
     with run.phase("checkpoint"), status(f"iter {iteration}: checkpoint", report=False):
         staged = checkpoint.staging(run.cfg.run_path, iteration + 1)
         run.learner.save(staged)
-        checkpoint.commit(staged, run.state(iteration), run.cfg.trainer.keep_checkpoints)
+        # the run's latest: what restarted learner ranks go on from
+        run.learner.checkpoint = checkpoint.commit(staged, run.state(iteration), run.cfg.trainer.keep_checkpoints)
 
 
 def probe(server_url: str, cfg: TrainConfig) -> dict:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 import os
 import random
+import signal
+import threading
 import time
 
 import pytest
@@ -77,12 +79,14 @@ def test_each_zero_stage_publishes_and_saves_whole_weights(ray_cluster, tiny_mod
                          steps=algorithm.get("ppo_epochs", 1) * algorithm.get("mini_batches", 1))
 
 
-def test_zero3_publishes_whole_weights_and_a_resumed_learner_takes_the_step_the_saved_one_would(
+def test_zero3_publishes_whole_weights_and_a_resumed_or_restarted_learner_takes_the_step_the_saved_one_would(
         ray_cluster, tiny_model_path, tmp_path):
     """ZeRO-3 PPO on two ranks: a step (the critic trained with the policy, whole weights published and saved, as for
     the other stages above), a checkpoint, a second step; a learner resumed from the checkpoint takes the second step
     to the same weights. Only with AdamW's moments and the value head restored (from each rank's partitions): fresh
-    moments or a fresh head would step elsewhere."""
+    moments or a fresh head would step elsewhere. Then one of its ranks is SIGKILLed in the middle of the same step
+    again: Ray Train restarts both ranks, they load the checkpoint, the step is taken again, to the same weights, and
+    published as the next version."""
     def config(run_dir):  # a run's learner queues are named after its directory
         return small({"run_dir": str(run_dir), "algorithm": PPO, "trainer": {
             "num_workers": 2, "threads_per_worker": 1, "zero_stage": 3, "lr": 1e-3, "micro_batch_tokens": 96,
@@ -107,13 +111,27 @@ def test_zero3_publishes_whole_weights_and_a_resumed_learner_takes_the_step_the_
     assert_whole_weights(replies, published, version, saved.path, initial)
     # the critic trained (V = 0 at first, returns 0 and 1) and left out of what a server loads (strict load above)
     assert sum(r["value_loss"] for r in replies) > 0 and all(r["kl_ref"] < 1e-6 for r in replies)
-    resumed = Learner(config(tmp_path / "resumed"), tiny_model_path, WeightRegistry.remote(saved.state.policy_version),
-                      resume_from=saved)
+    registry = WeightRegistry.remote(saved.state.policy_version)
+    resumed = Learner(config(tmp_path / "resumed"), tiny_model_path, registry, resume_from=saved)
     try:
         replies = resumed.step(second)
+        assert resumed.version == 2 and {r["digest"] for r in replies} == {expected}
+        killer = threading.Thread(target=kill_mid_step, args=(resumed, 1))
+        killer.start()
+        replies = resumed.step(second)
+        killer.join()
     finally:
         resumed.close()
-    assert resumed.version == 2 and {r["digest"] for r in replies} == {expected}
+    assert resumed.restarts == 1 and resumed.version == 3 and {r["digest"] for r in replies} == {expected}
+    assert ray.get(registry.wait_newer.remote(2, 1.0))[0] == 3
+
+
+def kill_mid_step(learner: Learner, rank: int) -> None:
+    """SIGKILLs the rank's process once every rank has taken its step message (each inbox empty)."""
+    pid = learner.ranks[rank]["pid"]
+    while not all(inbox.empty() for inbox in learner.inboxes):
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
 
 
 def test_two_ranks_train_like_one(ray_cluster, tiny_model_path, tmp_path):
