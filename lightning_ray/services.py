@@ -37,6 +37,7 @@ class Services:
         loaded, the rollouts the stopped run left unfinished cancelled). What started is stopped again if a later
         part fails to start."""
         self.cfg, self.learner, self.apps = cfg, None, []
+        self.store, self.registry, self.workers = None, None, []
         cfg.run_path.mkdir(parents=True, exist_ok=True)
         cfg.save(cfg.run_path / "config.yaml")
         print(f"run directory: {cfg.run_path}", flush=True)
@@ -106,6 +107,12 @@ class Services:
             self.learner.close()
         for app in self.apps:
             serve.delete(app)
+        # Named, the run's actors would outlive it in a driver that goes on (a notebook, the tests' one cluster):
+        # Serve keeps the handles a deleted app was deployed with.
+        for actor in [*self.workers, *([self.registry] if self.registry else [])]:
+            ray.kill(actor, no_restart=True)
+        if self.store:
+            self.store.close()
         if self.owns_ray:
             ray.shutdown()
 

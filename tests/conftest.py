@@ -47,6 +47,7 @@ def policy_app(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     @contextmanager
     def deploy(model_name: str = "tiny-calc", registry=None, **options):
         store = StoreClient.start(tmp_path_factory.mktemp("store"))
+        own_registry = registry is None
         registry = registry or WeightRegistry.remote()
         url = deploy_policy(str(tiny_model_path), model_name, store, registry, port=serve_port, **options)
         try:
@@ -54,5 +55,8 @@ def policy_app(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
                    "new_rollout": lambda: store.enqueue([Task(task_id="test", input={})])[0].rollout_id}
         finally:
             serve.delete(APP_NAME)
+            store.close()  # Serve keeps the handles a deleted app was deployed with: they would outlive the test
+            if own_registry:
+                ray.kill(registry)
 
     return deploy
