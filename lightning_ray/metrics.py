@@ -31,7 +31,7 @@ def metrics() -> SimpleNamespace:
                                       boundaries=[0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]),
         store_spans=Counter("lightning_ray_store_spans", "Spans stored: rate() is spans ingested per second."),
         errors=Counter("lightning_ray_errors", "Errors, by component and kind (rejected store input, failed "
-                       "generations, dead rollout workers, rollouts the platform failed).",
+                       "generations, dead rollout workers, rollouts the platform failed, learner restarts).",
                        tag_keys=("component", "kind")),
     )
 

@@ -23,6 +23,7 @@ from lightning_ray.algorithm.loss import token_weights
 from lightning_ray.config import AlgorithmConfig, TrainConfig, TrainerConfig
 from lightning_ray.learner.checkpoint import Checkpoint
 from lightning_ray.learner.worker import MicroBatch, train_loop_per_worker
+from lightning_ray.metrics import count_error
 from lightning_ray.placement import ON_HEAD
 from lightning_ray.types import Transition
 from lightning_ray.weight_sync import resolve as resolve_weight_sync
@@ -138,6 +139,7 @@ class Learner:
                 return self._gather()
             except _Restarted as restart:
                 self.restarts, restarted = self.restarts + 1, restart.ready
+                count_error("learner", "ranks_restarted")  # the dashboard's errors panel
                 since = f"{self.checkpoint.path.name} (policy v{self.checkpoint.state.policy_version})" \
                     if self.checkpoint else "the initial policy"
                 print(f"the learner's ranks were restarted ({self.restarts} of trainer.max_restarts="
