@@ -39,6 +39,7 @@ class Learner:
         self.checkpoint = resume_from  # what a (re)started rank loads: the run's latest (set as each one is made)
         self.registry, self.restarts, self.max_restarts = registry, 0, t.max_restarts
         self.ranks: dict[int, dict] = {}  # rank -> the ready message of its process now attached (nonce, pid, actor)
+        self.replaced: set[str] = set()  # the nonces of processes restarted ranks replaced
         label = cfg.run_path.name  # the queues' names in the Ray dashboard
         # Beside the driver, whose messages they carry: on a cluster, not on whichever node had room for them.
         self.inboxes = [Queue(actor_options={"num_cpus": 0, "name": f"learner-inbox-{i}@{label}", **ON_HEAD})
@@ -92,9 +93,9 @@ class Learner:
                 continue
             if "error" not in msg:
                 return msg
-            if not self._peer_died(msg["rank"]):
+            if msg["nonce"] not in self.replaced and not self._peer_died(msg["rank"]):
                 raise RuntimeError(f"learner rank {msg['rank']} failed:\n{msg['error']}")
-            # its collective broke because another rank died: Ray Train restarts them all (_gather sees it)
+            # a replaced process's, or its collective broke because another rank died: Ray Train restarts them all
 
     def _peer_died(self, rank: int) -> bool:
         """Whether a rank other than `rank` is dead (or does not answer within 10 s)."""
@@ -112,6 +113,7 @@ class Learner:
         while len(ready) < self.n:
             if (msg := self._next()).get("ready"):
                 ready[msg["rank"]] = msg
+        self.replaced |= {msg["nonce"] for msg in self.ranks.values()}
         self.ranks = ready
         load = str(self.checkpoint.path) if self.checkpoint else None
         for rank, msg in ready.items():
@@ -129,8 +131,7 @@ class Learner:
                     if restarted is not None and messages and messages[0]["kind"] == "step":
                         # rank 0 may have published the step's version before it died: the versions only go up
                         published, _ = ray.get(self.registry.wait_newer.remote(0, 0.0))
-                        self.version = max(self.version, published + 1)
-                        messages = [{**msg, "version": self.version} for msg in messages]
+                        messages = [{**msg, "version": max(msg["version"], published + 1)} for msg in messages]
                     restarted = None
                 if messages is None:
                     return []
@@ -163,11 +164,10 @@ class Learner:
         were. The caller skips batches without any signal: an empty step would still move the weights (Adam's
         momentum) and bump the version for nothing."""
         plan = batch_plan(transitions, self.algorithm, self.max_tokens, self.token_budget, self.n)
-        self.version += 1
-        replies = self._command([{"kind": "step", "version": self.version, "mini_batches": mini_batches}
+        replies = self._command([{"kind": "step", "version": self.version + 1, "mini_batches": mini_batches}
                                  for mini_batches in plan])
-        if not replies[0]["updated"]:  # every rank skipped the same steps
-            self.version -= 1
+        if replies[0]["updated"]:  # else every rank skipped the same steps
+            self.version = replies[0]["version"]
         return replies
 
     def save(self, path: Path) -> None:

@@ -175,7 +175,8 @@ def test_the_gpu_learner_settings_train_on_cpu_too(ray_cluster, tiny_model_path,
     """What a GPU gets by default — bf16 with fp32 master weights (ZeRO-1 on one rank: DeepSpeed's bf16 optimizer)
     and activation checkpointing — runs the same code on CPUs: the step moves the weights, and what is published is
     the bf16 policy, whole, and the checkpoint is it. A batch whose loss is not finite then changes nothing: its step
-    is skipped (DeepSpeed's bf16 optimizer finds the gradient not finite), and no version is published."""
+    is skipped (DeepSpeed's bf16 optimizer finds the gradient not finite), and no version is published. A batch the
+    rank raises on (a token outside the vocabulary) fails the step at once with the rank's error, not retried."""
     cfg = small({"run_dir": str(tmp_path), "trainer": {
         "num_workers": 1, "threads_per_worker": 1, "dtype": "bfloat16", "gradient_checkpointing": True, "lr": 1e-2,
         "micro_batch_tokens": 96, "max_logprob_gap": None}})
@@ -189,8 +190,13 @@ def test_the_gpu_learner_settings_train_on_cpu_too(ray_cluster, tiny_model_path,
         [skipped] = learner.step([t.model_copy(update={"advantage": math.nan})
                                   for t in transitions(initial.config.vocab_size)])
         learner.save(tmp_path / "checkpoint")
+        vocab = initial.config.vocab_size
+        with pytest.raises(RuntimeError, match=r"learner rank 0 failed:(.|\n)*IndexError"):
+            learner.step([t.model_copy(update={"prompt_ids": [vocab + 7, *t.prompt_ids[1:]]})
+                          for t in transitions(vocab)])
     finally:
         learner.close()
+    assert learner.restarts == 0
     assert not skipped["updated"] and skipped["skipped_nonfinite"] == skipped["steps"] == 1
     assert skipped["digest"] == reply["digest"] and learner.version == 1
     assert ray.get(registry.wait_newer.remote(0, 1.0))[0] == 1
