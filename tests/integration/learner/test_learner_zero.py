@@ -84,9 +84,9 @@ def test_zero3_publishes_whole_weights_and_a_resumed_or_restarted_learner_takes_
     """ZeRO-3 PPO on two ranks: a step (the critic trained with the policy, whole weights published and saved, as for
     the other stages above), a checkpoint, a second step; a learner resumed from the checkpoint takes the second step
     to the same weights. Only with AdamW's moments and the value head restored (from each rank's partitions): fresh
-    moments or a fresh head would step elsewhere. Then one of its ranks is SIGKILLed in the middle of the same step
-    again: Ray Train restarts both ranks, they load the checkpoint, the step is taken again, to the same weights, and
-    published as the next version."""
+    moments or a fresh head would step elsewhere. Then the same step again, and one of its ranks is SIGKILLed in the
+    middle of it: Ray Train restarts both ranks, they load the checkpoint, the step is taken again, to the same
+    weights, and published as the next version."""
     def config(run_dir):  # a run's learner queues are named after its directory
         return small({"run_dir": str(run_dir), "algorithm": PPO, "trainer": {
             "num_workers": 2, "threads_per_worker": 1, "zero_stage": 3, "lr": 1e-3, "micro_batch_tokens": 96,
@@ -116,7 +116,8 @@ def test_zero3_publishes_whole_weights_and_a_resumed_or_restarted_learner_takes_
     try:
         replies = resumed.step(second)
         assert resumed.version == 2 and {r["digest"] for r in replies} == {expected}
-        killer = threading.Thread(target=kill_mid_step, args=(resumed, 1))
+        os.kill(resumed.ranks[1]["pid"], signal.SIGSTOP)  # before the step is sent: it cannot finish without rank 1
+        killer = threading.Thread(target=kill_once_taken, args=(resumed, 1))
         killer.start()
         replies = resumed.step(second)
         killer.join()
@@ -126,12 +127,13 @@ def test_zero3_publishes_whole_weights_and_a_resumed_or_restarted_learner_takes_
     assert ray.get(registry.wait_newer.remote(2, 1.0))[0] == 3
 
 
-def kill_mid_step(learner: Learner, rank: int) -> None:
-    """SIGKILLs the rank's process once every rank has taken its step message (each inbox empty)."""
-    pid = learner.ranks[rank]["pid"]
-    while not all(inbox.empty() for inbox in learner.inboxes):
+def kill_once_taken(learner: Learner, rank: int) -> None:
+    """SIGKILLs the (stopped) rank's process once the other ranks have taken their step (their inboxes empty): they
+    wait for it in the step's first collective, so the learner dies mid-step, the stopped rank's message still queued
+    for it."""
+    while not all(inbox.empty() for i, inbox in enumerate(learner.inboxes) if i != rank):
         time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
+    os.kill(learner.ranks[rank]["pid"], signal.SIGKILL)
 
 
 def test_two_ranks_train_like_one(ray_cluster, tiny_model_path, tmp_path):
