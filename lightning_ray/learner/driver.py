@@ -245,4 +245,4 @@ class _Restarted(Exception):
 
     def __init__(self, msg: dict):
         super().__init__(f"rank {msg['rank']} restarted")
-        self.rank, self.ready = msg["rank"], {msg["rank"]: msg}
+        self.ready = {msg["rank"]: msg}
