@@ -1,12 +1,15 @@
 """Asynchronous vs synchronous training on the same work: the main job's configuration (SmolLM2's calc agent through
-Serve + vLLM, Ray Train + DeepSpeed) run twice in one process, `rollout.mode=sync` then `async`, with the same
-iterations, batch, seed and loss (truncated importance sampling on in both, so only the schedule differs).
+Serve + vLLM, Ray Train + DeepSpeed) run three times in one process — `rollout.mode=sync`, then `async` with partial
+rollouts (`serve.drain=keep`, async's default: a weight update lets the calls in flight go on under the new
+weights), then `async` with `serve.drain=wait` (an update waits for them) — with the same iterations, batch, seed and
+loss (truncated importance sampling on in all, so only the schedule differs).
 
-    python benchmarks/async_training.py [key=value ...]     # Hydra overrides of configs/train.yaml, for both runs
+    python benchmarks/async_training.py [key=value ...]     # Hydra overrides of configs/train.yaml, for every run
 
-Prints one JSON line per mode (wall-clock minutes, trained transitions per hour, how long the learner waited for
+Prints one JSON line per run (wall-clock minutes, trained transitions per hour, how long the learner waited for
 batches and how long no batch was collecting, as fractions of the loop's time, held-out accuracy before and after,
-staleness) and one with the ratios async / sync. Not part of CI (~2 x 15 min on 2 cores with the defaults).
+staleness, calls a weight update landed in) and one with the ratios to sync. Not part of CI (~3 x 12 min on 2 cores
+with the defaults).
 """
 
 from __future__ import annotations
@@ -23,9 +26,13 @@ from lightning_ray.trainer import train
 DEFAULTS = ["trainer.iterations=8", "trainer.eval_every=8", "task.eval_size=100", "algorithm.tis_cap=2"]
 
 
+RUNS = {"sync": ["rollout.mode=sync"], "async": ["rollout.mode=async", "serve.drain=keep"],
+        "async_wait": ["rollout.mode=async", "serve.drain=wait"]}
+
+
 def run(mode: str, overrides: list[str], root: Path) -> dict:
     run_dir = root / "runs" / time.strftime(f"async-bench-{mode}-%Y-%m-%d_%H-%M-%S")
-    cfg = compose([*DEFAULTS, *overrides, f"rollout.mode={mode}", f"run_dir={run_dir}"])
+    cfg = compose([*DEFAULTS, *overrides, *RUNS[mode], f"run_dir={run_dir}"])
     start = time.perf_counter()
     history = train(cfg)
     wall = time.perf_counter() - start
@@ -40,7 +47,8 @@ def run(mode: str, overrides: list[str], root: Path) -> dict:
     staleness = Counter()
     for h in history:
         staleness.update({int(k): v for k, v in h.get("staleness", {}).items()})
-    return {"benchmark": "async_training", "mode": mode, "model": cfg.model.path, "engine": cfg.engine.kind,
+    return {"benchmark": "async_training", "mode": mode, "drain": cfg.serve.drain, "model": cfg.model.path,
+            "engine": cfg.engine.kind,
             "iterations": len(history), "batch": f"{cfg.rollout.tasks_per_iteration}x{cfg.rollout.group_size}",
             "wall_minutes": round(wall / 60, 2), "loop_minutes": round(loop / 60, 2),
             "transitions": transitions, "transitions_per_hour": round(transitions / (loop / 3600)),
@@ -48,20 +56,24 @@ def run(mode: str, overrides: list[str], root: Path) -> dict:
             "accuracy": [(e["after"], round(e["accuracy"], 3)) for e in evals],
             "reward_mean": [round(h["reward_mean"], 3) for h in history],
             "staleness": dict(sorted(staleness.items())), "stale_dropped": sum(h.get("stale_dropped", 0) for h in history),
+            "calls_across_updates": sum(h["calls_across_updates"] for h in history),
             "run_dir": str(cfg.run_path)}
 
 
 def main(overrides: list[str]) -> None:
     root = Path(__file__).resolve().parents[1]
-    sync, asynchronous = (run(mode, overrides, root) for mode in ("sync", "async"))
-    for result in (sync, asynchronous):
+    results = {mode: run(mode, overrides, root) for mode in RUNS}
+    for result in results.values():
         print(json.dumps(result), flush=True)
-    print(json.dumps({
-        "benchmark": "async_training", "compare": "async / sync",
-        "loop_time": round(asynchronous["loop_minutes"] / sync["loop_minutes"], 3),
-        "transitions_per_hour": round(asynchronous["transitions_per_hour"] / sync["transitions_per_hour"], 3),
-        "final_accuracy_diff": round(asynchronous["accuracy"][-1][1] - sync["accuracy"][-1][1], 3),
-    }), flush=True)
+    sync = results["sync"]
+    for mode in ("async", "async_wait"):
+        r = results[mode]
+        print(json.dumps({
+            "benchmark": "async_training", "compare": f"{mode} / sync",
+            "loop_time": round(r["loop_minutes"] / sync["loop_minutes"], 3),
+            "transitions_per_hour": round(r["transitions_per_hour"] / sync["transitions_per_hour"], 3),
+            "final_accuracy_diff": round(r["accuracy"][-1][1] - sync["accuracy"][-1][1], 3),
+        }), flush=True)
 
 
 if __name__ == "__main__":

@@ -149,7 +149,10 @@ class ServeConfig(_Strict):
     # (lightning_ray/auth.py)
     api_key: str | None = Field(None, min_length=1)
     sync_timeout_s: float = Field(120.0, gt=0)
-    # a weight update waits this long for in-flight generations, then ends them (503, "drain_timeout")
+    # What a weight update does with the generations in flight (serving/gate.py): `wait` for them (ending those past
+    # drain_timeout_s: 503, "drain_timeout"), `abort` them (503, "weight_update": the client retries), or `keep`
+    # them going under the new weights (partial rollouts). null: keep under rollout.mode=async, else wait.
+    drain: Literal["wait", "abort", "keep"] | None = None
     drain_timeout_s: float = Field(60.0, gt=0)
     # The chat template the server renders with: null (the model's own), `hermes` (ours: ChatML with Hermes
     # <tool_call> tools, for models whose template ignores tools, as SmolLM2's does), or a Jinja file's path.
@@ -348,7 +351,7 @@ class RayConfig(_Strict):
     metrics_export_port: int | None = Field(None, ge=1, le=65535)  # a local cluster's Prometheus port; None: any free
 
 
-ASYNC_TIS_CAP = 2.0  # algorithm.tis_cap under rollout.mode=async when none is set
+ASYNC_TIS_CAP = 2.0  # algorithm.tis_cap unless set, where samples may be older (rollout.mode=async, serve.drain=keep)
 
 
 class TrainConfig(_Strict):
@@ -371,12 +374,14 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _async_corrects_for_staleness(self):
-        if self.rollout.mode == "async":
-            if self.engine.sleep_while_training:
-                raise ValueError("rollout.mode=async runs rollouts while the learner trains, and "
-                                 "engine.sleep_while_training puts the engines to sleep then: choose one")
-            if self.algorithm.tis_cap is None:  # samples from older versions: weighed against their sampler
-                self.algorithm.tis_cap = ASYNC_TIS_CAP
+        if self.serve.drain is None:  # async: an update lands while the next batches generate; none waits for them
+            self.serve.drain = "keep" if self.rollout.mode == "async" else "wait"
+        if self.rollout.mode == "async" and self.engine.sleep_while_training:
+            raise ValueError("rollout.mode=async runs rollouts while the learner trains, and "
+                             "engine.sleep_while_training puts the engines to sleep then: choose one")
+        # samples from older versions (async), or calls partly sampled by one (keep): weighed against their sampler
+        if (self.rollout.mode == "async" or self.serve.drain == "keep") and self.algorithm.tis_cap is None:
+            self.algorithm.tis_cap = ASYNC_TIS_CAP
         return self
 
     @model_validator(mode="after")

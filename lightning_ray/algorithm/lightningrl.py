@@ -98,12 +98,15 @@ def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str, level: 
     """Every rollout's spans to transitions (or, at the trajectory level, to one sequence per episode where the
     tokens allow). Counts (they add up over batches): policy calls, those cut off at max_tokens, those never
     answered (left out), the joins between a rollout's consecutive calls, with those where a call's prompt did not
-    extend the previous context, and the rollouts left out as the platform's failures (no reward, or not a finite
-    one)."""
+    extend the previous context, the rollouts left out as the platform's failures (no reward, or not a finite
+    one), and the calls a weight update landed in."""
     by_rollout: dict[str, list[Span]] = {}
     for s in spans:
         by_rollout.setdefault(s.rollout_id, []).append(s)
-    out, calls, truncated, unanswered, joins, breaks, failed = [], 0, 0, 0, 0, 0, 0
+    # calls a weight update landed in (serve.drain=keep): their tokens are two versions' (the learner weighs each
+    # token against its own sampler's logprob); the transition's version is the oldest, for staleness
+    resumed_ids = {s.span_id for s in spans if len(s.attributes.get(semconv.POLICY_VERSION_SPANS) or ()) > 1}
+    out, calls, truncated, unanswered, joins, breaks, failed, resumed = [], 0, 0, 0, 0, 0, 0, 0
     for r in rollouts:
         transitions, left_out = _transitions(r, by_rollout.get(r.rollout_id, []), policy_model, agent_rewards, select)
         if transitions is None:
@@ -111,6 +114,7 @@ def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str, level: 
             continue
         calls += len(transitions)
         truncated += sum(t.finish_reason == "length" for t in transitions)
+        resumed += sum(t.span_id in resumed_ids for t in transitions)
         unanswered += left_out
         joins += max(len(transitions) - 1, 0)
         if level == "trajectory":
@@ -118,7 +122,8 @@ def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str, level: 
             breaks += broken
         out += transitions
     return out, {"policy_calls": calls, "truncated_calls": truncated, "unanswered_calls": unanswered,
-                 "call_joins": joins, "prefix_breaks": breaks, "infra_failed_rollouts": failed}
+                 "call_joins": joins, "prefix_breaks": breaks, "infra_failed_rollouts": failed,
+                 "calls_across_updates": resumed}
 
 
 def merge_calls(transitions: list[Transition]) -> tuple[list[Transition], int]:

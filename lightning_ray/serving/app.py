@@ -3,8 +3,10 @@
 Each call is recorded, before it is answered, as one LLM span per choice in the trace store: the engine's exact
 prompt and completion token ids, logprobs, the policy version, the request, the text, latency and any error.
 Weights follow the registry; a new version is checked and staged while serving goes on, then swapped in with
-admission paused and in-flight requests drained, so no generation mixes two policy versions and no request is
-dropped. A replica whose weights a failed load left mixed answers 503 and fails Serve's health check (replaced).
+admission paused; requests in flight finish first (`serve.drain=wait`: no generation mixes two policy versions),
+are ended for the client to retry (`abort`), or go on under the new weights (`keep`: each span records which
+tokens each version produced). A replica whose weights a failed load left mixed answers 503 and fails Serve's
+health check (replaced).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class PolicyServer:
     async def __init__(self, model_path: str, model_name: str, store, registry, engine: str = "hf",
                  engine_options: dict | None = None, max_model_len: int = 512, defaults: dict | None = None,
                  api_key: str | None = None, max_request_bytes: int = 8 << 20, seed: int = 0,
-                 chat_template: str | None = None, drain_timeout_s: float = 60.0,
+                 chat_template: str | None = None, drain_timeout_s: float = 60.0, drain: str = "wait",
                  weight_sync: str = "object_store", sync_timeout_s: float = 120.0,
                  sleep_while_training: bool = False):
         import torch
@@ -68,6 +70,8 @@ class PolicyServer:
         engine_options = dict(engine_options or {})
         if transfer := engine_weight_transfer(weight_sync, engine):  # vLLM builds its weight-transfer engine at start
             engine_options["weight_transfer"] = transfer
+        if engine == "vllm":  # it pauses its own scheduler (the HF engine swaps between two steps whatever the mode)
+            engine_options["drain"] = drain
         self.engine = make_engine(engine, model_path, max_model_len, seed=seed, **engine_options)
         self.tokenizer = self.engine.tokenizer
         if chat_template:  # the template text (serving/templates.py), in place of the model's own
@@ -75,7 +79,7 @@ class PolicyServer:
         self.model_name, self.store, self.registry = model_name, store, registry
         self.max_model_len, self.defaults = max_model_len, defaults or {}
         api.state.api_key, api.state.max_request_bytes = api_key, max_request_bytes
-        self.gate = Gate(drain_timeout_s)
+        self.gate = Gate(drain_timeout_s, drain)
         self._sleep = None  # the gate's pause, held while the engine sleeps (engine.sleep_while_training)
         self.weights = Receiver(registry, self.replica_id, self.engine, sync_timeout_s)
         self.rollout_sampling: dict[str, dict] = {}  # rollout id -> its task's sampling defaults (looked up once)
@@ -232,7 +236,7 @@ class PolicyServer:
                         collect(choices, d)
                         yield d
             except DrainTimeout as e:
-                raise ApiError(503, str(e), type="server_error", code="drain_timeout") from None
+                raise ApiError(503, str(e), type="server_error", code=e.code) from None
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
             if isinstance(e, Exception):
@@ -253,6 +257,7 @@ class PolicyServer:
                               "gen_ai.operation.name": operation,
                               semconv.MODEL: self.model_name,
                               semconv.POLICY_VERSION: c.policy_version,
+                              semconv.POLICY_VERSION_SPANS: c.version_spans,
                               semconv.PROMPT_TOKEN_IDS: prompts[i // n],
                               semconv.COMPLETION_TOKEN_IDS: c.token_ids,
                               semconv.LOGPROBS: c.logprobs,
@@ -312,7 +317,7 @@ class PolicyServer:
         try:
             if self._sleep is not None:  # awake, still paused: no request sees the old weights after the sleep
                 await self.engine.wake_up()
-            if not await self.weights.receive(payload, version, self.gate.paused):
+            if not await self.weights.receive(payload, version, self.gate.for_weights):
                 return
         except Exception as e:
             await self.registry.fail.remote(self.replica_id, version, f"{type(e).__name__}: {e}")
@@ -329,7 +334,7 @@ def policy_app(model_path: str, model_name: str, store, registry, num_replicas: 
                autoscaling: dict | None = None, engine: str = "hf", engine_options: dict | None = None,
                max_model_len: int = 512, defaults: dict | None = None, api_key: str | None = None, seed: int = 0,
                env: dict[str, str] | None = None, chat_template: str | None = None, drain_timeout_s: float = 60.0,
-               resources: dict[str, float] | None = None, weight_sync: str = "object_store",
+               drain: str = "wait", resources: dict[str, float] | None = None, weight_sync: str = "object_store",
                sync_timeout_s: float = 120.0, sleep_while_training: bool = False, max_ongoing_requests: int = 256,
                max_queued_requests: int = -1):
     """The policy app, bound (Serve's Application). `autoscaling` is Serve's autoscaling_config (min_replicas,
@@ -344,7 +349,7 @@ def policy_app(model_path: str, model_name: str, store, registry, num_replicas: 
     return PolicyServer.options(**options).bind(
         model_path, model_name, store, registry, engine=engine, engine_options=engine_options,
         max_model_len=max_model_len, defaults=defaults, api_key=api_key, seed=seed, chat_template=chat_template,
-        drain_timeout_s=drain_timeout_s, weight_sync=weight_sync, sync_timeout_s=sync_timeout_s,
+        drain_timeout_s=drain_timeout_s, drain=drain, weight_sync=weight_sync, sync_timeout_s=sync_timeout_s,
         sleep_while_training=sleep_while_training)
 
 

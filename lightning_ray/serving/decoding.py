@@ -23,6 +23,7 @@ class ChoiceDelta(BaseModel):
     top_logprobs: list[dict[int, float]] = []
     finish_reason: str | None = None
     policy_version: int
+    version_spans: list[tuple[int, int, int]] | None = None  # TokenDelta's
     span_id: str = ""  # the span the server records this choice as (set by the server): its tool calls' ids name it
 
 
@@ -35,12 +36,21 @@ class Choice(BaseModel):
     logprobs: list[float] = []
     top_logprobs: list[dict[int, float]] = []
     finish_reason: str | None = None
-    policy_version: int = 0
+    policy_version: int = 0  # the oldest version that produced any of its tokens
+    version_spans: list[list[int]] = []  # [version, start, end): which tokens each version produced
     span_id: str = ""
 
 
 def collect(choices: dict[int, Choice], d: ChoiceDelta) -> None:
     c = choices.setdefault(d.index, Choice(index=d.index, policy_version=d.policy_version, span_id=d.span_id))
+    start, end = len(c.token_ids), len(c.token_ids) + len(d.token_ids)
+    if d.version_spans is not None:
+        c.version_spans = [list(s) for s in d.version_spans]
+    elif c.version_spans and c.version_spans[-1][0] == d.policy_version:
+        c.version_spans[-1][2] = end
+    elif end > start:
+        c.version_spans.append([d.policy_version, start, end])
+    c.policy_version = min((v for v, _, _ in c.version_spans), default=c.policy_version)
     c.text += d.text
     c.token_ids += d.token_ids
     c.logprobs += d.logprobs
@@ -88,7 +98,8 @@ async def generate_choice(engine: Engine, index: int, prompt_ids: list[int], par
         text = detok.feed(d.token_ids, final=d.finish_reason is not None, incremental=params.incremental)
         finish = "stop" if detok.stopped else d.finish_reason
         yield ChoiceDelta(index=index, text=text, token_ids=d.token_ids, logprobs=d.logprobs,
-                          top_logprobs=d.top_logprobs, finish_reason=finish, policy_version=d.policy_version)
+                          top_logprobs=d.top_logprobs, finish_reason=finish, policy_version=d.policy_version,
+                          version_spans=d.version_spans)
         if finish:
             return  # leaving the engine's stream early cancels the rest of the generation
 

@@ -20,7 +20,10 @@ MODEL = "gen_ai.request.model"
 PROMPT_TOKEN_IDS = "lightning_ray.prompt_token_ids"
 COMPLETION_TOKEN_IDS = "lightning_ray.completion_token_ids"
 LOGPROBS = "lightning_ray.logprobs"
-POLICY_VERSION = "lightning_ray.policy_version"
+POLICY_VERSION = "lightning_ray.policy_version"  # the oldest version that produced any of the call's tokens
+# [[version, start, end), ...]: which completion tokens each version produced (more than one: a weight update landed
+# mid-generation, serve.drain=keep)
+POLICY_VERSION_SPANS = "lightning_ray.policy_version_spans"
 SAMPLING = "lightning_ray.sampling"  # {temperature, top_p, seed, constrained}: the distribution tokens came from
 FINISH_REASONS = "gen_ai.response.finish_reasons"
 RESPONSE_TEXT = "lightning_ray.response"  # the text the client was sent

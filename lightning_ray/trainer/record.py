@@ -37,6 +37,8 @@ class IterationRecord(BaseModel):
     truncation_rate: float = described(
         "share of the policy's calls cut off at `max_tokens` (left out of the loss with "
         "`algorithm.overlong_filter=true`)")
+    calls_across_updates: int = described(
+        "the policy's calls a weight update landed in, kept going under the new weights (`serve.drain=keep`)")
     prefix_break_rate: float = described(
         "share of an episode's consecutive calls whose prompt did not extend the previous context (re-tokenization "
         "drift)")
@@ -116,6 +118,7 @@ def iteration_record(iteration, rollouts, spans, transitions, adapted, sampling,
         "policy_calls": adapted["policy_calls"],
         "unanswered_calls": adapted["unanswered_calls"],
         "truncation_rate": adapted["truncated_calls"] / max(adapted["policy_calls"], 1),
+        "calls_across_updates": adapted["calls_across_updates"],
         "prefix_break_rate": adapted["prefix_breaks"] / max(adapted["call_joins"], 1),
         **sampling,  # sampling_rounds, groups_with_signal, groups_dropped
         "llm_spans": len(llm_spans),

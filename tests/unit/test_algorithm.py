@@ -428,7 +428,7 @@ def test_adapt_reports_calls_and_drift():
     transitions, stats = adapt([rollout], spans, "policy", "trajectory")
     assert len(transitions) == 1 and transitions[0].response_ids.tolist() == [3, 7, 4]
     assert stats == {"policy_calls": 2, "truncated_calls": 0, "unanswered_calls": 0, "call_joins": 1,
-                     "prefix_breaks": 0, "infra_failed_rollouts": 0}
+                     "prefix_breaks": 0, "infra_failed_rollouts": 0, "calls_across_updates": 0}
     transitions, stats = adapt([rollout], spans, "policy", "transition")
     assert len(transitions) == 2
 

@@ -43,6 +43,9 @@ class TokenDelta(BaseModel):
     top_logprobs: list[dict[int, float]] = []  # per token, when asked for; tokens a constraint rules out are left out
     finish_reason: str | None = None  # "stop" (end of sequence or stop token) or "length"
     policy_version: int  # the weights that produced these tokens
+    # [version, start, end) over the whole generation's tokens, where an engine learns them only at its end (vLLM's
+    # weight_versions, on the last delta): they replace what the deltas' policy_version said
+    version_spans: list[tuple[int, int, int]] | None = None
 
 
 class Generation(BaseModel):

@@ -1,8 +1,10 @@
 """HF transformers engine: the small embedded engine, CPU-friendly, and on a CUDA device where the replica has one.
 
 A plain sampling loop over the KV cache rather than `model.generate`: it streams token by token, reports the
-raw (untempered) logprob of every sampled token, and seeds a per-request generator. One request runs at a time:
-the model is shared, and a weight load must land between generations, never inside one. A JSON constraint masks
+raw (untempered) logprob of every sampled token, and seeds a per-request generator. One request runs at a time
+(the model is shared); a weight load lands between two decoding steps, and a generation that goes on across it
+(serve.drain=keep) re-reads its context under the new weights: each token is sampled by one version, the one its
+delta names. A JSON constraint masks
 the logits each step with an xgrammar matcher (grammar.JsonGrammars), which accepts every sampled token.
 """
 
@@ -38,7 +40,8 @@ class HFEngine(WeightLoading):
         configured = self.model.generation_config.eos_token_id
         self.eos_ids = {i for i in [self.tokenizer.eos_token_id, *(configured if isinstance(configured, list)
                                                                     else [configured])] if i is not None}
-        self.lock = threading.Lock()
+        self.turn = threading.Lock()  # one generation at a time
+        self.lock = threading.Lock()  # the weights: held for one decoding step, or for a load
         self.policy_version = 0
         self._shapes = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
         self._staged: dict | None = None
@@ -76,13 +79,16 @@ class HFEngine(WeightLoading):
         matcher = None
         if params.json_schema is not None:  # compiled (or found in the cache) before taking the model
             matcher, bitmask = self.grammars.matcher(params.json_schema, stop), self.grammars.bitmask()
-        with self.lock:
-            version, cache = self.policy_version, DynamicCache()
-            inputs = torch.tensor([prompt_ids], device=self.device)
+        with self.turn:
+            context, version = list(prompt_ids), None
             for step in range(params.max_tokens):
                 if cancelled.is_set():
                     return
-                logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1].float()
+                with self.lock:
+                    if version != self.policy_version:  # the first step, or new weights: the context read under them
+                        version, cache = self.policy_version, DynamicCache()
+                        inputs = torch.tensor([context], device=self.device)
+                    logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1].float()
                 if matcher is not None:  # tokens the grammar rules out get -inf: never sampled, probability 0
                     matcher.fill_next_token_bitmask(bitmask)
                     apply_bitmask(logits, bitmask.to(logits.device))  # the mask is filled on the host
@@ -102,6 +108,7 @@ class HFEngine(WeightLoading):
                                  policy_version=version)
                 if finish:
                     return
+                context.append(token)
                 inputs = torch.tensor([[token]], device=self.device)
 
     async def stage_weights(self, state_dict: dict) -> None:
@@ -110,7 +117,7 @@ class HFEngine(WeightLoading):
 
     async def swap_weights(self, version: int) -> None:
         def swap():
-            with self.lock:  # between generations
+            with self.lock:  # between two decoding steps
                 try:  # load_state_dict goes on past a tensor it cannot copy: the rest are new, that one old
                     self.model.load_state_dict(self._staged)
                 except Exception as e:
@@ -147,7 +154,7 @@ class HFEngine(WeightLoading):
         return next(self.model.parameters()).device
 
     async def copy_weights(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy into the parameters in place (casting to their dtype), between generations; call with admission
+        """Copy into the parameters in place (casting to their dtype), between two decoding steps; call with admission
         paused. A tensor that fails part way leaves the weights mixed: `broken`, as swap_weights."""
         parameters = dict(self.model.named_parameters())
 

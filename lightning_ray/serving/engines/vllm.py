@@ -51,10 +51,13 @@ WEIGHTS_DIR_PREFIX = "lightning-ray-vllm-weights-"  # + the owner's pid: a dead 
 
 class VLLMEngine(WeightLoading):
     def __init__(self, model_path: str, dtype: str = "float32", gpu_memory_utilization: float = 0.1,
-                 seed: int = 0, weight_transfer: str | None = None, sleep_mode: bool = False, **engine_args):
+                 seed: int = 0, weight_transfer: str | None = None, sleep_mode: bool = False, drain: str = "wait",
+                 **engine_args):
         """weight_transfer: vLLM's weight-transfer backend ("ipc", "nccl"; CUDA only) for weight_sync's cuda_ipc and
         collective transports; without it weights are reloaded from a local safetensors file. sleep_mode: vLLM's,
-        for engine.sleep_while_training (CUDA only: vLLM-CPU has none, and a CPU engine holds no GPU memory)."""
+        for engine.sleep_while_training (CUDA only: vLLM-CPU has none, and a CPU engine holds no GPU memory).
+        drain: serve.drain; under `keep` a weight load pauses the requests in flight instead of waiting for them."""
+        self.drain = drain
         self.sleep_mode = sleep_mode and torch.cuda.is_available()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # JSON constraints compiled as engines.grammar compiles them for the HF engine: xgrammar, compact JSON.
@@ -96,13 +99,17 @@ class VLLMEngine(WeightLoading):
                     raise RuntimeError(f"vLLM request ended with {c.finish_reason!r}")
                 if not c.token_ids and not c.finish_reason:
                     continue
+                # vLLM labels each token with the weights that sampled it, told once the request is finished; a
+                # token sampled before any label was set ("default") is the version the request started under
+                spans = [(int(w.version) if w.version.isdigit() else version, w.start, w.end)
+                         for w in c.weight_versions or []] or None
                 # c.logprobs[i] maps token id -> Logprob for the top k plus the sampled token (whatever its rank)
                 yield TokenDelta(
                     token_ids=list(c.token_ids),
                     logprobs=[lps[t].logprob for t, lps in zip(c.token_ids, c.logprobs)],
                     top_logprobs=[{t: lp.logprob for t, lp in lps.items() if lp.rank <= k and lp.logprob > -math.inf}
                                   for lps in c.logprobs] if k else [],  # -inf: ruled out by a JSON constraint
-                    finish_reason=c.finish_reason, policy_version=version)
+                    finish_reason=c.finish_reason, policy_version=version, version_spans=spans)
         finally:
             if not admitted:
                 self._admitting -= 1
@@ -134,7 +141,7 @@ class VLLMEngine(WeightLoading):
 
         vLLM runs the reload RPC between engine steps, so no step sees half-loaded weights; but a request in
         flight would go on with new weights over a KV cache built by the old ones. So new requests wait at the
-        gate and the running ones finish first (a drain, as the HF engine does with its lock), then the weights
+        gate and the running ones finish first (a drain; or, under serve.drain=keep, pause), then the weights
         are copied in place (vLLM's `reload_weights`, from the staged safetensors) and the prefix cache, which
         holds the old weights' keys and values, is dropped.
         """
@@ -143,12 +150,15 @@ class VLLMEngine(WeightLoading):
 
     @asynccontextmanager
     async def _loading(self, version: int):
-        """The body loads `version`'s weights; then the prefix cache, the old weights' keys and values, is dropped.
+        """The body loads `version`'s weights; then the prefix cache, the old weights' keys and values, is dropped
+        (under `keep`, the paused requests' too: they read their context again under the new weights when they
+        resume), and vLLM labels the tokens sampled from then on with the version.
         A failure part way leaves the weights mixed: `broken` (the replica reports itself unhealthy)."""
         try:
             yield
-            if not await self.engine.reset_prefix_cache():
+            if not await self.engine.reset_prefix_cache(reset_running_requests=self.drain == "keep"):
                 raise RuntimeError("vLLM could not reset its prefix cache")
+            await self.engine.update_weight_version(str(version))
         except Exception as e:
             self.broken = f"loading policy version {version} failed part way: {e}"
             raise RuntimeError(self.broken) from e
@@ -157,16 +167,24 @@ class VLLMEngine(WeightLoading):
     @asynccontextmanager
     async def drained(self):
         """New requests wait, running ones finish, then the body runs: no generation sees two sets of weights.
+        Under serve.drain=keep the running ones are paused instead (vLLM's `pause_generation(mode="keep")`) and go
+        on after the body; `_loading` makes them read their context again under the new weights.
 
-        Our drain, not vLLM's `pause_generation`: its `abort` mode would drop requests, `keep` would resume them
-        over KV caches the old weights built (one generation, two policies), and `wait` is this without the
-        server's drain deadline (serving/gate.py ends what outlives it)."""
+        Otherwise our drain, not vLLM's `wait` mode, which is this without the server's drain deadline
+        (serving/gate.py ends what outlives it)."""
         async with self._load_lock:
             self._open.clear()
             try:
-                while self._admitting or self.engine.get_num_unfinished_requests():
-                    await asyncio.sleep(0.005)
-                yield
+                if self.drain == "keep":
+                    await self.engine.pause_generation(mode="keep", clear_cache=False)
+                    try:
+                        yield
+                    finally:
+                        await self.engine.resume_generation()
+                else:
+                    while self._admitting or self.engine.get_num_unfinished_requests():
+                        await asyncio.sleep(0.005)
+                    yield
             finally:
                 self._open.set()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import os
 import threading
@@ -16,10 +15,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed (CPU: pip install vllm
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from helpers import ATOL, check_kept_generation, logprob_error, perturbed, rescore  # noqa: E402
 from lightning_ray.serving.engines import SamplingParams, generate, make_engine  # noqa: E402
 from lightning_ray.tasks import calc  # noqa: E402
-
-ATOL = 1e-3  # measured max |vLLM - HF| on the tiny model in fp32: ~2e-6
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +63,6 @@ def prompts(engine, n: int) -> list[list[int]]:
     return [tok.encode(tok.apply_chat_template(
         [{"role": "system", "content": calc.SYSTEM_PROMPT}, {"role": "user", "content": t.input["question"]}],
         tokenize=False, add_generation_prompt=True)) for t in calc.make_tasks(n, seed=7)]
-
-
-@torch.inference_mode()
-def rescore(model, prompt: list[int], ids: list[int]) -> torch.Tensor:
-    """Log-softmax over the whole vocabulary at each generated position: [len(ids), vocab]."""
-    logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits, -1)
 
 
 def gen(engine, prompt, **params):
@@ -207,6 +198,16 @@ def test_load_weights_during_generation_lands_between_requests(engine, hf_model)
     assert {d.policy_version for _, ds in after for d in ds} == {v}
 
 
+def test_a_generation_kept_across_a_weight_update_samples_each_token_from_its_version(engine, hf_model):
+    """serve.drain=keep: vLLM pauses the request (pause_generation keep), the weights load, its KV cache is dropped and
+    recomputed under them, and vLLM's own per-token weight labels say which version sampled what."""
+    engine.drain = "keep"
+    try:
+        check_kept_generation(engine, hf_model, engine.run)
+    finally:
+        engine.drain = "wait"
+
+
 def test_weights_that_do_not_fit_are_refused_before_anything_loads(engine, hf_model):
     prompt, v = prompts(engine, 1)[0], engine.policy_version
     before = gen(engine, prompt, max_tokens=8, temperature=0.0)
@@ -233,21 +234,6 @@ def test_weight_directories_of_dead_replicas_are_swept(tmp_path):
         (d / "model.safetensors").write_bytes(b"0" * 1024)
     sweep_weight_dirs(str(tmp_path))
     assert not gone.exists() and alive.exists()
-
-
-def perturbed(model, seed: int):
-    """A copy of the model with every weight moved by noise (tied weights stay tied)."""
-    new, rng = copy.deepcopy(model), torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(torch.randn(p.shape, generator=rng) * 0.2 * p.std())
-    return new
-
-
-def logprob_error(model, prompt: list[int], ids: list[int], logprobs: list[float]) -> float:
-    """Max |reported - HF| under the given model."""
-    expected = rescore(model, prompt, ids).gather(1, torch.tensor(ids)[:, None])[:, 0]
-    return (torch.tensor(logprobs) - expected).abs().max().item()
 
 
 def test_a_model_with_tied_embeddings_and_end_of_turn_ids(loop, tiny_model_path, tmp_path):

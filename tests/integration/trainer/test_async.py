@@ -66,9 +66,15 @@ def test_the_next_batch_runs_while_the_learner_trains(run):
 
 
 def test_async_weighs_stale_samples_and_keeps_engines_awake():
-    """Truncated importance sampling is on in async mode unless set otherwise; sleeping engines are refused."""
-    assert validate({"run_dir": "x", "rollout": {"mode": "async"}}).algorithm.tis_cap == 2.0
+    """Truncated importance sampling is on in async mode unless set otherwise; sleeping engines are refused. A weight
+    update keeps the calls in flight going in async mode (partial rollouts), waits for them in sync mode; a call
+    kept going across an update has tokens of two versions, so `keep` turns truncated importance sampling on too."""
+    async_run = validate({"run_dir": "x", "rollout": {"mode": "async"}})
+    assert (async_run.algorithm.tis_cap, async_run.serve.drain) == (2.0, "keep")
     assert validate({"run_dir": "x", "rollout": {"mode": "async"}, "algorithm": {"tis_cap": 5}}).algorithm.tis_cap == 5
-    assert validate({"run_dir": "x"}).algorithm.tis_cap is None
+    sync_run = validate({"run_dir": "x"})
+    assert (sync_run.algorithm.tis_cap, sync_run.serve.drain) == (None, "wait")
+    assert validate({"run_dir": "x", "serve": {"drain": "keep"}}).algorithm.tis_cap == 2.0
+    assert validate({"run_dir": "x", "rollout": {"mode": "async"}, "serve": {"drain": "wait"}}).serve.drain == "wait"
     with pytest.raises(ConfigError, match="rollout.mode=async.*engine.sleep_while_training"):
         validate({"run_dir": "x", "rollout": {"mode": "async"}, "engine": {"sleep_while_training": True}})
