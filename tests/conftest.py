@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from contextlib import contextmanager
 
 import pytest
@@ -11,6 +13,28 @@ from lightning_ray.config import ModelConfig
 from lightning_ray.models import resolve_model_path
 
 from helpers import free_port
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """On a fresh machine the tiny model's build takes ~3 min: when a collected test needs it, it builds in a process
+    of its own from the start, while the unit tier (which comes first: testpaths) runs. Whoever resolves the model
+    first builds it; the other waits on the cache's lock (models._cached) and finds it built."""
+    global _tiny_build
+    if any("tiny_model_path" in item.fixturenames for item in items):  # a failed build is the fixture's to report
+        _tiny_build = subprocess.Popen(
+            [sys.executable, "-c", "from lightning_ray.config import ModelConfig; "
+             "from lightning_ray.models import resolve_model_path; resolve_model_path(ModelConfig())"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _tiny_build is not None and _tiny_build.poll() is None:  # the session ended first (-x); models._cached
+        # builds into a temporary directory renamed whole, so a killed build leaves nothing half-written
+        _tiny_build.kill()
+        _tiny_build.wait()
+
+
+_tiny_build: subprocess.Popen | None = None
 
 
 @pytest.fixture(scope="session")
