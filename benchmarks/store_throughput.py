@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -27,8 +28,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from store_workload import make_spans  # noqa: E402
 
+from lightning_ray.rollout.batching import BatchedStore  # noqa: E402
 from lightning_ray.store.client import StoreClient  # noqa: E402
-from lightning_ray.types import Span, Task  # noqa: E402
+from lightning_ray.types import Rollout, Span, Task, Verdict, new_id  # noqa: E402
 
 PEER_PYTHON = HERE.parent / ".venvs/agentlightning/bin/python"
 
@@ -76,11 +78,43 @@ def spans_per_s(name: str, connect, dicts: list[dict], batch: int, senders: int)
 
 
 def rollouts_per_s(name: str, store, n: int) -> dict:
+    """One at a time: a call per dequeue and per verdict."""
     t = time.perf_counter()
     store.enqueue([Task(task_id=str(i), input={"task": i}) for i in range(n)])
     while (rollout := store.dequeue("w0")) is not None:
         store.finish_attempt(rollout.rollout_id, rollout.attempt_id, "succeeded", reward=1.0)
     return emit(name, "rollouts_per_s", "enqueue+dequeue+finish_attempt", n, time.perf_counter() - t)
+
+
+def batched_rollouts_per_s(name: str, store, n: int, k: int) -> dict:
+    """k at a time: one dequeue_batch and one finish_attempts call per k rollouts."""
+    t = time.perf_counter()
+    store.enqueue([Task(task_id=str(i), input={"task": i}) for i in range(n)])
+    while leased := [r for r in store.dequeue_batch([new_id("at") for _ in range(k)], "w0") if r is not None]:
+        outcomes = store.finish_attempts([Verdict(rollout_id=r.rollout_id, attempt_id=r.attempt_id, status="succeeded",
+                                                  reward=1.0) for r in leased])
+        assert all(isinstance(o, Rollout) for o in outcomes), outcomes
+    return emit(name, "rollouts_per_s", f"enqueue+dequeue_batch[{k}]+finish_attempts", n, time.perf_counter() - t)
+
+
+def slots_rollouts_per_s(name: str, store, n: int, slots: int) -> dict:
+    """As a rollout worker runs them: `slots` threads, each dequeuing and finishing one rollout at a time through one
+    BatchedStore, which sends what they ask at once as one batch call (rollout/batching.py)."""
+    batched = BatchedStore(store)
+
+    def slot() -> None:
+        while (rollout := batched.dequeue("w0")) is not None:
+            batched.finish_attempt(rollout.rollout_id, rollout.attempt_id, "succeeded", reward=1.0)
+
+    t = time.perf_counter()
+    store.enqueue([Task(task_id=str(i), input={"task": i}) for i in range(n)])
+    threads = [threading.Thread(target=slot) for _ in range(slots)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return emit(name, "rollouts_per_s", f"enqueue+dequeue+finish_attempt x {slots} slots, batched", n,
+                time.perf_counter() - t)
 
 
 def ours(args) -> list[dict]:
@@ -96,6 +130,10 @@ def ours(args) -> list[dict]:
         out.append(spans_per_s("lightning_ray-sqlite", partial(StoreClient, StoreClient.start(run_dir).shards), dicts,
                                args.batch, args.senders))
         out.append(rollouts_per_s("lightning_ray-sqlite", StoreClient.start(Path(run_dir) / "q"), args.rollouts))
+        out.append(batched_rollouts_per_s("lightning_ray-sqlite", StoreClient.start(Path(run_dir) / "qb"),
+                                          args.batched_rollouts, args.k))
+        out.append(slots_rollouts_per_s("lightning_ray-sqlite", StoreClient.start(Path(run_dir) / "qs"),
+                                        args.batched_rollouts, args.slots))
     out.append(spans_per_s("lightning_ray-memory", partial(StoreClient, StoreClient.start().shards), dicts,
                            args.batch, args.senders))
     with tempfile.TemporaryDirectory() as run_dir:
@@ -103,6 +141,7 @@ def ours(args) -> list[dict]:
         out.append(spans_per_s("lightning_ray-http", partial(LightningClient, url), dicts[:args.http_spans],
                                args.batch, args.senders))
         out.append(rollouts_per_s("lightning_ray-http", LightningClient(url), args.http_rollouts))
+        out.append(batched_rollouts_per_s("lightning_ray-http", LightningClient(url), args.batched_rollouts, args.k))
         serve.delete(APP_NAME)
     ray.shutdown()
     return out
@@ -134,6 +173,9 @@ def main() -> None:
     p.add_argument("--senders", type=int, default=4, help="processes sending span batches at once")
     p.add_argument("--rollouts", type=int, default=2_000)
     p.add_argument("--http-rollouts", type=int, default=300)
+    p.add_argument("--batched-rollouts", type=int, default=20_000, help="rollouts of each batched measurement")
+    p.add_argument("--k", type=int, default=64, help="rollouts per dequeue_batch / finish_attempts call")
+    p.add_argument("--slots", type=int, default=16, help="agent slots of the worker-like measurement")
     p.add_argument("--workload-rollouts", type=int, default=100)
     p.add_argument("--port", type=int, default=8321)
     p.add_argument("--no-peer", action="store_true", help="skip Agent Lightning")

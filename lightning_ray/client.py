@@ -17,7 +17,7 @@ import httpx
 
 from lightning_ray.rollout.runner import work
 from lightning_ray.store import errors
-from lightning_ray.types import Attempt, AttemptPolicy, Rollout, Span, Task
+from lightning_ray.types import Attempt, AttemptPolicy, Rollout, Span, Task, Verdict
 
 _ERRORS = {cls.code: cls for cls in errors.StoreError.__subclasses__()}
 
@@ -47,13 +47,22 @@ class LightningClient:
 
     def dequeue(self, worker_id: str | None = None, attempt_id: str | None = None,
                 queue: str = "default") -> Rollout | None:
-        r = self._call("POST", "/v1/rollouts/dequeue",
-                       json={"worker_id": worker_id, "attempt_id": attempt_id, "queue": queue})
-        if r is None:
+        return self._leased(self._call("POST", "/v1/rollouts/dequeue",
+                                       json={"worker_id": worker_id, "attempt_id": attempt_id, "queue": queue}))
+
+    def dequeue_batch(self, attempt_ids: list[str], worker_id: str | None = None,
+                      queue: str = "default") -> list[Rollout | None]:
+        leases = self._call("POST", "/v1/rollouts/dequeue_batch",
+                            json={"attempt_ids": attempt_ids, "worker_id": worker_id, "queue": queue})
+        return [self._leased(r) for r in leases]
+
+    def _leased(self, lease: dict | None) -> Rollout | None:
+        """The rollout of a lease, its token kept for the attempt's heartbeats and verdict."""
+        if lease is None:
             return None
-        if token := r.pop("lease_token", None):
-            self.leases[r["attempt_id"]] = token
-        return Rollout(**r)
+        if token := lease.pop("lease_token", None):
+            self.leases[lease["attempt_id"]] = token
+        return Rollout(**lease)
 
     def _lease(self, attempt_id: str) -> dict:
         return {"x-lease-token": self.leases[attempt_id]} if attempt_id in self.leases else {}
@@ -70,6 +79,16 @@ class LightningClient:
                                         headers=self._lease(attempt_id)))
         finally:
             self.leases.pop(attempt_id, None)  # the attempt has ended, or cannot be ended by us: no call needs it
+
+    def finish_attempts(self, verdicts: list[Verdict]) -> list[Rollout | errors.StoreError]:
+        body = {"verdicts": [{**v.model_dump(), "lease_token": self.leases.get(v.attempt_id)} for v in verdicts]}
+        try:
+            outcomes = self._call("POST", "/v1/rollouts/finish", json=body)
+        finally:
+            for v in verdicts:  # ended, or not ours to end: no call needs them
+                self.leases.pop(v.attempt_id, None)
+        return [Rollout(**o["rollout"]) if o["rollout"] else
+                _ERRORS.get(o["error"]["code"], errors.StoreError)(o["error"]["message"]) for o in outcomes]
 
     def add_spans(self, spans: list[Span]) -> dict:
         return self._call("POST", "/v1/spans", content=_spans_json(spans),

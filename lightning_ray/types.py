@@ -90,6 +90,16 @@ class Attempt(BaseModel):
     error: str | None = None
 
 
+class Verdict(BaseModel):
+    """A worker's end of one attempt, as `finish_attempt` takes it (a batch of them: `finish_attempts`)."""
+
+    rollout_id: str
+    attempt_id: str
+    status: AttemptStatus
+    reward: float | None = None
+    error: str | None = None
+
+
 class ArrayModel(BaseModel):
     """A model whose fields may hold numpy arrays (token ids, logprobs): equal field by field, an array to an array
     or a list of the same numbers (pydantic's own == would ask an array for its truth value, and fail)."""

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import ray
 
 from lightning_ray.config import TaskConfig
 from lightning_ray.rollout.agents import resolve_agent
+from lightning_ray.rollout.batching import BatchedStore
 from lightning_ray.rollout.runner import abandoned_agents, work
 from lightning_ray.tasks import load_task
 
@@ -23,11 +26,16 @@ class RolloutWorker:
         self.server_url, self.model_name = server_url, model_name
         self.api_key, self.tracing_backend = api_key, tracing_backend  # the operator's: its agents get their own
         self.worker_id = ray.get_runtime_context().get_actor_id()
+        self.store: BatchedStore | None = None  # the run's store, its slots' dequeues and verdicts batched
+        self._store_lock = threading.Lock()
 
     def work(self, store) -> int:
         """Run rollouts from the run's queue until it is empty, or this process holds `max_abandoned` agent threads
-        left behind at timeouts (then `worn_out`); return how many ran."""
-        return work(store, self.agent, self.reward, self.server_url, self.model_name, self.api_key,
+        left behind at timeouts (then `worn_out`); return how many ran. The worker's slots run this at once, and
+        share one store whose calls they make together go as one (rollout/batching.py)."""
+        with self._store_lock:
+            self.store = self.store or BatchedStore(store)
+        return work(self.store, self.agent, self.reward, self.server_url, self.model_name, self.api_key,
                     self.worker_id, self.tracing_backend, self.max_abandoned, self.queue)
 
     def worn_out(self) -> bool:

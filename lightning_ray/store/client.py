@@ -16,11 +16,11 @@ from pathlib import Path
 
 import ray
 
-from lightning_ray.store.errors import InvalidSpans, UnknownRollout
+from lightning_ray.store.errors import InvalidSpans, StoreError, UnknownRollout
 from lightning_ray.store.sqlite import span_from_row, span_row
 from lightning_ray.store.trace_store import TraceStore
 from lightning_ray.tracing import semconv
-from lightning_ray.types import Attempt, AttemptPolicy, CancelOutcome, Rollout, Span, Task, new_id
+from lightning_ray.types import Attempt, AttemptPolicy, CancelOutcome, Rollout, Span, Task, Verdict, new_id
 
 
 class StoreClient:
@@ -85,12 +85,31 @@ class StoreClient:
                 return leased[0]
         return None
 
+    def dequeue_batch(self, attempt_ids: list[str], worker_id: str | None = None,
+                      queue: str = "default") -> list[Rollout | None]:
+        """`dequeue` for several attempts: one call to a single shard; with several, one call per attempt (an id
+        asked again may have its lease on any shard)."""
+        if len(self.shards) > 1:
+            return [self.dequeue(worker_id, a, queue) for a in attempt_ids]
+        return ray.get(self.shards[0].dequeue_batch.remote(attempt_ids, worker_id, queue))
+
     def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
         return ray.get(self.shard(rollout_id).heartbeat.remote(attempt_id, rollout_id))
 
     def finish_attempt(self, rollout_id: str, attempt_id: str, status: str, reward: float | None = None,
                        error: str | None = None) -> Rollout:
         return ray.get(self.shard(rollout_id).finish_attempt.remote(attempt_id, status, reward, error, rollout_id))
+
+    def finish_attempts(self, verdicts: list[Verdict]) -> list[Rollout | StoreError]:
+        """Each verdict's rollout, or the error it met (the others are taken): one call per shard."""
+        groups = self._by_shard([v.rollout_id for v in verdicts])
+        parts = ray.get([self.shards[s].finish_attempts.remote([verdicts[i] for i in idx])
+                         for s, idx in groups.items()])
+        out: list = [None] * len(verdicts)
+        for idx, part in zip(groups.values(), parts):
+            for i, outcome in zip(idx, part):
+                out[i] = outcome
+        return out
 
     def cancel(self, rollout_ids: list[str]) -> dict[str, CancelOutcome]:
         """Per rollout, in the order asked: "cancelled", "already_ended" or "unknown" (see SQLiteBackend.cancel)."""

@@ -40,3 +40,9 @@ class InvalidReward(StoreError):
 
 class BatchTooLarge(StoreError):
     status, code = 413, "batch_too_large"
+
+
+class InvalidLeaseToken(StoreError):
+    """A verdict over HTTP without the lease token dequeue gave with its attempt (with serve.api_key set)."""
+
+    status, code = 403, "invalid_lease_token"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import zlib
+from typing import Annotated
 
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from google.protobuf.json_format import MessageToJson
@@ -20,10 +21,10 @@ from ray import serve
 from lightning_ray import auth
 from lightning_ray.serving.http import ApiError, error_response, install
 from lightning_ray.store.client import StoreClient
-from lightning_ray.store.errors import StoreError
+from lightning_ray.store.errors import InvalidLeaseToken, StoreError
 from lightning_ray.tracing.otlp import OtlpDecodeError, spans_from_otlp
 from lightning_ray.types import (Attempt, AttemptPolicy, AttemptStatus, CancelOutcome, QueueName, Rollout, RolloutStatus,
-                                 Span, Task)
+                                 Span, Task, Verdict)
 
 APP_NAME, ROUTE_PREFIX = "store", "/store"
 api = FastAPI(title="lightning_ray trace store")
@@ -44,10 +45,20 @@ class EnqueueRequest(BaseModel):
     queue: QueueName = "default"
 
 
+# chosen by the worker so that it can ask again after a lost reply; it goes into URL paths
+AttemptId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,128}$")]
+MAX_BATCH = 1024  # attempts per dequeue_batch or finish_attempts call
+
+
 class DequeueRequest(BaseModel):
     worker_id: str | None = None
-    # chosen by the worker so that it can ask again after a lost reply; it goes into URL paths
-    attempt_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,128}$")
+    attempt_id: AttemptId | None = None
+    queue: QueueName = "default"
+
+
+class DequeueBatchRequest(BaseModel):
+    attempt_ids: list[AttemptId] = Field(min_length=1, max_length=MAX_BATCH)
+    worker_id: str | None = None
     queue: QueueName = "default"
 
 
@@ -59,6 +70,22 @@ class FinishRequest(BaseModel):
     status: AttemptStatus
     reward: FiniteFloat | None = None  # NaN or infinity: 400, never stored
     error: str | None = None
+
+
+class LeasedVerdict(Verdict):
+    reward: FiniteFloat | None = None
+    lease_token: str | None = None  # the one dequeue gave with the attempt (X-Lease-Token's, in the body)
+
+
+class FinishBatchRequest(BaseModel):
+    verdicts: list[LeasedVerdict] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class Outcome(BaseModel):
+    """A verdict's: the rollout it ended or requeued, or the error it met ({"code", "message"})."""
+
+    rollout: Rollout | None = None
+    error: dict[str, str] | None = None
 
 
 class RolloutIdsRequest(BaseModel):
@@ -101,12 +128,23 @@ def otlp_response(content_type: str, rejected: int, message: str) -> Response:
     return Response(reply.SerializeToString(), media_type="application/x-protobuf")
 
 
+def holds_lease(key: str | None, rollout_id: str, attempt_id: str, token: str | None) -> bool:
+    """Whether `token` is the attempt's lease token (any is, without serve.api_key)."""
+    return not key or hmac.compare_digest((token or "").encode(),
+                                          auth.lease_token(key, rollout_id, attempt_id).encode())
+
+
 def check_lease(request: Request, rollout_id: str, attempt_id: str, x_lease_token: str = Header("")) -> None:
     """Only the worker holding an attempt's lease beats for it and ends it: it shows the token dequeue gave it."""
-    key = request.app.state.api_key
-    if key and not hmac.compare_digest(x_lease_token.encode(), auth.lease_token(key, rollout_id, attempt_id).encode()):
+    if not holds_lease(request.app.state.api_key, rollout_id, attempt_id, x_lease_token):
         raise ApiError(403, f"attempt {attempt_id}: missing or wrong X-Lease-Token (the lease_token dequeue returned "
                             f"with it)", code="invalid_lease_token")
+
+
+def leased(rollout: Rollout | None, key: str | None) -> Lease | None:
+    """A leased rollout with the token its heartbeats and verdict must show (with serve.api_key set)."""
+    return rollout and Lease(**rollout.model_dump(),
+                             lease_token=key and auth.lease_token(key, rollout.rollout_id, rollout.attempt_id))
 
 
 def own_spans(request: Request, spans: list[Span]) -> None:
@@ -114,6 +152,10 @@ def own_spans(request: Request, spans: list[Span]) -> None:
     if (agent := getattr(request.state, "agent", None)) and any((s.rollout_id, s.attempt_id) != agent for s in spans):
         raise ApiError(403, f"this key posts spans of rollout {agent[0]}, attempt {agent[1]} only",
                        code="permission_denied")
+
+
+def _outcome(o: Rollout | StoreError) -> Outcome:
+    return Outcome(error={"code": o.code, "message": str(o)}) if isinstance(o, StoreError) else Outcome(rollout=o)
 
 
 # (Serve captures a deployment's module globals when it is decorated: helpers go above it.)
@@ -132,11 +174,12 @@ class StoreApi:
 
     @api.post("/v1/rollouts/dequeue")
     def dequeue(self, body: DequeueRequest) -> Lease | None:
-        if (rollout := self.store.dequeue(body.worker_id, body.attempt_id, body.queue)) is None:
-            return None
+        return leased(self.store.dequeue(body.worker_id, body.attempt_id, body.queue), api.state.api_key)
+
+    @api.post("/v1/rollouts/dequeue_batch")
+    def dequeue_batch(self, body: DequeueBatchRequest) -> list[Lease | None]:
         key = api.state.api_key
-        return Lease(**rollout.model_dump(),
-                     lease_token=key and auth.lease_token(key, rollout.rollout_id, rollout.attempt_id))
+        return [leased(r, key) for r in self.store.dequeue_batch(body.attempt_ids, body.worker_id, body.queue)]
 
     @api.post("/v1/rollouts/{rollout_id}/attempts/{attempt_id}/heartbeat", dependencies=[Depends(check_lease)])
     def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
@@ -145,6 +188,17 @@ class StoreApi:
     @api.post("/v1/rollouts/{rollout_id}/attempts/{attempt_id}/finish", dependencies=[Depends(check_lease)])
     def finish_attempt(self, rollout_id: str, attempt_id: str, body: FinishRequest) -> Rollout:
         return self.store.finish_attempt(rollout_id, attempt_id, body.status, body.reward, body.error)
+
+    @api.post("/v1/rollouts/finish")
+    def finish_attempts(self, body: FinishBatchRequest) -> list[Outcome]:
+        """Each verdict's outcome, in order; one without its attempt's lease token is refused alone."""
+        key = api.state.api_key
+        held = [holds_lease(key, v.rollout_id, v.attempt_id, v.lease_token) for v in body.verdicts]
+        taken = iter(self.store.finish_attempts([Verdict(**v.model_dump(exclude={"lease_token"}))
+                                                 for v, ok in zip(body.verdicts, held) if ok]))
+        return [_outcome(next(taken) if ok else InvalidLeaseToken(
+            f"attempt {v.attempt_id}: missing or wrong lease_token (the one dequeue gave with it)"))
+                for v, ok in zip(body.verdicts, held)]
 
     @api.post("/v1/rollouts/cancel")
     def cancel(self, body: RolloutIdsRequest) -> dict[str, CancelOutcome]:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from lightning_ray.types import Attempt, AttemptPolicy, Rollout, Span, Task
+from lightning_ray.store.errors import StoreError
+from lightning_ray.types import Attempt, AttemptPolicy, Rollout, Span, Task, Verdict
 
 
 class RolloutStore(Protocol):
@@ -27,12 +28,21 @@ class RolloutStore(Protocol):
         """The next rollout of `queue`, leased to a new attempt (named `attempt_id` if given: asking again under
         the same id gets the same lease back); None when the queue is empty."""
 
+    def dequeue_batch(self, attempt_ids: list[str], worker_id: str | None = None,
+                      queue: str = "default") -> list[Rollout | None]:
+        """`dequeue` for several attempts in one call, a result per id in order: an id asked again gets its lease
+        back, one whose attempt already ended gets None, new ids lease the oldest rollouts (None once none waits)."""
+
     def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
         """The attempt is alive: its lease is extended."""
 
     def finish_attempt(self, rollout_id: str, attempt_id: str, status: str, reward: float | None = None,
                        error: str | None = None) -> Rollout:
         """The attempt's end, with its reward or error (only a platform failure is retried, while tries are left)."""
+
+    def finish_attempts(self, verdicts: list[Verdict]) -> list[Rollout | StoreError]:
+        """`finish_attempt` for several attempts in one call: each verdict's rollout, or the error it met (that verdict
+        changes nothing; the others are taken)."""
 
     def wait_for_rollouts(self, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
         """Those of the rollouts that ended within `timeout` seconds (None: all of them)."""

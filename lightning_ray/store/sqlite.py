@@ -18,10 +18,12 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from lightning_ray.store.errors import InvalidReward, InvalidTransition, StaleAttempt, UnknownAttempt, UnknownRollout
+from lightning_ray.store.errors import (InvalidReward, InvalidTransition, StaleAttempt, StoreError, UnknownAttempt,
+                                       UnknownRollout)
 from lightning_ray.store.lifecycle import check_move
 from lightning_ray.store.prompt_chain import PromptChain, restore
-from lightning_ray.types import FINISHED, Attempt, AttemptPolicy, CancelOutcome, Rollout, Span, SpanEvent, Task, new_id
+from lightning_ray.types import (FINISHED, Attempt, AttemptPolicy, CancelOutcome, Rollout, Span, SpanEvent, Task,
+                                 Verdict, new_id)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
@@ -226,24 +228,49 @@ class SQLiteBackend:
         with self._transaction():
             if attempt_id is not None and (again := self.leased(attempt_id)):
                 return again
-            # one indexed lookup per waiting status (an IN over both would sort the whole queue on every dequeue)
-            heads = [self.db.execute(f"SELECT seq, {_ROLLOUT_COLS} FROM rollouts WHERE status=? AND queue=? "
-                                     "ORDER BY seq LIMIT 1", (status, queue)).fetchone()
-                     for status in ("queued", "requeued")]
-            if not (heads := [h for h in heads if h]):
-                return None
-            row = min(heads)[1:]
-            rollout = _rollout(row)
-            check_move("rollout", rollout.rollout_id, rollout.status, "running")
-            cfg = rollout.config
-            attempt = Attempt(attempt_id=attempt_id or new_id("at"), rollout_id=rollout.rollout_id,
-                              sequence=rollout.attempts + 1, worker_id=worker_id, started_at=now, last_heartbeat=now)
-            self.db.execute(
-                f"INSERT INTO attempts ({_ATTEMPT_COLS}, deadline, lease_until) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (*_attempt_values(attempt), cfg.timeout_seconds and now + cfg.timeout_seconds,
-                 cfg.unresponsive_seconds and now + cfg.unresponsive_seconds))
-            self.db.execute("UPDATE rollouts SET status='running', attempt_id=?, attempts=? WHERE rollout_id=?",
-                            (attempt.attempt_id, attempt.sequence, rollout.rollout_id))
+            heads = self._heads(queue, 1)
+            return self._lease(heads[0], worker_id, now, attempt_id or new_id("at")) if heads else None
+
+    def dequeue_batch(self, worker_id: str | None, now: float, attempt_ids: list[str],
+                      queue: str = "default") -> list[tuple[Rollout, Attempt] | None]:
+        """`dequeue` for each attempt id, in one transaction: an id asked again gets its lease back, one whose attempt
+        already ended gets None, the new ones lease the queue's oldest rollouts in order (None once it is empty)."""
+        with self._transaction():
+            out: dict[str, tuple[Rollout, Attempt] | None] = {}
+            for attempt_id in attempt_ids:
+                try:
+                    if again := self.leased(attempt_id):
+                        out[attempt_id] = again
+                except StaleAttempt:
+                    out[attempt_id] = None
+            new = [a for a in dict.fromkeys(attempt_ids) if a not in out]
+            heads = self._heads(queue, len(new))
+            out.update({a: self._lease(row, worker_id, now, a) for a, row in zip(new, heads)})
+        return [out.get(a) for a in attempt_ids]
+
+    def _heads(self, queue: str, n: int) -> list[tuple]:
+        """The n oldest rollouts waiting in `queue` (queued or requeued), oldest first."""
+        if n <= 0:
+            return []
+        # one indexed lookup per waiting status (an IN over both would sort the whole queue on every dequeue)
+        heads = [row for status in ("queued", "requeued") for row in self.db.execute(
+            f"SELECT seq, {_ROLLOUT_COLS} FROM rollouts WHERE status=? AND queue=? ORDER BY seq LIMIT ?",
+            (status, queue, n))]
+        return [row[1:] for row in sorted(heads)[:n]]
+
+    def _lease(self, row: tuple, worker_id: str | None, now: float, attempt_id: str) -> tuple[Rollout, Attempt]:
+        """The rollout of `row` leased to a new attempt; call inside a transaction."""
+        rollout = _rollout(row)
+        check_move("rollout", rollout.rollout_id, rollout.status, "running")
+        cfg = rollout.config
+        attempt = Attempt(attempt_id=attempt_id, rollout_id=rollout.rollout_id, sequence=rollout.attempts + 1,
+                          worker_id=worker_id, started_at=now, last_heartbeat=now)
+        self.db.execute(
+            f"INSERT INTO attempts ({_ATTEMPT_COLS}, deadline, lease_until) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (*_attempt_values(attempt), cfg.timeout_seconds and now + cfg.timeout_seconds,
+             cfg.unresponsive_seconds and now + cfg.unresponsive_seconds))
+        self.db.execute("UPDATE rollouts SET status='running', attempt_id=?, attempts=? WHERE rollout_id=?",
+                        (attempt.attempt_id, attempt.sequence, rollout.rollout_id))
         return rollout.model_copy(update={"status": "running", "attempt_id": attempt.attempt_id,
                                           "attempts": attempt.sequence}), attempt
 
@@ -270,13 +297,32 @@ class SQLiteBackend:
     def finish_attempt(self, attempt_id: str, status: str, now: float, reward: float | None = None,
                        error: str | None = None, rollout_id: str | None = None) -> Rollout:
         """The worker's verdict on its attempt; decides whether the rollout ends or goes back to the queue."""
+        with self._transaction():
+            return self._finish(attempt_id, status, now, reward, error, rollout_id)
+
+    def finish_attempts(self, verdicts: list[Verdict], now: float) -> list[Rollout | StoreError]:
+        """`finish_attempt` for each verdict, in one transaction: each one's rollout, or the error its verdict met
+        (that verdict changes nothing; the others are taken)."""
+        out: list[Rollout | StoreError] = []
+        with self._transaction():
+            for v in verdicts:
+                self.db.execute("SAVEPOINT verdict")
+                try:
+                    out.append(self._finish(v.attempt_id, v.status, now, v.reward, v.error, v.rollout_id))
+                except StoreError as e:
+                    self.db.execute("ROLLBACK TO verdict")
+                    out.append(e)
+                self.db.execute("RELEASE verdict")
+        return out
+
+    def _finish(self, attempt_id: str, status: str, now: float, reward: float | None, error: str | None,
+                rollout_id: str | None) -> Rollout:
         if reward is not None and not math.isfinite(reward):  # refused here, whichever path the verdict came by
             raise InvalidReward(f"reward {reward!r} is not a finite number; the attempt stays running")
         attempt, _ = self._attempt(attempt_id, rollout_id)
         if attempt.status != "running":
             raise StaleAttempt(f"attempt {attempt_id} already ended as {attempt.status}; its result is not taken")
-        with self._transaction():
-            return self._end_attempt(attempt, status, now, reward, error)
+        return self._end_attempt(attempt, status, now, reward, error)
 
     def expire(self, now: float) -> list[str]:
         """End running attempts past their deadline (timeout) or lease (unresponsive); return their rollout ids."""

@@ -19,7 +19,7 @@ import ray
 from lightning_ray.metrics import count_error, metrics
 from lightning_ray.store.errors import BatchTooLarge, StoreError
 from lightning_ray.store.sqlite import SQLiteBackend
-from lightning_ray.types import FINISHED, Attempt, CancelOutcome, Rollout, Span
+from lightning_ray.types import FINISHED, Attempt, CancelOutcome, Rollout, Span, Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,12 @@ class TraceStore:
                       queue: str = "default") -> tuple[Rollout, Attempt] | None:
         return await self._call(self.backend.dequeue, worker_id, time.time(), attempt_id, queue)
 
+    async def dequeue_batch(self, attempt_ids: list[str], worker_id: str | None = None,
+                            queue: str = "default") -> list[Rollout | None]:
+        """The rollouts only (what a worker runs): the attempts stay here, one object less each to send back."""
+        leased = await self._call(self.backend.dequeue_batch, worker_id, time.time(), attempt_ids, queue)
+        return [lease and lease[0] for lease in leased]
+
     async def leased(self, attempt_id: str) -> tuple[Rollout, Attempt] | None:
         return await self._call(self.backend.leased, attempt_id)
 
@@ -96,6 +102,14 @@ class TraceStore:
                                    rollout_id)
         await self._notify()
         return rollout
+
+    async def finish_attempts(self, verdicts: list[Verdict]) -> list[Rollout | StoreError]:
+        outcomes = await self._call(self.backend.finish_attempts, verdicts, time.time())
+        for e in outcomes:
+            if isinstance(e, StoreError):
+                self.count_error(e.code)
+        await self._notify()
+        return outcomes
 
     async def cancel(self, rollout_ids: list[str]) -> dict[str, CancelOutcome]:
         outcome = await self._call(self.backend.cancel, rollout_ids, time.time())

@@ -79,6 +79,9 @@ def test_an_agents_key_reaches_the_policy_and_its_own_spans_only(app):
             "heartbeat": http.post(f"/v1/rollouts/{rid}/attempts/{aid}/heartbeat"),
             "enqueue": http.post("/v1/rollouts", json={"tasks": [{"task_id": "x", "input": {}}]}),
             "dequeue": http.post("/v1/rollouts/dequeue", json={}),
+            "dequeue a batch": http.post("/v1/rollouts/dequeue_batch", json={"attempt_ids": ["at-x"]}),
+            "finish a batch": http.post("/v1/rollouts/finish", json={"verdicts": [
+                {"rollout_id": rid, "attempt_id": aid, "status": "succeeded", "reward": 1}]}),
             "cancel": http.post("/v1/rollouts/cancel", json={"rollout_ids": [other.rollout_id]}),
             "read own task": http.get(f"/v1/rollouts/{rid}"),
             "read another task": http.get(f"/v1/rollouts/{other.rollout_id}"),
@@ -141,6 +144,22 @@ def test_only_the_lease_holder_ends_an_attempt(app):
     ended = http.post(path + "/finish", json={"status": "succeeded", "reward": 0.5}, headers=token).json()
     assert (ended["status"], ended["reward"]) == ("succeeded", 0.5)
     assert refused(httpx.get(app["store_url"] + "/v1/stats")) == (401, "invalid_api_key")  # no key at all
+
+    # in batches: each lease with its token; a verdict without its token is refused alone, the others are taken
+    batch = store.enqueue([Task(task_id=f"batch{i}", input={}) for i in range(3)])
+    ours = {r.rollout_id for r in batch}
+    answer = http.post("/v1/rollouts/dequeue_batch", json={"attempt_ids": [f"at-b{i}" for i in range(8)]}).json()
+    leases = [lease for lease in answer if lease and lease["rollout_id"] in ours]
+    assert len(leases) == 3 and all(x["lease_token"] == auth.lease_token(KEY, x["rollout_id"], x["attempt_id"])
+                                    for x in leases)
+    verdicts = [{"rollout_id": x["rollout_id"], "attempt_id": x["attempt_id"], "status": "succeeded", "reward": 1.0,
+                 "lease_token": token} for x, token in zip(leases, [leases[0]["lease_token"], None, "0" * 64])]
+    outcomes = http.post("/v1/rollouts/finish", json={"verdicts": verdicts}).json()
+    assert outcomes[0]["rollout"]["status"] == "succeeded" and outcomes[0]["error"] is None
+    assert [o["error"]["code"] for o in outcomes[1:]] == ["invalid_lease_token"] * 2
+    assert [r.status for r in store.get_rollouts([x["rollout_id"] for x in leases])] == ["succeeded", "running",
+                                                                                          "running"]
+    store.cancel([x["rollout_id"] for x in answer if x])  # the one that ended stays as it is
 
     mine = store.enqueue([Task(task_id=f"remote{i}", input={"question": "What is 3+4?"}) for i in range(2)])
     keys = []

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import ray
 
+from lightning_ray.rollout.batching import BatchedStore
 from lightning_ray.store.client import StoreClient
 from lightning_ray.store.errors import (BatchTooLarge, InvalidReward, InvalidSpans, InvalidTransition, StaleAttempt,
                                        UnknownAttempt, UnknownRollout)
 from lightning_ray.store.sqlite import SQLiteBackend, span_row
 from lightning_ray.tracing.spans import new_span_id
-from lightning_ray.types import AttemptPolicy, Rollout, Span, Task
+from lightning_ray.types import AttemptPolicy, Rollout, Span, Task, Verdict
 
 
 def wait_until(done, what: str, timeout: float = 60.0) -> None:
@@ -185,6 +186,65 @@ def test_dequeue_under_the_same_attempt_id_gets_the_same_lease_back():
     store.expire(now=6.0)  # both leases ran out: the attempt under that id is over
     with pytest.raises(StaleAttempt, match="at-mine"):
         store.dequeue("w", now=7.0, attempt_id="at-mine")
+
+
+def test_a_batch_of_dequeues_and_verdicts_is_one_transaction_each_with_the_same_rules():
+    """dequeue_batch leases the oldest rollouts in order, gives an id asked again its lease back and an ended one
+    None; finish_attempts takes each verdict as finish_attempt would, and one that is refused changes nothing."""
+    store = SQLiteBackend()
+    store.enqueue(rollouts(3, unresponsive_seconds=5))
+    first = store.dequeue_batch("w", 0.0, ["a0", "a1"])
+    assert [(r.rollout_id, a.attempt_id) for r, a in first] == [("r0", "a0"), ("r1", "a1")]
+    again = store.dequeue_batch("w", 1.0, ["a1", "a2", "a3"])  # a1's reply was lost; a3 finds the queue empty
+    assert again[0] == first[1] and again[1][0].rollout_id == "r2" and again[2] is None
+    assert store.count_rollouts() == {"running": 3}
+    outcomes = store.finish_attempts([
+        Verdict(rollout_id="r0", attempt_id="a0", status="succeeded", reward=1.0),
+        Verdict(rollout_id="r1", attempt_id="a1", status="succeeded", reward=math.inf),  # refused: stays running
+        Verdict(rollout_id="r2", attempt_id="a0", status="failed"),  # another rollout's attempt: refused
+        Verdict(rollout_id="r2", attempt_id="a2", status="failed", reward=0.0)], now=2.0)
+    assert [type(o).__name__ for o in outcomes] == ["Rollout", "InvalidReward", "UnknownAttempt", "Rollout"]
+    assert (outcomes[0].status, outcomes[0].reward, outcomes[3].status) == ("succeeded", 1.0, "failed")
+    assert {r.rollout_id: r.status for r in store.get_rollouts(["r0", "r1", "r2"])} == {
+        "r0": "succeeded", "r1": "running", "r2": "failed"}
+    [stale] = store.finish_attempts([Verdict(rollout_id="r0", attempt_id="a0", status="succeeded", reward=0.0)], 3.0)
+    assert isinstance(stale, StaleAttempt) and store.get_rollouts(["r0"])[0].reward == 1.0
+    store.expire(now=9.0)  # a1's lease ran out: asking again under it gets nothing
+    assert store.dequeue_batch("w", 10.0, ["a1"]) == [None]
+
+
+def test_a_workers_slots_share_batched_calls_over_ray(ray_cluster):
+    """Through the Ray client and BatchedStore, as a rollout worker's slots use it: every rollout run exactly once,
+    in fewer store calls than rollouts; with two shards (one call per attempt) the same."""
+    for shards in (1, 2):
+        store = StoreClient.start(num_shards=shards)
+        made = store.enqueue([Task(task_id=f"t{i}", input={}) for i in range(200)])
+        calls = []
+
+        class Counting:  # the store, counting the batch calls that reach it
+            def dequeue_batch(self, ids, worker_id=None, queue="default"):
+                calls.append(len(ids))
+                return store.dequeue_batch(ids, worker_id, queue)
+
+            def finish_attempts(self, verdicts):
+                calls.append(len(verdicts))
+                return store.finish_attempts(verdicts)
+
+        batched, ran = BatchedStore(Counting()), []
+
+        def slot():
+            while (r := batched.dequeue("w")) is not None:
+                ran.append(batched.finish_attempt(r.rollout_id, r.attempt_id, "succeeded", 1.0).rollout_id)
+
+        threads = [threading.Thread(target=slot) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(ran) == sorted(r.rollout_id for r in made)
+        assert {r.status for r in store.get_rollouts([r.rollout_id for r in made])} == {"succeeded"}
+        assert sum(calls) >= 400 and len(calls) < 400 and max(calls) > 1, calls  # batched, every call counted
+        store.close()
 
 
 def test_timeouts_and_lost_leases_end_attempts_and_retry_them():
