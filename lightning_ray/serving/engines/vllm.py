@@ -99,8 +99,10 @@ class VLLMEngine(WeightLoading):
                     raise RuntimeError(f"vLLM request ended with {c.finish_reason!r}")
                 if not c.token_ids and not c.finish_reason:
                     continue
-                # vLLM labels each token with the weights that sampled it, told once the request is finished; a
-                # token sampled before any label was set ("default") is the version the request started under
+                # vLLM labels each token with the weights that sampled it, told once the request is finished (a
+                # token sampled before any label was set, "default", is the version the request started under);
+                # until then a delta is the version served when it came (a stream left early, at a stop string,
+                # keeps those: exact between updates, and across a kept one up to deltas read late)
                 spans = [(int(w.version) if w.version.isdigit() else version, w.start, w.end)
                          for w in c.weight_versions or []] or None
                 # c.logprobs[i] maps token id -> Logprob for the top k plus the sampled token (whatever its rank)
@@ -109,7 +111,7 @@ class VLLMEngine(WeightLoading):
                     logprobs=[lps[t].logprob for t, lps in zip(c.token_ids, c.logprobs)],
                     top_logprobs=[{t: lp.logprob for t, lp in lps.items() if lp.rank <= k and lp.logprob > -math.inf}
                                   for lps in c.logprobs] if k else [],  # -inf: ruled out by a JSON constraint
-                    finish_reason=c.finish_reason, policy_version=version, version_spans=spans)
+                    finish_reason=c.finish_reason, policy_version=self.policy_version, version_spans=spans)
         finally:
             if not admitted:
                 self._admitting -= 1
