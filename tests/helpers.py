@@ -101,6 +101,14 @@ def small(raw: dict, schema: type[TrainConfig] = TrainConfig) -> TrainConfig:
     return validate(merged(SMALL, raw), schema)
 
 
+def publish(registry, state: dict, version: int, timeout_s: float = 60.0) -> None:
+    """Publish a state dict as the trainer does (through the object store) and wait until every replica has it."""
+    import ray
+
+    ray.get(registry.publish.remote(version, [ray.put(state)]))
+    ray.get(registry.wait_synced.remote(version, timeout_s))
+
+
 # ---- engines' logprobs against a plain HF forward pass ----------------------------------------------------------
 ATOL = 1e-3  # measured max |vLLM - HF| on the tiny model in fp32: ~2e-6
 

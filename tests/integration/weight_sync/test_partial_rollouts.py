@@ -12,9 +12,8 @@ import time
 
 import httpx
 import pytest
-import ray
 import torch
-from helpers import check_kept_generation
+from helpers import check_kept_generation, publish
 
 from lightning_ray.serving.engines import make_engine
 
@@ -35,11 +34,6 @@ def test_the_hf_engine_keeps_a_generation_going_across_a_weight_update(tiny_mode
         check_kept_generation(engine, old_model, loop.run_until_complete)
     finally:
         loop.close()
-
-
-def publish(registry, state: dict, version: int) -> None:
-    ray.get(registry.publish.remote(version, [ray.put(state)]))
-    ray.get(registry.wait_synced.remote(version, 60.0))
 
 
 def stream_while_publishing(deployed, state: dict, n: int) -> tuple[list[str], list, float, float]:

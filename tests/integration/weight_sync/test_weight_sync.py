@@ -14,6 +14,7 @@ import httpx
 import pytest
 import ray
 import torch
+from helpers import publish
 
 from lightning_ray.serving.app import APP_NAME
 from lightning_ray.weight_sync.registry import WeightRegistry
@@ -42,11 +43,6 @@ def version_of(state: dict, version: int) -> dict:
 
 def latest(registry) -> int:
     return ray.get(registry.wait_newer.remote(-1, 0.0))[0]
-
-
-def publish(registry, state: dict, version: int, timeout_s: float = 60.0) -> None:
-    ray.get(registry.publish.remote(version, [ray.put(state)]))
-    ray.get(registry.wait_synced.remote(version, timeout_s))
 
 
 def served(url: str) -> tuple[int, dict]:
