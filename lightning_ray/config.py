@@ -461,8 +461,9 @@ def _first_set(*values):
 def code_defaults(schema: type[_Strict]) -> dict:
     """Every key of the schema at its default: what configs/ composes onto (`code_defaults`), so the code holds
     the one set of defaults and each YAML file only what it changes."""
-    values = schema.model_validate({"run_dir": "."} if issubclass(schema, TrainConfig) else {})
-    return values.model_dump(mode="json", exclude={"run_dir"})
+    # constructed, not validated: a validator's derived values (serve.drain from rollout.mode) must stay unset here,
+    # or they would come back as if given and the derivation would never run on the composed config
+    return schema.model_construct().model_dump(mode="json", exclude={"run_dir"})
 
 
 def _register() -> None:

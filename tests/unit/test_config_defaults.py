@@ -60,4 +60,18 @@ def test_every_key_can_be_overridden_and_what_make_train_runs_is_stated():
     changed = {f"{section}.{k}" for section, values in composed.items() if isinstance(values, dict)
                for k, v in values.items() if v != defaults[section][k]}
     assert changed == {"engine.kind", "engine.gpu_memory_utilization", "engine.env", "model.path",
-                       "serve.chat_template", "task.generator"}
+                       "serve.chat_template", "task.generator",
+                       "serve.drain"}  # unset in the code, derived from rollout.mode: the test below
+
+
+@pytest.mark.parametrize("overrides, drain, tis_cap", [
+    ([], "wait", None),
+    (["rollout.mode=async"], "keep", 2.0),  # async's partial rollouts, weighed against their sampler
+    (["rollout.mode=async", "serve.drain=abort"], "abort", 2.0),
+    (["serve.drain=keep", "algorithm.tis_cap=3"], "keep", 3.0),
+])
+def test_a_derived_default_follows_the_composed_config(overrides, drain, tis_cap):
+    """serve.drain left unset is derived from rollout.mode after composing, so `rollout.mode=async` alone gets
+    partial rollouts (it once got `wait`: the derived value had been composed in as if a file had set it)."""
+    cfg = compose(["run_dir=x", *overrides])
+    assert (cfg.serve.drain, cfg.algorithm.tis_cap) == (drain, tis_cap)
