@@ -4,7 +4,9 @@ rollouts (`serve.drain=keep`, async's default: a weight update lets the calls in
 weights), then `async` with `serve.drain=wait` (an update waits for them) — with the same iterations, batch, seed and
 loss (truncated importance sampling on in all, so only the schedule differs).
 
-    python benchmarks/async_training.py [key=value ...]     # Hydra overrides of configs/train.yaml, for every run
+    python benchmarks/async_training.py [--runs=sync,async] [key=value ...]   # Hydra overrides, for every run
+    python benchmarks/async_training.py --runs=sync,async experiment=calc_tiny placement=colocated \
+        engine.sleep_while_training=false rollout.tasks_per_iteration=16    # one GPU, learner and engine awake on it
 
 Prints one JSON line per run (wall-clock minutes, trained transitions per hour, how long the learner waited for
 batches and how long no batch was collecting, as fractions of the loop's time, held-out accuracy before and after,
@@ -60,13 +62,19 @@ def run(mode: str, overrides: list[str], root: Path) -> dict:
             "run_dir": str(cfg.run_path)}
 
 
-def main(overrides: list[str]) -> None:
+def main(argv: list[str]) -> None:
+    asked = next((a.split("=", 1)[1].split(",") for a in argv if a.startswith("--runs=")), list(RUNS))
+    runs = [mode for mode in RUNS if mode in asked]  # sync first: the others are compared with it
+    if "sync" not in runs or len(runs) != len(set(asked)):
+        raise SystemExit(f"--runs: sync and any of {', '.join(RUNS)}, comma-separated")
+    overrides = [a for a in argv if not a.startswith("--runs=")]
     root = Path(__file__).resolve().parents[1]
-    results = {mode: run(mode, overrides, root) for mode in RUNS}
-    for result in results.values():
-        print(json.dumps(result), flush=True)
+    results = {}
+    for mode in runs:  # each line as soon as its run ends: a run cut short by a deadline still leaves the others
+        results[mode] = run(mode, overrides, root)
+        print(json.dumps(results[mode]), flush=True)
     sync = results["sync"]
-    for mode in ("async", "async_wait"):
+    for mode in runs[1:]:
         r = results[mode]
         print(json.dumps({
             "benchmark": "async_training", "compare": f"{mode} / sync",
