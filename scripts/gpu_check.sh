@@ -34,5 +34,5 @@ step "weight sync" weight-sync.log $py benchmarks/weight_sync.py --models 0.5b 1
 # one GPU, the engine awake while the learner trains (no sleeping: that is what lets rollouts overlap the update)
 step "async vs sync" async.log $py benchmarks/async_training.py --runs=sync,async experiment=calc_tiny \
     placement=colocated engine.sleep_while_training=false rollout.tasks_per_iteration=16 \
-    rollout.agents_per_worker=16 trainer.iterations=6 trainer.eval_every=6 task.eval_size=64
+    rollout.agents_per_worker=16 trainer.iterations=4 trainer.eval_every=4 task.eval_size=32
 cat "$out/results.jsonl"
