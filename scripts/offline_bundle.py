@@ -298,7 +298,9 @@ def build(a, work, node, engine, why, platform, pins, constraints, pip, index, t
         missing = missing_wheels(p.stdout + p.stderr) - {canonicalize_name(w.name.split("-")[0]) for w in
                                                          built.glob("*.whl")}
         if not missing or not missing <= pins.keys():
-            sys.exit(f"resolution failed:\n{p.stdout[-2000:]}\n{p.stderr[-5000:]}")
+            hint = ("\n(this pip is too old to resolve for another platform without --target: "
+                    f"{py} -m pip install -U pip)" if "unless installing via '--target'" in p.stderr else "")
+            sys.exit(f"resolution failed:\n{p.stdout[-2000:]}\n{p.stderr[-5000:]}{hint}")
         for name in sorted(missing):
             run([*pip, "download", "--no-deps", "--no-binary=:all:", *index, "-q", "-d", sdists, f"{name}=={pins[name]}"])
             sdist = next(s for s in sdists.iterdir() if canonicalize_name(s.name.rsplit("-", 1)[0]) == name)
