@@ -158,9 +158,12 @@ class ServeConfig(_Strict):
     # <tool_call> tools, for models whose template ignores tools, as SmolLM2's does), or a Jinja file's path.
     chat_template: str | None = None
     resources: Resources = {"CPU": 1}  # each replica's (placement.py); e.g. {CPU: 1, GPU: 1} on a GPU node
-    # Serve's limits per replica: calls generating at once (the engine batches them), and calls waiting beyond those
-    # (-1: no limit; past it a call is answered 503 at once, which the OpenAI client retries)
-    max_ongoing_requests: int = Field(256, gt=0)
+    # Serve's limits per replica: calls it takes at once (the engine batches them and queues the rest, in order),
+    # and calls waiting in Serve's proxy beyond those (-1: no limit; past it a call is answered 503 at once, which
+    # the OpenAI client retries). null: every agent of the run fits (rollout.num_workers x agents_per_worker, at
+    # least 256): calls left in the proxy wait unordered, its router polling for room (1,000 agents against a
+    # limit of 256 ran at 0.44x the rollouts/s, 1% timed out: docs/13-scale.md)
+    max_ongoing_requests: int | None = Field(None, gt=0)
     max_queued_requests: int = Field(-1, ge=-1)
 
     @model_validator(mode="after")
@@ -351,6 +354,7 @@ class RayConfig(_Strict):
     metrics_export_port: int | None = Field(None, ge=1, le=65535)  # a local cluster's Prometheus port; None: any free
 
 
+MIN_ONGOING_REQUESTS = 256  # serve.max_ongoing_requests unless set: agents outside the run (jobs/serve.py) need room
 ASYNC_TIS_CAP = 2.0  # algorithm.tis_cap unless set, where samples may be older (rollout.mode=async, serve.drain=keep)
 
 
@@ -382,6 +386,13 @@ class TrainConfig(_Strict):
         # samples from older versions (async), or calls partly sampled by one (keep): weighed against their sampler
         if (self.rollout.mode == "async" or self.serve.drain == "keep") and self.algorithm.tis_cap is None:
             self.algorithm.tis_cap = ASYNC_TIS_CAP
+        return self
+
+    @model_validator(mode="after")
+    def _every_agent_fits_a_replica(self):
+        if self.serve.max_ongoing_requests is None:
+            self.serve.max_ongoing_requests = max(MIN_ONGOING_REQUESTS,
+                                                  self.rollout.num_workers * self.rollout.agents_per_worker)
         return self
 
     @model_validator(mode="after")

@@ -61,7 +61,8 @@ def test_every_key_can_be_overridden_and_what_make_train_runs_is_stated():
                for k, v in values.items() if v != defaults[section][k]}
     assert changed == {"engine.kind", "engine.gpu_memory_utilization", "engine.env", "model.path",
                        "serve.chat_template", "task.generator",
-                       "serve.drain"}  # unset in the code, derived from rollout.mode: the test below
+                       # unset in the code, derived: from rollout.mode (the test below), from the agents
+                       "serve.drain", "serve.max_ongoing_requests"}  # (test_policy_app_options.py)
 
 
 @pytest.mark.parametrize("overrides, drain, tis_cap", [
