@@ -11,8 +11,9 @@ daemons, the store, Serve, the workers) and the rollout workers' threads.
     python benchmarks/many_agents.py [--agents 1000] [--baseline 100] [--workers 4] [--waves 2] [--tool-seconds 20]
                                      [key=value ...]   # Hydra overrides, for both settings
 
-Prints one JSON line per setting (rollouts/s, peak agents running, memory at the start, peak and end, threads,
-rollouts by status and error, spans recorded) and one with the ratios of the large setting to the baseline. Not part of CI.
+Prints one JSON line per setting (rollouts/s, peak agents running, memory at the start, peak, end and as each wave
+ends, threads, rollouts by status and error, spans recorded) and one with the ratios of the large setting to the
+baseline. Not part of CI (~10 minutes with the defaults on 2 cores).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 import psutil
 
 from lightning_ray.tasks import calc
+from lightning_ray.types import FINISHED
 
 TOOL_SECONDS = "MANY_AGENTS_TOOL_S"
 
@@ -63,6 +65,7 @@ class Sampler(threading.Thread):
                 continue
         stats = self.store.stats()
         return {"t": time.monotonic(), "running": stats["rollouts"].get("running", 0), "spans": stats["spans"],
+                "ended": sum(n for status, n in stats["rollouts"].items() if status in FINISHED),
                 "rss_mib": rss / 2**20, "worker_rss_mib": sum(r for r, _ in workers) / 2**20,
                 "worker_threads": max((n for _, n in workers), default=0)}
 
@@ -102,6 +105,9 @@ def run(agents: int, workers: int, waves: int, tool_seconds: float, overrides: l
             "errors": dict(Counter(r.error for r in rollouts if r.error)),
             "rss_mib": {"start": round(start_sample["rss_mib"]), "peak": round(peak["rss_mib"]),
                         "end": round(end_sample["rss_mib"])},
+            # as each wave's rollouts have ended: flat from wave to wave, or growing with the rollouts run
+            "rss_mib_by_wave": [round(next((s for s in samples if s["ended"] >= agents * wave), end_sample)["rss_mib"])
+                                for wave in range(1, waves + 1)],
             "worker_rss_mib": {"start": round(start_sample["worker_rss_mib"]),
                                "peak": round(max(s["worker_rss_mib"] for s in samples)),
                                "end": round(end_sample["worker_rss_mib"])},

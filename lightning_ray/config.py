@@ -161,7 +161,7 @@ class ServeConfig(_Strict):
     # Serve's limits per replica: calls it takes at once (the engine batches them and queues the rest, in order),
     # and calls waiting in Serve's proxy beyond those (-1: no limit; past it a call is answered 503 at once, which
     # the OpenAI client retries). null: every agent of the run fits (rollout.num_workers x agents_per_worker, at
-    # least 256): calls left in the proxy wait unordered, its router polling for room (1,000 agents against a
+    # least 256): calls left in the proxy wait while its router polls for room (1,000 agents against a
     # limit of 256 ran at 0.44x the rollouts/s, 1% timed out: docs/13-scale.md)
     max_ongoing_requests: int | None = Field(None, gt=0)
     max_queued_requests: int = Field(-1, ge=-1)

@@ -28,7 +28,7 @@ def test_serve_limits_reach_each_replica(tmp_path):
     (["rollout.num_workers=1", "rollout.agents_per_worker=8"], 256),  # room for agents outside the run
 ])
 def test_the_default_limit_takes_every_agent_of_the_run(overrides, limit, tmp_path):
-    """Calls a replica cannot take wait in Serve's proxy, unordered, its router polling for room: with 1,000 agents
+    """Calls a replica cannot take wait in Serve's proxy while its router polls for room: with 1,000 agents
     against a limit of 256 the rollouts ran 2.3x slower and 1% timed out (benchmarks/many_agents.py)."""
     assert deployment(overrides, tmp_path).max_ongoing_requests == limit
 
