@@ -12,7 +12,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from tqdm import tqdm
 
 from lightning_ray.metrics import count_error, metrics
-from lightning_ray.types import Rollout
+from lightning_ray.types import FINISHED, Rollout
 
 logger = logging.getLogger(__name__)
 RESTART_TIMEOUT_S = 120  # how long a dead worker may take to come back (Ray restarts it) before the run stops
@@ -49,20 +49,26 @@ def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[st
 
     with tqdm(total=len(rollout_ids), desc=desc, leave=False) as bar:
         while True:
-            ended = len(store.wait_for_rollouts(rollout_ids, timeout=0.5))
+            # counted, not read: the ended rollouts themselves are read once, at the end
+            counts = store.count_rollouts(rollout_ids)
+            ended = sum(n for status, n in counts.items() if status in FINISHED)
             bar.update(ended - bar.n)
             if running:
                 collect(ray.wait(list(running), num_returns=len(running), timeout=0)[0])
-            if ended == len(rollout_ids):
+            if ended == len(set(rollout_ids)):
                 collect(list(running))  # every slot finds the queue empty and returns
                 metrics().queue_depth.set(0)
                 return counted(store.get_rollouts(rollout_ids))
-            counts = store.count_rollouts(rollout_ids)
             waiting = counts.get("queued", 0) + counts.get("requeued", 0)
             metrics().queue_depth.set(waiting)
             for worker in [w for w in free if w._actor_id not in worn][:waiting]:
                 running[worker.work.remote(store)] = worker
                 free.remove(worker)
+            # until every slot has returned (the queue ran dry: the set is ending) or half a second has passed
+            if running:
+                ray.wait(list(running), num_returns=len(running), timeout=0.5)
+            else:
+                time.sleep(0.5)
 
 
 def counted(rollouts: list[Rollout]) -> list[Rollout]:
