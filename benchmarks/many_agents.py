@@ -58,9 +58,9 @@ class Sampler(threading.Thread):
         me = psutil.Process()
         for p in [me, *me.children(recursive=True)]:
             try:
-                rss += p.memory_info().rss
+                rss += (used := p.memory_info().rss)
                 if "RolloutWorker" in " ".join(p.cmdline()):
-                    workers.append((p.memory_info().rss, p.num_threads()))
+                    workers.append((used, p.num_threads()))
             except psutil.NoSuchProcess:
                 continue
         stats = self.store.stats()

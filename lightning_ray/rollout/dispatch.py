@@ -47,6 +47,7 @@ def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[st
             count_error("rollout", "worker_restarted")
             restart(worn.pop(actor_id))
 
+    total = len(set(rollout_ids))
     with tqdm(total=len(rollout_ids), desc=desc, leave=False) as bar:
         while True:
             # counted, not read: the ended rollouts themselves are read once, at the end
@@ -55,7 +56,7 @@ def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[st
             bar.update(ended - bar.n)
             if running:
                 collect(ray.wait(list(running), num_returns=len(running), timeout=0)[0])
-            if ended == len(set(rollout_ids)):
+            if ended == total:
                 collect(list(running))  # every slot finds the queue empty and returns
                 metrics().queue_depth.set(0)
                 return counted(store.get_rollouts(rollout_ids))
