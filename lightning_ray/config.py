@@ -293,6 +293,28 @@ class AlgorithmConfig(_Strict):
         return self
 
 
+class TeacherConfig(_Strict):
+    """Who answers the training rollouts' calls in an imitation run (jobs/imitate.py: serving/teacher.py); none: the
+    policy, as in RL. Its answers are recorded as the policy's tokens and trained on with algorithm.objective=sft."""
+
+    # oracle: the task's (tasks/<name>.py oracle: from the gold data); model: an HF directory (path) loaded beside
+    # the policy in each replica; endpoint: an OpenAI-compatible URL (base_url, model, the API key's variable)
+    kind: Literal["none", "oracle", "model", "endpoint"] = "none"
+    path: str | None = None
+    base_url: str | None = None
+    model: str | None = None
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")  # read on the replicas
+    temperature: float = Field(0.0, ge=0)  # a model's or an endpoint's sampling
+    max_tokens: int = Field(256, gt=0)
+
+    @model_validator(mode="after")
+    def _says_where(self):
+        needed = {"model": ["path"], "endpoint": ["base_url", "model"]}.get(self.kind, [])
+        if missing := [f"teacher.{k}" for k in needed if not getattr(self, k)]:
+            raise ValueError(f"teacher.kind={self.kind} needs {' and '.join(missing)}")
+        return self
+
+
 class TrainerConfig(_Strict):
     iterations: int = Field(8, gt=0)
     max_minutes: float | None = Field(None, gt=0)  # the iteration running when this budget runs out is the last
@@ -371,6 +393,7 @@ class TrainConfig(_Strict):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     eval: EvalConfig = EvalConfig()
+    teacher: TeacherConfig = TeacherConfig()
     ray: RayConfig = RayConfig()
     verbose: bool = False  # Ray's, Serve's and the libraries' logs on the terminal too, not only in <run_dir>/logs
     # A run directory to go on with from its latest checkpoint, with the same config (it becomes run_dir)
@@ -393,6 +416,13 @@ class TrainConfig(_Strict):
         if self.serve.max_ongoing_requests is None:
             self.serve.max_ongoing_requests = max(MIN_ONGOING_REQUESTS,
                                                   self.rollout.num_workers * self.rollout.agents_per_worker)
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_is_imitated(self):
+        if self.teacher.kind != "none" and self.algorithm.objective != "sft":
+            raise ValueError(f"teacher.kind={self.teacher.kind} answers the training rollouts: imitation data, which "
+                             "only algorithm.objective=sft trains on (algorithm=sft; jobs/imitate.py sets it)")
         return self
 
     @model_validator(mode="after")

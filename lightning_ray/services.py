@@ -146,6 +146,7 @@ def policy_options(cfg: TrainConfig) -> dict:
                 sync_timeout_s=cfg.serve.sync_timeout_s,
                 max_ongoing_requests=cfg.serve.max_ongoing_requests, max_queued_requests=cfg.serve.max_queued_requests,
                 sleep_while_training=cfg.engine.sleep_while_training,
+                teacher={**cfg.teacher.model_dump(), "task": cfg.task.name} if cfg.teacher.kind != "none" else None,
                 weight_sync=resolve_weight_sync(cfg.trainer.weight_sync, cfg.trainer.resources_per_worker,
                                                 cfg.serve.resources),
                 defaults={"max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature,

@@ -3,7 +3,8 @@
 Only the policy's calls become transitions (an agent may call other models too, and a multi-agent workflow may train
 one of its agents: algorithm/select.py picks them by model and agent name), ordered by time, and only
 as the policy server recorded them (origin "server"): spans sent through the store's API cannot make training data;
-and only the calls the agent got an answer to (`answered`): an errored or aborted one stays in the trace, untrained.
+and only the calls the agent got an answer to (`answered`): an errored or aborted one stays in the trace, untrained;
+and no call a teacher answered (serving/teacher.py), unless the batch is imitation (`imitation`: the sft objective).
 Each transition carries the episode's final reward — the task's reward function's verdict, or, where a task opts in
 (`task.agent_rewards`), the last reward its agent emitted — and, as its step reward, the intermediate rewards
 recorded after that call and before the next: automatic ones (AIR, algorithm/air.py, stored by the platform) and,
@@ -32,9 +33,9 @@ def transitions_from_spans(rollout: Rollout, spans: list[Span], policy_model: st
 
 
 def _transitions(rollout: Rollout, spans: list[Span], policy_model: str, agent_rewards: bool,
-                 select: Selection | None) -> tuple[list[Transition] | None, int]:
+                 select: Selection | None, imitation: bool = False) -> tuple[list[Transition] | None, int]:
     """transitions_from_spans' transitions, None when the platform failed the rollout; and the selected calls left
-    out as never answered."""
+    out as never answered. `imitation`: a teacher's calls may be trained on (with the sft objective only)."""
     spans = [s for s in spans if s.attempt_id == rollout.attempt_id]  # the attempt that ended the rollout
     rewards = sorted((s for s in spans if s.name == semconv.REWARD), key=lambda s: s.start_time)
     intermediate = [s for s in rewards if s.origin == "server"]  # AIR's: the platform's own, each must be a number
@@ -45,7 +46,8 @@ def _transitions(rollout: Rollout, spans: list[Span], policy_model: str, agent_r
     if reward is None or not _finite(reward) or not all(map(_number, intermediate)):
         return None, 0
     select = select or Selection.of(policy_model)
-    selected = select.calls(recorded_calls(spans), spans)
+    selected = [c for c in select.calls(recorded_calls(spans), spans)
+                if imitation or semconv.TEACHER not in c.attributes]
     calls = sorted(filter(answered, selected), key=lambda s: s.start_time)
     step_rewards, step_of = [0.0] * len(calls), {c.span_id: i for i, c in enumerate(calls)}
     for r in intermediate if calls else []:
@@ -94,7 +96,8 @@ def recorded_calls(spans: list[Span]) -> list[Span]:
 
 
 def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str, level: str = "transition",
-          agent_rewards: bool = False, select: Selection | None = None) -> tuple[list[Transition], dict]:
+          agent_rewards: bool = False, select: Selection | None = None,
+          imitation: bool = False) -> tuple[list[Transition], dict]:
     """Every rollout's spans to transitions (or, at the trajectory level, to one sequence per episode where the
     tokens allow). Counts (they add up over batches): policy calls, those cut off at max_tokens, those never
     answered (left out), the joins between a rollout's consecutive calls, with those where a call's prompt did not
@@ -108,7 +111,8 @@ def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str, level: 
     resumed_ids = {s.span_id for s in spans if len(s.attributes.get(semconv.POLICY_VERSION_SPANS) or ()) > 1}
     out, calls, truncated, unanswered, joins, breaks, failed, resumed = [], 0, 0, 0, 0, 0, 0, 0
     for r in rollouts:
-        transitions, left_out = _transitions(r, by_rollout.get(r.rollout_id, []), policy_model, agent_rewards, select)
+        transitions, left_out = _transitions(r, by_rollout.get(r.rollout_id, []), policy_model, agent_rewards, select,
+                                             imitation)
         if transitions is None:
             failed += 1
             continue

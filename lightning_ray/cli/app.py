@@ -43,6 +43,15 @@ def train(overrides: Overrides = None) -> None:
     run(job.main, overrides or [])
 
 
+@app.command(context_settings=HYDRA)
+def imitate(overrides: Overrides = None) -> None:
+    """Warm start before RL: fine-tune on the agent's episodes with a teacher behind the endpoint (jobs/imitate.py)."""
+    from lightning_ray.cli import imitate as job
+    from lightning_ray.cli.common import run
+
+    run(job.main, overrides or [])
+
+
 @app.command(name="eval", context_settings=HYDRA)
 def evaluate(overrides: Overrides = None) -> None:
     """Held-out accuracy of model.path (e.g. model.path=runs/<run>/checkpoint eval.pass_k=4) (jobs/eval.py)."""

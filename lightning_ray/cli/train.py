@@ -5,9 +5,8 @@ from __future__ import annotations
 from lightning_ray.config import ConfigError, TrainConfig, job
 
 
-@job("train")
-def main(cfg: TrainConfig) -> None:
-    """Train the policy: evaluate, then iterations of rollouts → transitions → update → weight sync."""
+def run_training(cfg: TrainConfig) -> None:
+    """Evaluate, then iterations of rollouts → transitions → update → weight sync (the imitation job's too)."""
     from lightning_ray.terminal import route_logs  # imported late: `--help` and config errors stay instant
     from lightning_ray.trainer import train
 
@@ -17,3 +16,9 @@ def main(cfg: TrainConfig) -> None:
     except ConfigError as e:  # found once the run directory is read (resume=): the key named, no traceback
         raise SystemExit(str(e)) from None
     print(f"done: {len(history)} iterations, metrics in {cfg.run_path / 'metrics.jsonl'}")
+
+
+@job("train")
+def main(cfg: TrainConfig) -> None:
+    """Train the policy."""
+    run_training(cfg)

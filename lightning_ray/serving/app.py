@@ -33,6 +33,7 @@ from lightning_ray.serving.gate import DrainTimeout, Gate
 from lightning_ray.serving.responses import ResponsesRequest, create_response
 from lightning_ray.serving.routing import RolloutAffinityRouter
 from lightning_ray.serving.schemas import ChatCompletionRequest, CompletionRequest, JsonSchemaFormat, check_schema
+from lightning_ray.serving.teacher import TAUGHT, answer_tokens, make_teacher
 from lightning_ray.tracing import semconv
 from lightning_ray.tracing.spans import new_span_id
 from lightning_ray.types import Span
@@ -59,7 +60,7 @@ class PolicyServer:
                  api_key: str | None = None, max_request_bytes: int = 8 << 20, seed: int = 0,
                  chat_template: str | None = None, drain_timeout_s: float = 60.0, drain: str = "wait",
                  weight_sync: str = "object_store", sync_timeout_s: float = 120.0,
-                 sleep_while_training: bool = False):
+                 sleep_while_training: bool = False, teacher: dict | None = None):
         import torch
 
         torch.set_num_threads(1)  # a replica shares the cores with rollouts and training
@@ -83,6 +84,9 @@ class PolicyServer:
         self._sleep = None  # the gate's pause, held while the engine sleeps (engine.sleep_while_training)
         self.weights = Receiver(registry, self.replica_id, self.engine, sync_timeout_s)
         self.rollout_sampling: dict[str, dict] = {}  # rollout id -> its task's sampling defaults (looked up once)
+        # an imitation run's teacher (serving/teacher.py), and the rollouts it answers: id -> the task it is given
+        self.teacher = make_teacher(**teacher, max_model_len=max_model_len) if teacher else None
+        self.taught: dict[str, dict] = {}
         api.state.replica_id = self.replica_id  # named in a response header (http.REPLICA_HEADER)
         # A replica started mid-run (autoscaling, or replacing a dead one) loads the latest policy before Serve
         # routes it a single request. It registers first, then looks: a version published after it looked holds
@@ -142,15 +146,17 @@ class PolicyServer:
 
     def generate(self, operation: str, body, trace: CallTrace, prompts: list[list[int]], max_tokens: int | None,
                  asked: bool, *, n: int = 1, stop: list[str] | None = None, top_logprobs: int = 0,
-                 fmt=None) -> tuple[SamplingParams, AsyncIterator[ChoiceDelta]]:
+                 fmt=None, conversation: tuple[list[dict], list[dict] | None] | None = None,
+                 ) -> tuple[SamplingParams, AsyncIterator[ChoiceDelta]]:
         """The one generation behind every endpoint: its sampling parameters (the request's, else its rollout's
         defaults, else the server's), one max_tokens that fits beside every prompt (`asked`: the client set it, so
-        it must fit; else it is cut to the room left), and the choices' deltas, recorded as spans (`run`)."""
+        it must fit; else it is cut to the room left), and the choices' deltas, recorded as spans (`run`).
+        `conversation`: the chat's messages and tools, as the template took them (a teacher answers from them)."""
         params = self.sampling(body, max_tokens, trace, top_logprobs=top_logprobs, fmt=fmt)
         params = min((self.fit_length(ids, params, max_tokens if asked else None) for ids in prompts),
                      key=lambda p: p.max_tokens)
         attrs = {"lightning_ray.request": body.model_dump(exclude_none=True, by_alias=True, exclude={"model"})}
-        return params, self.run(operation, prompts, params, n, stop or [], trace, attrs)
+        return params, self.run(operation, prompts, params, n, stop or [], trace, attrs, conversation)
 
     async def trace(self, request: Request) -> CallTrace:
         """The rollout and attempt a call belongs to, and the client span it was made under. An unknown rollout is
@@ -164,7 +170,10 @@ class PolicyServer:
                                code="rollout_not_found")
             if len(self.rollout_sampling) > 100_000:
                 self.rollout_sampling.clear()
+                self.taught.clear()
             self.rollout_sampling[rollout_id] = rollout.task.sampling
+            if rollout.task.sampling.get(TAUGHT):
+                self.taught[rollout_id] = rollout.task.reward_input
         return trace
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
@@ -221,14 +230,33 @@ class PolicyServer:
         return [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in (tops[i] if tops else {}).items()]}
                 for i, (t, lp) in enumerate(zip(ids, lps))]
 
+    async def teach(self, trace: CallTrace, conversation, prompts: list[list[int]],
+                    params: SamplingParams) -> SamplingParams:
+        """A taught rollout's call: the teacher's answer in the policy's tokens, forced (every choice the same)."""
+        if self.teacher is None:
+            raise ApiError(409, f"rollout {trace.rollout_id!r} is to be answered by a teacher, and this server has "
+                                "none (teacher.kind)", param="rollout_id", code="no_teacher")
+        if conversation is None:
+            raise ApiError(400, "a taught rollout's calls must be chat (messages): a teacher answers conversations",
+                           param="messages")
+        messages, tools = conversation
+        answer = await self.teacher.answer(self.taught[trace.rollout_id], messages, tools)
+        forced = answer_tokens(self.tokenizer, messages, tools, answer)
+        return self.fit_length(prompts[0], params.model_copy(update={"forced_token_ids": forced,
+                                                                     "max_tokens": len(forced)}), None)
+
     async def run(self, operation: str, prompts: list[list[int]], params: SamplingParams, n: int, stop: list[str],
-                  trace: CallTrace, attrs: dict):
-        """Generate every choice (held while a weight update is in progress), then record one span per choice."""
+                  trace: CallTrace, attrs: dict, conversation=None):
+        """Generate every choice (held while a weight update is in progress), then record one span per choice.
+        A taught rollout's call: the teacher's answer instead, as the policy's tokens (`teach`)."""
         if self.engine.broken:
             raise ApiError(503, f"this replica is being replaced: {self.engine.broken}", type="server_error",
                            code="replica_unhealthy")
         start, choices, error, error_type = time.time(), {}, None, None
         try:
+            if trace.rollout_id in self.taught:
+                params = await self.teach(trace, conversation, prompts, params)
+                attrs = {**attrs, semconv.TEACHER: self.teacher.name}
             try:
                 async with self.gate.admit():
                     async for d in generate_choices(self.engine, choice_jobs(prompts, params, n), stop):
@@ -246,7 +274,8 @@ class PolicyServer:
                 error_type = "aborted"
             raise
         finally:
-            metrics().generated_tokens.inc(sum(len(c.token_ids) for c in choices.values()))
+            if generated := sum(len(c.token_ids) for c in choices.values()):  # a Ray counter refuses 0
+                metrics().generated_tokens.inc(generated)
             # a call that ended in an error was never answered: recorded as such, never trained (lightningrl.answered)
             failed = {semconv.ERROR_TYPE: error_type} if error else {}
             spans = [Span(span_id=c.span_id, rollout_id=trace.rollout_id, attempt_id=trace.attempt_id,
@@ -336,11 +365,12 @@ def policy_app(model_path: str, model_name: str, store, registry, num_replicas: 
                env: dict[str, str] | None = None, chat_template: str | None = None, drain_timeout_s: float = 60.0,
                drain: str = "wait", resources: dict[str, float] | None = None, weight_sync: str = "object_store",
                sync_timeout_s: float = 120.0, sleep_while_training: bool = False, max_ongoing_requests: int = 256,
-               max_queued_requests: int = -1):
+               max_queued_requests: int = -1, teacher: dict | None = None):
     """The policy app, bound (Serve's Application). `autoscaling` is Serve's autoscaling_config (min_replicas,
     max_replicas, target_ongoing_requests, ...) and replaces num_replicas; `resources` are each replica's
     ({"CPU": 1, "policy_gpu": 1}: placement.actor_options). `weight_sync`: the run's transport, resolved
-    (weight_sync.resolve): a vLLM engine on CUDA is built with the weight-transfer backend it needs."""
+    (weight_sync.resolve): a vLLM engine on CUDA is built with the weight-transfer backend it needs. `teacher`:
+    make_teacher's arguments, for an imitation run (serving/teacher.py)."""
     options = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}
     options.update(ray_actor_options=actor_options(resources or {}), max_ongoing_requests=max_ongoing_requests,
                    max_queued_requests=max_queued_requests)
@@ -350,7 +380,7 @@ def policy_app(model_path: str, model_name: str, store, registry, num_replicas: 
         model_path, model_name, store, registry, engine=engine, engine_options=engine_options,
         max_model_len=max_model_len, defaults=defaults, api_key=api_key, seed=seed, chat_template=chat_template,
         drain_timeout_s=drain_timeout_s, drain=drain, weight_sync=weight_sync, sync_timeout_s=sync_timeout_s,
-        sleep_while_training=sleep_while_training)
+        sleep_while_training=sleep_while_training, teacher=teacher)
 
 
 def deploy_policy(model_path: str, model_name: str, store, registry, host: str = "127.0.0.1", port: int = 8000,

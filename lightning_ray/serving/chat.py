@@ -39,10 +39,12 @@ async def create_chat_completion(server, body: ChatCompletionRequest, trace: Cal
                                "response_format.json_schema.schema")
     offered = resolve_tool_choice(body.tool_choice, [t.model_dump(exclude_none=True) for t in body.tools or []])
     use_tools = bool(offered)  # tools rendered into the prompt, and tool calls parsed from the answer
-    prompt_ids = server.encode_chat(template_messages(body.messages), offered)
+    messages = template_messages(body.messages)
+    prompt_ids = server.encode_chat(messages, offered)
     requested = body.max_completion_tokens or body.max_tokens
     _, deltas = server.generate("chat", body, trace, [prompt_ids], requested, requested is not None, n=body.n,
-                                stop=body.stop_list, top_logprobs=body.top_logprobs or 0, fmt=body.response_format)
+                                stop=body.stop_list, top_logprobs=body.top_logprobs or 0, fmt=body.response_format,
+                                conversation=(messages, offered))
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
     if body.stream:
         return sse_response(_chunks(server, body, deltas, meta, prompt_ids, use_tools))

@@ -329,9 +329,11 @@ async def create_response(server, req: ResponsesRequest, trace: CallTrace):
     await server.check_request(req, req.text and req.text.format, "text.format.schema")
     messages, tools, tool_choice = to_chat(req)
     offered = resolve_tool_choice(tool_choice, tools)
-    prompt_ids = server.encode_chat(template_messages(messages), offered)
+    messages = template_messages(messages)
+    prompt_ids = server.encode_chat(messages, offered)
     params, deltas = server.generate("responses", req, trace, [prompt_ids], req.max_output_tokens,
-                                     req.max_output_tokens is not None, fmt=req.text and req.text.format)
+                                     req.max_output_tokens is not None, fmt=req.text and req.text.format,
+                                     conversation=(messages, offered))
     if req.stream:
         events = ResponseEventStream(req, params=params)
         return sse_response(_events(events, deltas, prompt_ids, bool(offered)), done_marker=False, named=True,

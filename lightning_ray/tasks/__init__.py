@@ -1,7 +1,8 @@
 """Built-in tasks. Each module offers make_tasks(n, seed, dataset, options, protocol, exclude), agent(task, base_url,
 model, api_key), reward(task, answer) and system_prompt(task): the prompt its agent opens with, the task's own unless
 task["system_prompt"] gives one (set from task.system_prompt here, or by the prompt optimizer per candidate). The
-agent gets Task.input; the expected answer is in Task.reference, and reward() gets both (Task.reward_input)."""
+agent gets Task.input; the expected answer is in Task.reference, and reward() gets both (Task.reward_input); so does
+oracle(task, messages, tools), the imitation teacher's answer to a call from the gold data (serving/teacher.py)."""
 
 import importlib
 from types import ModuleType

@@ -223,6 +223,18 @@ def reward(task: dict, answer: str | None) -> float:
     return float(_scorer(task["dataset"])(answer, entry))
 
 
+def oracle(task: dict, messages: list[dict], tools: list[dict] | None) -> dict:
+    """The imitation teacher's answer (serving/teacher.py, teacher.kind=oracle) from the reference: the calculator
+    call with the generator's expression (where its metadata has one), then the answer line."""
+    last, expression = messages[-1], task["metadata"].get("expression")
+    if expression is None or last["role"] == "tool" or str(last.get("content", "")).startswith("RESULT"):
+        return {"content": f"ANSWER {task['answer']}"}
+    if tools:
+        return {"content": None, "tool_calls": [{"id": "call_oracle", "type": "function", "function": {
+            "name": "calculator", "arguments": json.dumps({"expression": expression})}}]}
+    return {"content": f"CALC {expression}"}
+
+
 def demonstrations(tasks: list[Task]) -> list[list[dict]]:
     """Correct transcripts of the text protocol, used only to warm up the tiny test model (basic_arithmetic: the
     expression is the generator's)."""

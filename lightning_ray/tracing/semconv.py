@@ -28,6 +28,7 @@ SAMPLING = "lightning_ray.sampling"  # {temperature, top_p, seed, constrained}: 
 FINISH_REASONS = "gen_ai.response.finish_reasons"
 RESPONSE_TEXT = "lightning_ray.response"  # the text the client was sent
 CALL_ERROR = "lightning_ray.error"  # why a call ended without an answer (an engine error, an abort): never trained
+TEACHER = "lightning_ray.teacher"  # the teacher that answered the call (serving/teacher.py): imitation data, never RL
 
 # Rewards: REWARD_VALUE is the scalar LightningRL optimises; a multi-dimensional reward also carries each named
 # dimension as f"{REWARD_VALUE}.{name}".

@@ -11,6 +11,7 @@ from lightning_ray.algorithm.advantages import best_rollouts, compute_advantages
 from lightning_ray.algorithm.air import air_spans
 from lightning_ray.algorithm.dynamic_sampling import sample_groups
 from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, spans_read
+from lightning_ray.serving.teacher import TAUGHT
 from lightning_ray.trainer.run import PhaseTimer, Run
 from lightning_ray.types import Rollout, Span, Task, Transition
 
@@ -44,7 +45,10 @@ def collect(run: Run, iteration: int, tasks: list[Task]) -> Batch:
 
     def rollout_round(tasks: list[Task]) -> list[Transition]:
         with batch.phase("rollout"):
-            groups = [task.model_copy(update={"group_id": f"{task.task_id}@{iteration}"})
+            # an imitation run's rollouts are its teacher's to answer (serving/teacher.py)
+            taught = {TAUGHT: True} if cfg.teacher.kind != "none" else {}
+            groups = [task.model_copy(update={"group_id": f"{task.task_id}@{iteration}",
+                                              "sampling": {**task.sampling, **taught}})
                       for task in tasks for _ in range(cfg.rollout.group_size)]
             done = run.services.run_rollouts(groups, f"iter {iteration} rollouts")
         with batch.phase("adapt"):
@@ -54,7 +58,8 @@ def collect(run: Run, iteration: int, tasks: list[Task]) -> Batch:
                 air = air_spans(found, cfg.task.air, lambda sp: run.select.calls(recorded_calls(sp), sp))
                 run.services.store.add_spans(air, origin="server")
                 found += air
-            transitions, counts = adapt(done, found, cfg.model.name, alg.level, cfg.task.agent_rewards, run.select)
+            transitions, counts = adapt(done, found, cfg.model.name, alg.level, cfg.task.agent_rewards, run.select,
+                                        imitation=alg.objective == "sft")
             transitions = (best_rollouts(transitions, alg.sft_min_reward) if alg.objective == "sft" else
                            compute_advantages(transitions, alg.estimator, alg.credit, alg.gamma, alg.baseline))
             if alg.overlong_filter:  # a cut-off answer's reward says little about it: left out of the loss

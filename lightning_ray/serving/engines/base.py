@@ -25,11 +25,17 @@ class SamplingParams(BaseModel):
     # Constrained decoding: the output is JSON valid under this schema ({"type": "object"}: any JSON object),
     # then a stop token. Schemas reaching an engine passed grammar.check_json_schema.
     json_schema: dict[str, Any] | None = None
+    # Forced decoding: these tokens are the generation (up to the first stop token), each reported with its logprob
+    # under the served policy, exactly as if sampled: a teacher's answer in the policy's own tokens
+    # (serving/teacher.py), recorded and scored like the policy's samples.
+    forced_token_ids: list[int] | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _json_needs_eos(self):
         if self.json_schema is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a JSON constraint: the JSON ends with the EOS token")
+        if self.json_schema is not None and self.forced_token_ids:
+            raise ValueError("forced tokens cannot be combined with a JSON constraint")
         return self
 
 

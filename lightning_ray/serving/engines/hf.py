@@ -81,7 +81,8 @@ class HFEngine(WeightLoading):
             matcher, bitmask = self.grammars.matcher(params.json_schema, stop), self.grammars.bitmask()
         with self.turn:
             context, version = list(prompt_ids), None
-            for step in range(params.max_tokens):
+            steps = min(params.max_tokens, len(params.forced_token_ids or ()) or params.max_tokens)
+            for step in range(steps):
                 if cancelled.is_set():
                     return
                 with self.lock:
@@ -93,7 +94,8 @@ class HFEngine(WeightLoading):
                     matcher.fill_next_token_bitmask(bitmask)
                     apply_bitmask(logits, bitmask.to(logits.device))  # the mask is filled on the host
                 logprobs = torch.log_softmax(logits, -1)
-                token = _sample_token(logits, params.temperature, params.top_p, rng)
+                token = (params.forced_token_ids[step] if params.forced_token_ids else
+                         _sample_token(logits, params.temperature, params.top_p, rng))
                 top = {}
                 if params.top_logprobs:
                     values, ids = logprobs.topk(params.top_logprobs)
@@ -102,7 +104,7 @@ class HFEngine(WeightLoading):
                 # one terminates it, so the generation ends as "stop" exactly when the matcher terminates.
                 if matcher is not None and not matcher.accept_token(token):
                     raise RuntimeError(f"the JSON grammar rejected token {token}, which its own mask allowed")
-                finish = "stop" if token in stop else "length" if step + 1 == params.max_tokens else None
+                finish = "stop" if token in stop else "length" if step + 1 == steps else None
                 yield TokenDelta(token_ids=[token], logprobs=[logprobs[token].item()],
                                  top_logprobs=[top] if params.top_logprobs else [], finish_reason=finish,
                                  policy_version=version)

@@ -88,12 +88,24 @@ class VLLMEngine(WeightLoading):
         await self._open.wait()
         version, self._admitting = self.policy_version, self._admitting + 1  # no await in between
         admitted = False
-        k = params.top_logprobs
+        k, forced = params.top_logprobs, self._forced(params)
+        # forced decoding: vLLM has none, so the forced tokens are scored as the prompt's end (the one token it must
+        # generate is dropped)
+        request = (self._prompt([*prompt_ids, *forced]), VLLMSamplingParams(
+            max_tokens=1, prompt_logprobs=k, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)) if forced \
+            else (self._prompt(prompt_ids), self._sampling(params))
         try:
-            async for out in self.engine.generate(self._prompt(prompt_ids), self._sampling(params),
-                                                  request_id=uuid.uuid4().hex):
+            async for out in self.engine.generate(*request, request_id=uuid.uuid4().hex):
                 if not admitted:  # vLLM has the request now: it counts in get_num_unfinished_requests
                     admitted, self._admitting = True, self._admitting - 1
+                if forced:  # one prefill: each forced token's logprob is its prompt logprob
+                    lps = out.prompt_logprobs[len(prompt_ids):]
+                    yield TokenDelta(token_ids=forced, logprobs=[lp[t].logprob for t, lp in zip(forced, lps)],
+                                     top_logprobs=[{t: lp.logprob for t, lp in d.items() if lp.rank <= k}
+                                                   for d in lps] if k else [],
+                                     finish_reason="stop" if forced[-1] in self._stops(params) else "length",
+                                     policy_version=self.policy_version)
+                    return
                 c = out.outputs[0]
                 if c.finish_reason not in (None, "stop", "length"):  # "abort", "error"
                     raise RuntimeError(f"vLLM request ended with {c.finish_reason!r}")
@@ -120,12 +132,22 @@ class VLLMEngine(WeightLoading):
         (prompt,) = self.engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=list(prompt_ids))])
         return prompt
 
+    def _stops(self, params: SamplingParams) -> list[int]:
+        return [t for t in (None if params.ignore_eos else self.tokenizer.eos_token_id, *params.stop_token_ids)
+                if t is not None]
+
+    def _forced(self, params: SamplingParams) -> list[int] | None:
+        """The forced tokens as a generation would end them: at the first stop token, or at max_tokens."""
+        if not params.forced_token_ids:
+            return None
+        forced, stops = params.forced_token_ids[:params.max_tokens], set(self._stops(params))
+        return forced[:next((i + 1 for i, t in enumerate(forced) if t in stops), len(forced))]
+
     def _sampling(self, params: SamplingParams) -> VLLMSamplingParams:
         return VLLMSamplingParams(
             max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, seed=params.seed,
             logprobs=params.top_logprobs,  # 0: only the sampled token's logprob
-            stop_token_ids=[t for t in (None if params.ignore_eos else self.tokenizer.eos_token_id,
-                                        *params.stop_token_ids) if t is not None],
+            stop_token_ids=self._stops(params),
             ignore_eos=params.ignore_eos,
             output_kind=RequestOutputKind.DELTA if params.incremental else RequestOutputKind.FINAL_ONLY,
             structured_outputs=None if params.json_schema is None else StructuredOutputsParams(json=params.json_schema),

@@ -185,6 +185,18 @@ def opening() -> list[dict]:
     return [*items, {"role": "assistant", "content": f"ANSWER: {answer}"}]
 
 
+def oracle(task: dict, messages: list[dict], tools: list[dict] | None) -> dict:
+    """The imitation teacher's answer (serving/teacher.py, teacher.kind=oracle): a search for each hop of the
+    question's decomposition in turn (where the reference has one), then the answer line with the gold answer."""
+    asked = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    searched = sum(m["role"] == "tool" for m in messages[asked:])
+    hops = task.get("decomposition") or []
+    if searched < len(hops):
+        return {"content": None, "tool_calls": [{"id": f"call_oracle_{searched}", "type": "function", "function": {
+            "name": "search", "arguments": json.dumps({"query": hops[searched]})}}]}
+    return {"content": f"ANSWER: {task['answers'][0]}"}
+
+
 def demonstrations(tasks: list[Task]) -> list[list[dict]]:
     """Correct episodes as the agent's Responses input items: the opening, the question, a search per hop (the
     question's decomposition, answered by the real index) and the answer line. They warm up the tiny test model."""

@@ -93,6 +93,16 @@ def agent(task: dict, base_url: str, model: str, api_key: str = "EMPTY") -> str:
                task.get("max_rounds", MAX_ROUNDS))
 
 
+def oracle(task: dict, messages: list[dict], tools: list[dict] | None) -> dict:
+    """The imitation teacher's answer (serving/teacher.py, teacher.kind=oracle): the gold query for the writer and the
+    rewriter, approval for the checker (the gold query is right)."""
+    from lightning_ray.tasks.sql.workflow import CHECKER_PROMPT
+
+    if messages[0]["content"] == CHECKER_PROMPT:
+        return {"content": "CORRECT"}
+    return {"content": f"```sql\n{task['gold']}\n```"}
+
+
 def reward(task: dict, answer: str | None) -> float:
     """Execution match: 1.0 when the answer's result equals the gold query's (as multisets of rows, or in order when
     the gold query orders them), else 0.0 — also for a query that fails, writes or runs past the time limit."""

@@ -479,3 +479,14 @@ def test_a_weight_update_waits_for_in_flight_requests_and_holds_new_ones(server,
     assert long.system_fingerprint == f"lightning_ray-policy-v{version - 1}"
     assert after.system_fingerprint == f"lightning_ray-policy-v{version}"
     assert [t.logprob for t in after.choices[0].logprobs.content] != [t.logprob for t in before.choices[0].logprobs.content]
+
+
+def test_a_taught_rollout_on_a_server_without_a_teacher_gets_409(server):
+    from lightning_ray.serving.teacher import TAUGHT
+    from lightning_ray.types import Task
+
+    rid = server["store"].enqueue([Task(task_id="t", input={}, sampling={TAUGHT: True})])[0].rollout_id
+    with pytest.raises(openai.APIStatusError) as e:
+        client(server, f"/rollouts/{rid}/attempts/at-1/v1").chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert e.value.status_code == 409 and e.value.body["code"] == "no_teacher"
+    assert spans_of(server, rid) == []  # refused before any generation: nothing recorded, nothing to train

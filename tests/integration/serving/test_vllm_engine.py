@@ -266,3 +266,18 @@ def test_a_model_with_tied_embeddings_and_end_of_turn_ids(loop, tiny_model_path,
     expected = greedy.token_ids[:greedy.token_ids.index(stop) + 1]
     assert (by_hf.token_ids, by_hf.finish_reason) == (by_vllm.token_ids, by_vllm.finish_reason) == (expected, "stop")
     assert g.policy_version == 1 and logprob_error(new, prompt, g.token_ids, g.logprobs) < ATOL
+
+
+def test_forced_tokens_are_scored_not_sampled_and_end_as_a_generation_would(engine, hf_model, tiny_model_path):
+    """SamplingParams.forced_token_ids (a teacher's answer, serving/teacher.py): both engines report exactly those
+    tokens, cut after the first end-of-sequence token or at max_tokens, with the logprobs a forward pass gives them."""
+    prompt, eos = prompts(engine, 1)[0], engine.tokenizer.eos_token_id
+    answer = engine.tokenizer.encode("CALC 3 + 4", add_special_tokens=False)
+    forced = answer + [eos] + answer  # what follows the end of the turn is never generated
+    hf = make_engine("hf", str(tiny_model_path), max_model_len=512)
+    for eng, run in ((engine, engine.run), (hf, asyncio.run)):
+        whole = run(generate(eng, prompt, SamplingParams(max_tokens=64, temperature=1.0, forced_token_ids=forced)))
+        cut = run(generate(eng, prompt, SamplingParams(max_tokens=2, forced_token_ids=forced)))
+        assert (whole.token_ids, whole.finish_reason) == (answer + [eos], "stop"), eng
+        assert (cut.token_ids, cut.finish_reason) == (answer[:2], "length"), eng
+        assert logprob_error(hf_model, prompt, whole.token_ids, whole.logprobs) < ATOL, eng

@@ -1,0 +1,58 @@
+"""A teacher behind the policy server (serving/teacher.py): a taught rollout's calls are answered by the teacher, here
+another model (the tiny model itself, greedy), and recorded as the policy's own tokens, scored by the policy and
+marked as the teacher's; the other rollouts' calls stay the policy's."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+from openai import OpenAI
+
+from lightning_ray.serving.teacher import TAUGHT
+from lightning_ray.tracing import semconv
+from lightning_ray.types import Task
+
+MODEL = "tiny-calc"
+MESSAGES = [{"role": "system", "content": "Solve the arithmetic."}, {"role": "user", "content": "What is 3 + 4?"}]
+
+
+@pytest.fixture(scope="module")
+def server(policy_app, tiny_model_path):
+    teacher = {"kind": "model", "path": str(tiny_model_path), "task": "calc", "temperature": 0.0, "max_tokens": 64}
+    with policy_app(MODEL, max_model_len=512, teacher=teacher) as app:
+        yield {**app, "teacher": f"model:{tiny_model_path}"}
+
+
+def rollout(server, taught: bool) -> str:
+    task = Task(task_id="t", input={}, sampling={TAUGHT: True} if taught else {})
+    return server["store"].enqueue([task])[0].rollout_id
+
+
+def chat(server, rollout_id: str):
+    client = OpenAI(base_url=f"{server['url']}/rollouts/{rollout_id}/attempts/at-1/v1", api_key="-", max_retries=0)
+    return client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=64, logprobs=True)
+
+
+def test_a_taught_call_is_the_teachers_answer_as_the_policys_own_tokens(server):
+    taught, own = rollout(server, True), rollout(server, False)
+    a, b = chat(server, taught), chat(server, own)
+    [ta] = server["store"].query_spans([taught])
+    [tb] = server["store"].query_spans([own])
+    assert ta.attributes[semconv.TEACHER] == server["teacher"] and semconv.TEACHER not in tb.attributes
+    assert b.choices[0].finish_reason == "stop"  # the policy's greedy answer ended its turn within 64 tokens
+    # The teacher is the policy's own model, greedy: its answer, rendered in the policy's template and scored by the
+    # policy, is the policy's greedy answer token for token, with the logprobs sampling them gave.
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.choices[0].token_ids == b.choices[0].token_ids
+    assert ta.attributes[semconv.COMPLETION_TOKEN_IDS].tolist() == tb.attributes[semconv.COMPLETION_TOKEN_IDS].tolist()
+    np.testing.assert_allclose(ta.attributes[semconv.LOGPROBS], tb.attributes[semconv.LOGPROBS], atol=1e-4)
+    assert [t.logprob for t in a.choices[0].logprobs.content] == ta.attributes[semconv.LOGPROBS].tolist()
+
+
+def test_a_taught_rollouts_text_completion_is_refused(server):
+    rid = rollout(server, True)
+    r = httpx.post(f"{server['url']}/rollouts/{rid}/attempts/at-1/v1/completions",
+                   json={"model": MODEL, "prompt": "3 + 4 =", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 400 and "teacher" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "messages"

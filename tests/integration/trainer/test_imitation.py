@@ -1,0 +1,66 @@
+"""Imitation, the warm start before RL, end to end on the real stack (jobs/imitate.py, then jobs/train.py
+model.path=...): the calc task's oracle answers the training rollouts behind the same endpoint, the episodes are
+recorded in the store and filtered by reward, one SFT step trains on them through Ray Train + DeepSpeed, and RL goes
+on from the checkpoint the imitation run wrote, with no teacher."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import small
+
+from lightning_ray.models.tiny import EASY
+from lightning_ray.store.sqlite import SQLiteBackend
+from lightning_ray.tracing import semconv
+from lightning_ray.trainer import train
+
+
+def config(run_dir, model_path, serve_port, **raw):
+    return small({"run_dir": str(run_dir), "model": {"path": str(model_path)}, "serve": {"port": serve_port},
+                  "task": {"generator": EASY, "eval_size": 4},
+                  "trainer": {"iterations": 1, "eval_every": 1, "lr": 1e-3}, **raw})
+
+
+def calls(run_dir):
+    return [s for s in SQLiteBackend(run_dir / "traces.sqlite").query_spans() if s.name == semconv.LLM_CALL]
+
+
+def training(spans):  # held-out evaluation decodes greedily, training at the rollout temperature (1.0)
+    return [s for s in spans if s.attributes[semconv.SAMPLING]["temperature"] > 0]
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
+    imitated, reinforced = tmp_path_factory.mktemp("imitate"), tmp_path_factory.mktemp("rl")
+    imitation = train(config(imitated, tiny_model_path, serve_port, teacher={"kind": "oracle"},
+                             algorithm={"objective": "sft"}, rollout={"tasks_per_iteration": 6, "group_size": 1}))
+    rl = train(config(reinforced, imitated / "checkpoint", serve_port, rollout={"group_size": 2}))
+    return {"imitation": imitation, "rl": rl, "imitated": imitated, "reinforced": reinforced}
+
+
+def test_the_teacher_answers_the_training_rollouts_and_never_the_held_out_ones(runs):
+    spans = calls(runs["imitated"])
+    taught, held_out = training(spans), [s for s in spans if s not in training(spans)]
+    assert taught and held_out
+    assert all(s.attributes.get(semconv.TEACHER) == "oracle:calc" for s in taught)
+    assert not any(semconv.TEACHER in s.attributes for s in held_out)
+    # the oracle's episodes: the calculator call with the generator's expression, then the answer
+    assert {s.attributes[semconv.RESPONSE_TEXT].split()[0] for s in taught} == {"CALC", "ANSWER"}
+
+
+def test_the_oracles_episodes_are_kept_and_trained_on_as_the_policys_tokens(runs):
+    [h] = runs["imitation"]
+    assert h["reward_mean"] == 1.0  # every episode the oracle answered is right: all pass sft_min_reward
+    assert h["transitions"] == h["llm_spans"] == len(training(calls(runs["imitated"]))) > 0
+    assert h["updated"] and h["policy_version"] == 1 and h["trained_tokens"] > 0
+    # the engine scored the teacher's tokens as the learner does: the forced tokens' logprobs are the policy's
+    assert h["logprob_abs_diff"] < 1e-3
+    assert (runs["imitated"] / "checkpoint" / "config.json").exists()
+
+
+def test_rl_goes_on_from_the_imitation_checkpoint_without_the_teacher(runs):
+    [h] = runs["rl"]
+    assert h["updated"] and not any(semconv.TEACHER in s.attributes for s in calls(runs["reinforced"]))
+    # the RL run starts from the weights imitation ended with: greedy held-out answers, the same problems
+    before_rl, after_imitation = runs["rl"][0]["eval_before"], runs["imitation"][-1]["eval"]
+    assert before_rl["accuracy"] == after_imitation["accuracy"]
+    assert before_rl["reward_mean"] == after_imitation["reward_mean"]
