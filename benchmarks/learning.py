@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from lightning_ray.config import compose
+from lightning_ray.config import TrainConfig, compose
 from lightning_ray.trainer import train
 
 DEFAULTS = ["trainer.iterations=16", "trainer.eval_every=4", "task.eval_size=100"]
@@ -26,6 +26,14 @@ def main(overrides: list[str]) -> None:
     root = Path(__file__).resolve().parents[1]
     run_dir = root / "runs" / time.strftime("learning-%Y-%m-%d_%H-%M-%S")
     cfg = compose([*DEFAULTS, *overrides, f"run_dir={run_dir}"])
+    result = {"benchmark": "learning", **trained(cfg)}
+    (cfg.run_path / "learning.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result), flush=True)
+
+
+def trained(cfg: TrainConfig) -> dict:
+    """Train with the config; what it measured: held-out accuracy after each evaluation, reward per iteration, wall
+    minutes and seconds by phase."""
     start = time.perf_counter()
     history = train(cfg)
     minutes = (time.perf_counter() - start) / 60
@@ -34,15 +42,13 @@ def main(overrides: list[str]) -> None:
     for h in history:
         for k, v in h["seconds"].items():
             phases[k] = round(phases.get(k, 0.0) + v, 1)
-    result = {"benchmark": "learning", "model": cfg.model.path, "dataset": cfg.task.dataset,
-              "protocol": cfg.task.protocol, "held_out": cfg.task.eval_size, "iterations": len(history),
-              "batch": f"{cfg.rollout.tasks_per_iteration}x{cfg.rollout.group_size}", "lr": cfg.trainer.lr,
-              "accuracy": [(e["after"], round(e["accuracy"], 3)) for e in evals],
-              "reward_mean": [round(h["reward_mean"], 3) for h in history],
-              "wall_minutes": round(minutes, 1), "seconds_by_phase": phases,
-              "png": str(cfg.run_path / "learning_curve.png")}
-    (cfg.run_path / "learning.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result), flush=True)
+    return {"model": cfg.model.path, "dataset": cfg.task.dataset, "protocol": cfg.task.protocol,
+            "held_out": cfg.task.eval_size, "iterations": len(history),
+            "batch": f"{cfg.rollout.tasks_per_iteration}x{cfg.rollout.group_size}", "lr": cfg.trainer.lr,
+            "accuracy": [(e["after"], round(e["accuracy"], 3)) for e in evals],
+            "reward_mean": [round(h["reward_mean"], 3) for h in history],
+            "wall_minutes": round(minutes, 1), "seconds_by_phase": phases,
+            "png": str(cfg.run_path / "learning_curve.png")}
 
 
 if __name__ == "__main__":

@@ -90,4 +90,5 @@ def _adapter(cfg: TrainConfig):
     held-out evaluation's (no group) are left out, or SFT on an export would learn the held-out problems."""
     select = Selection.of(cfg.model.name, cfg.algorithm.select.models, cfg.algorithm.select.agents)
     return lambda rollouts, spans: adapt([r for r in rollouts if r.status in FINISHED and r.task.group_id], spans,
-                                         cfg.model.name, cfg.algorithm.level, cfg.task.agent_rewards, select)
+                                         cfg.model.name, cfg.algorithm.level, cfg.task.agent_rewards, select,
+                                         imitation=cfg.algorithm.objective == "sft")

@@ -1,6 +1,7 @@
-"""A teacher behind the policy server (serving/teacher.py): a taught rollout's calls are answered by the teacher, here
-another model (the tiny model itself, greedy), and recorded as the policy's own tokens, scored by the policy and
-marked as the teacher's; the other rollouts' calls stay the policy's."""
+"""A teacher behind the policy server (serving/teacher.py): a taught rollout's calls are answered by the teacher and
+recorded as the policy's own tokens, scored by the policy and marked as the teacher's; the other rollouts' calls stay
+the policy's. The teacher here is the tiny model itself, greedy: loaded beside the policy (`model`), or asked through
+the OpenAI API of this very server, outside any rollout (`endpoint`)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ MODEL = "tiny-calc"
 MESSAGES = [{"role": "system", "content": "Solve the arithmetic."}, {"role": "user", "content": "What is 3 + 4?"}]
 
 
-@pytest.fixture(scope="module")
-def server(policy_app, tiny_model_path):
-    teacher = {"kind": "model", "path": str(tiny_model_path), "task": "calc", "temperature": 0.0, "max_tokens": 64}
+@pytest.fixture(scope="module", params=["model", "endpoint"])
+def server(request, policy_app, tiny_model_path, serve_port):
+    where = {"model": {"path": str(tiny_model_path)},
+             "endpoint": {"base_url": f"http://127.0.0.1:{serve_port}/v1", "model": MODEL}}[request.param]
+    teacher = {"kind": request.param, **where, "task": "calc", "temperature": 0.0, "max_tokens": 64}
     with policy_app(MODEL, max_model_len=512, teacher=teacher) as app:
-        yield {**app, "teacher": f"model:{tiny_model_path}"}
+        yield {**app, "teacher": f"{request.param}:{tiny_model_path if request.param == 'model' else MODEL}"}
 
 
 def rollout(server, taught: bool) -> str:
