@@ -1,7 +1,8 @@
 """Imitation, the warm start before RL, end to end on the real stack (jobs/imitate.py, then jobs/train.py
 model.path=...): the calc task's oracle answers the training rollouts behind the same endpoint, the episodes are
-recorded in the store and filtered by reward, one SFT step trains on them through Ray Train + DeepSpeed, and RL goes
-on from the checkpoint the imitation run wrote, with no teacher."""
+recorded in the store, one SFT step trains on them through Ray Train + DeepSpeed, and RL goes on from the checkpoint
+the imitation run wrote, with no teacher. A teacher that errs (the tiny model itself, sampling) has its episodes
+filtered by reward."""
 
 from __future__ import annotations
 
@@ -30,11 +31,15 @@ def training(spans):  # held-out evaluation decodes greedily, training at the ro
 
 @pytest.fixture(scope="module")
 def runs(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
-    imitated, reinforced = tmp_path_factory.mktemp("imitate"), tmp_path_factory.mktemp("rl")
+    imitated, reinforced, sampled = (tmp_path_factory.mktemp(name) for name in ("imitate", "rl", "sampled"))
     imitation = train(config(imitated, tiny_model_path, serve_port, teacher={"kind": "oracle"},
                              algorithm={"objective": "sft"}, rollout={"tasks_per_iteration": 6, "group_size": 1}))
     rl = train(config(reinforced, imitated / "checkpoint", serve_port, rollout={"group_size": 2}))
-    return {"imitation": imitation, "rl": rl, "imitated": imitated, "reinforced": reinforced}
+    teacher = {"kind": "model", "path": str(tiny_model_path), "temperature": 1.0, "max_tokens": 32}
+    erring = train(config(sampled, tiny_model_path, serve_port, teacher=teacher, algorithm={"objective": "sft"},
+                          rollout={"tasks_per_iteration": 8, "group_size": 2}, trainer={"eval_every": 0}))
+    return {"imitation": imitation, "rl": rl, "erring": erring, "imitated": imitated, "reinforced": reinforced,
+            "sampled": sampled}
 
 
 def test_the_teacher_answers_the_training_rollouts_and_never_the_held_out_ones(runs):
@@ -64,3 +69,20 @@ def test_rl_goes_on_from_the_imitation_checkpoint_without_the_teacher(runs):
     before_rl, after_imitation = runs["rl"][0]["eval_before"], runs["imitation"][-1]["eval"]
     assert before_rl["accuracy"] == after_imitation["accuracy"]
     assert before_rl["reward_mean"] == after_imitation["reward_mean"]
+
+
+def test_a_teachers_episodes_below_the_bar_are_left_out(runs):
+    """The sft objective keeps each group's best episode if it reached algorithm.sft_min_reward (1.0)."""
+    [h] = runs["erring"]
+    rollouts = SQLiteBackend(runs["sampled"] / "traces.sqlite").query_rollouts()
+    spans = training(calls(runs["sampled"]))
+    assert spans and all(s.attributes[semconv.TEACHER].startswith("model:") for s in spans)
+    best: dict[str, float] = {}
+    for r in rollouts:
+        best[r.task.group_id] = max(best.get(r.task.group_id, r.reward), r.reward)
+    kept = {r.rollout_id for r in rollouts if r.reward == best[r.task.group_id] >= 1.0}
+    assert 0 < len(kept) < len(rollouts)  # the sampling teacher was right in some episodes, wrong in others
+    assert h["groups_with_signal"] == sum(b >= 1.0 for b in best.values())
+    # only the kept episodes' tokens were trained on (every call's answer, at algorithm.level=transition)
+    assert h["trained_tokens"] == sum(len(s.attributes[semconv.COMPLETION_TOKEN_IDS]) for s in spans
+                                      if s.rollout_id in kept)
