@@ -37,7 +37,7 @@ def runs(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     rl = train(config(reinforced, imitated / "checkpoint", serve_port, rollout={"group_size": 2}))
     teacher = {"kind": "model", "path": str(tiny_model_path), "temperature": 1.0, "max_tokens": 32}
     erring = train(config(sampled, tiny_model_path, serve_port, teacher=teacher, algorithm={"objective": "sft"},
-                          rollout={"tasks_per_iteration": 8, "group_size": 2}, trainer={"eval_every": 0}))
+                          rollout={"tasks_per_iteration": 8, "group_size": 2}, trainer={"iterations": 1, "eval_every": 0}))
     return {"imitation": imitation, "rl": rl, "erring": erring, "imitated": imitated, "reinforced": reinforced,
             "sampled": sampled}
 
