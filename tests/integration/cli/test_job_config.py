@@ -136,7 +136,7 @@ def test_the_docs_show_overrides():
                          ids=lambda v: " ".join(v) if isinstance(v, list) else v)
 def test_every_documented_override_works_as_written(job, overrides, tmp_path):
     schema = APOJobConfig if job == "apo" else TrainConfig
-    compose([*overrides, f"run_dir={tmp_path}"], "apo" if job == "apo" else "train", schema)
+    compose([*overrides, f"run_dir={tmp_path}"], job if job in ("apo", "imitate") else "train", schema)
 
 
 @pytest.mark.parametrize("override, named", [
