@@ -15,6 +15,7 @@ import json
 import os
 from typing import Protocol
 
+from lightning_ray.serving.chat import template_messages
 from lightning_ray.serving.engines import SamplingParams, generate, make_engine
 from lightning_ray.serving.tools import parse_tool_calls
 
@@ -96,8 +97,6 @@ def make_teacher(kind: str, task: str, path: str | None = None, base_url: str | 
 def answer_tokens(tokenizer, messages: list[dict], tools: list[dict] | None, answer: dict) -> list[int]:
     """The teacher's answer as the policy's tokens: the conversation with the answer appended, rendered by the
     policy's chat template, less the prompt the policy was given (its generation prompt included)."""
-    from lightning_ray.serving.chat import template_messages
-
     answer = template_messages([{"role": "assistant", **answer}])[0]
     prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     whole = tokenizer.apply_chat_template([*messages, answer], tools=tools, tokenize=False)
