@@ -29,6 +29,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                   f"policy v{resume.state.policy_version}", flush=True)
         elif cfg.trainer.eval_every:
             print(f"held-out accuracy before training: {evaluate_held_out(run, 0)['accuracy']:.3f}", flush=True)
+        run.start_clock()
         with Batches(run) as batches:
             for iteration in run.iterations():
                 batch = batches.take(iteration)

@@ -29,14 +29,18 @@ class Run:
             self.history, self.evals, self.started, self.first = (state.history, state.evals, state.started,
                                                                   state.next_iteration)
             self.rng.setstate(state.random_state())
-        minutes = cfg.trainer.max_minutes
-        self.deadline = time.monotonic() + 60 * minutes if minutes else float("inf")
+        self.deadline = float("inf")
         self.phase = PhaseTimer()
         self.probe: dict | None = None  # the fixed prompt's served logprobs, as of the last sync
 
     def iterations(self) -> range:
         """The iterations still to run."""
         return range(self.first, self.cfg.trainer.iterations)
+
+    def start_clock(self) -> None:
+        """trainer.max_minutes counts from here: the held-out evaluation before training is not in the budget."""
+        if minutes := self.cfg.trainer.max_minutes:
+            self.deadline = time.monotonic() + 60 * minutes
 
     def ends_at(self, iteration: int) -> bool:
         """Whether this iteration is the run's last: the number of iterations reached or the time budget spent
