@@ -132,6 +132,8 @@ def _link_ray_logs(session_dir: str, log_dir: Path) -> None:
     """<run_dir>/logs/ray: the Ray session's log files (every worker's, Serve's, the dashboard's), found from the run."""
     log_dir.mkdir(parents=True, exist_ok=True)
     link = log_dir / "ray"
+    if link.is_symlink():  # an earlier start's (a resumed run, a run directory used again): its session may be gone
+        link.unlink()
     if not link.exists():
         link.symlink_to(Path(session_dir) / "logs", target_is_directory=True)
 
