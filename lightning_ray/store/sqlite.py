@@ -229,23 +229,21 @@ class SQLiteBackend:
             if attempt_id is not None and (again := self.leased(attempt_id)):
                 return again
             heads = self._heads(queue, 1)
-            return self._lease(heads[0], worker_id, now, attempt_id or new_id("at")) if heads else None
+            return self._lease([(attempt_id or new_id("at"), heads[0])], worker_id, now)[0] if heads else None
 
     def dequeue_batch(self, worker_id: str | None, now: float, attempt_ids: list[str],
                       queue: str = "default") -> list[tuple[Rollout, Attempt] | None]:
         """`dequeue` for each attempt id, in one transaction: an id asked again gets its lease back, one whose attempt
         already ended gets None, the new ones lease the queue's oldest rollouts in order (None once it is empty)."""
         with self._transaction():
-            out: dict[str, tuple[Rollout, Attempt] | None] = {}
-            for attempt_id in attempt_ids:
-                try:
-                    if again := self.leased(attempt_id):
-                        out[attempt_id] = again
-                except StaleAttempt:
-                    out[attempt_id] = None
+            known = self._attempts(attempt_ids)
+            rollouts = {r.rollout_id: r for r in self.get_rollouts(
+                [a.rollout_id for a, _ in known.values() if a.status == "running"])}
+            out = {a: (rollouts[attempt.rollout_id], attempt) if attempt.status == "running" else None
+                   for a, (attempt, _) in known.items()}
             new = [a for a in dict.fromkeys(attempt_ids) if a not in out]
-            heads = self._heads(queue, len(new))
-            out.update({a: self._lease(row, worker_id, now, a) for a, row in zip(new, heads)})
+            leases = list(zip(new, self._heads(queue, len(new))))
+            out.update(zip((a for a, _ in leases), self._lease(leases, worker_id, now)))
         return [out.get(a) for a in attempt_ids]
 
     def _heads(self, queue: str, n: int) -> list[tuple]:
@@ -258,21 +256,26 @@ class SQLiteBackend:
             (status, queue, n))]
         return [row[1:] for row in sorted(heads)[:n]]
 
-    def _lease(self, row: tuple, worker_id: str | None, now: float, attempt_id: str) -> tuple[Rollout, Attempt]:
-        """The rollout of `row` leased to a new attempt; call inside a transaction."""
-        rollout = _rollout(row)
-        check_move("rollout", rollout.rollout_id, rollout.status, "running")
-        cfg = rollout.config
-        attempt = Attempt(attempt_id=attempt_id, rollout_id=rollout.rollout_id, sequence=rollout.attempts + 1,
-                          worker_id=worker_id, started_at=now, last_heartbeat=now)
-        self.db.execute(
+    def _lease(self, leases: list[tuple[str, tuple]], worker_id: str | None,
+               now: float) -> list[tuple[Rollout, Attempt]]:
+        """Each (attempt id, rollout row) leased: the rollout to a new attempt of that id; call inside a transaction.
+        The rows' writes go as one statement each."""
+        out, attempts, moves = [], [], []
+        for attempt_id, row in leases:
+            check_move("rollout", row[0], row[3], "running")
+            rollout = _rollout((*row[:3], "running", attempt_id, row[5] + 1, *row[6:]))
+            cfg = rollout.config
+            attempt = Attempt(attempt_id=attempt_id, rollout_id=rollout.rollout_id, sequence=rollout.attempts,
+                              worker_id=worker_id, started_at=now, last_heartbeat=now)
+            attempts.append((*_attempt_values(attempt), cfg.timeout_seconds and now + cfg.timeout_seconds,
+                             cfg.unresponsive_seconds and now + cfg.unresponsive_seconds))
+            moves.append((attempt_id, attempt.sequence, rollout.rollout_id))
+            out.append((rollout, attempt))
+        self.db.executemany(
             f"INSERT INTO attempts ({_ATTEMPT_COLS}, deadline, lease_until) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (*_attempt_values(attempt), cfg.timeout_seconds and now + cfg.timeout_seconds,
-             cfg.unresponsive_seconds and now + cfg.unresponsive_seconds))
-        self.db.execute("UPDATE rollouts SET status='running', attempt_id=?, attempts=? WHERE rollout_id=?",
-                        (attempt.attempt_id, attempt.sequence, rollout.rollout_id))
-        return rollout.model_copy(update={"status": "running", "attempt_id": attempt.attempt_id,
-                                          "attempts": attempt.sequence}), attempt
+            attempts)
+        self.db.executemany("UPDATE rollouts SET status='running', attempt_id=?, attempts=? WHERE rollout_id=?", moves)
+        return out
 
     def leased(self, attempt_id: str) -> tuple[Rollout, Attempt] | None:
         """The rollout leased to this attempt, while it runs; None if there is no such attempt. One that ended (its
@@ -302,27 +305,43 @@ class SQLiteBackend:
 
     def finish_attempts(self, verdicts: list[Verdict], now: float) -> list[Rollout | StoreError]:
         """`finish_attempt` for each verdict, in one transaction: each one's rollout, or the error its verdict met
-        (that verdict changes nothing; the others are taken)."""
+        (that verdict changes nothing; the others are taken). Each verdict is checked whole before anything is
+        written, against what the verdicts before it in the batch did; the writes go as one statement each."""
         out: list[Rollout | StoreError] = []
         with self._transaction():
+            attempts = self._attempts([v.attempt_id for v in verdicts])
+            rows = self._rollout_rows([a.rollout_id for a, _ in attempts.values()])
+            attempt_moves, rollout_moves = [], []
             for v in verdicts:
-                self.db.execute("SAVEPOINT verdict")
                 try:
-                    out.append(self._finish(v.attempt_id, v.status, now, v.reward, v.error, v.rollout_id))
+                    attempt = self._running(v.attempt_id, v.rollout_id, v.reward, attempts)
+                    attempt_move, rollout_move, row = _ending(attempt, v.status, now, v.reward, v.error,
+                                                              rows[attempt.rollout_id])
                 except StoreError as e:
-                    self.db.execute("ROLLBACK TO verdict")
                     out.append(e)
-                self.db.execute("RELEASE verdict")
-        return out
+                    continue
+                attempt.status = v.status  # (read for this batch only) a second verdict on it is stale
+                rows[row[0]] = row
+                attempt_moves.append(attempt_move)
+                rollout_moves.append(rollout_move)
+                out.append(row)
+            self.db.executemany(_MOVE_ATTEMPT, attempt_moves)
+            self.db.executemany(_MOVE_ROLLOUT, rollout_moves)
+        return [o if isinstance(o, StoreError) else _rollout(o) for o in out]
 
     def _finish(self, attempt_id: str, status: str, now: float, reward: float | None, error: str | None,
                 rollout_id: str | None) -> Rollout:
+        return self._end_attempt(self._running(attempt_id, rollout_id, reward), status, now, reward, error)
+
+    def _running(self, attempt_id: str, rollout_id: str | None, reward: float | None,
+                 known: dict[str, tuple[Attempt, float | None]] | None = None) -> Attempt:
+        """The running attempt a verdict names (from `known`, the batch's, if given), or the StoreError why not."""
         if reward is not None and not math.isfinite(reward):  # refused here, whichever path the verdict came by
             raise InvalidReward(f"reward {reward!r} is not a finite number; the attempt stays running")
-        attempt, _ = self._attempt(attempt_id, rollout_id)
+        attempt, _ = self._attempt(attempt_id, rollout_id, known)
         if attempt.status != "running":
             raise StaleAttempt(f"attempt {attempt_id} already ended as {attempt.status}; its result is not taken")
-        return self._end_attempt(attempt, status, now, reward, error)
+        return attempt
 
     def expire(self, now: float) -> list[str]:
         """End running attempts past their deadline (timeout) or lease (unresponsive); return their rollout ids."""
@@ -355,41 +374,38 @@ class SQLiteBackend:
 
     def _end_attempt(self, attempt: Attempt, status: str, now: float, reward: float | None,
                      error: str | None) -> Rollout:
-        self._move_attempt(attempt, status, now, error)
-        rollout = self.get_rollouts([attempt.rollout_id])[0]
-        if status == "timeout" and reward is None and rollout.config.timeout_policy == "policy":
-            reward = 0.0  # the policy ran past the deadline (a store-side expiry, or a worker that did not score it)
-        if status == "succeeded":
-            new = "succeeded"
-        elif reward is None and status in rollout.config.retry_on and rollout.attempts < rollout.config.max_attempts:
-            new = "requeued"  # a platform failure; one the policy caused was scored, and stands
-        else:
-            new = "failed"
-        check_move("rollout", rollout.rollout_id, rollout.status, new)
-        ended = None if new == "requeued" else now
-        self.db.execute("UPDATE rollouts SET status=?, reward=?, error=?, ended_at=? WHERE rollout_id=?",
-                        (new, reward, error, ended, rollout.rollout_id))
-        return rollout.model_copy(update={"status": new, "reward": reward, "error": error, "ended_at": ended})
+        attempt_move, rollout_move, row = _ending(attempt, status, now, reward, error,
+                                                  self._rollout_rows([attempt.rollout_id])[attempt.rollout_id])
+        self.db.execute(_MOVE_ATTEMPT, attempt_move)
+        self.db.execute(_MOVE_ROLLOUT, rollout_move)
+        return _rollout(row)
 
     def _move_attempt(self, attempt: Attempt, status: str, now: float, error: str | None) -> None:
         check_move("attempt", attempt.attempt_id, attempt.status, status)
-        self.db.execute("UPDATE attempts SET status=?, ended_at=?, error=? WHERE attempt_id=?",
-                        (status, now, error, attempt.attempt_id))
+        self.db.execute(_MOVE_ATTEMPT, (status, now, error, attempt.attempt_id))
 
-    def _attempt(self, attempt_id: str, rollout_id: str | None = None) -> tuple[Attempt, float | None]:
-        """The attempt and its lease length; with `rollout_id`, it must be that rollout's (the HTTP path names both)."""
-        row = self.db.execute(
-            f"SELECT {_ATTEMPT_COLS}, lease_until - last_heartbeat FROM attempts WHERE attempt_id=?",
-            (attempt_id,)).fetchone()
-        if row is None or rollout_id is not None and row[1] != rollout_id:
-            raise UnknownAttempt(f"no attempt {attempt_id!r}" + (f" of rollout {rollout_id!r}" if row else ""))
-        return _attempt(row[:-1]), row[-1]
+    def _attempt(self, attempt_id: str, rollout_id: str | None = None,
+                 known: dict[str, tuple[Attempt, float | None]] | None = None) -> tuple[Attempt, float | None]:
+        """The attempt and its lease length; with `rollout_id`, it must be that rollout's (the HTTP path names both).
+        `known`: the attempts already read (`_attempts`), instead of asking the file."""
+        found = (self._attempts([attempt_id]) if known is None else known).get(attempt_id)
+        if found is None or rollout_id is not None and found[0].rollout_id != rollout_id:
+            raise UnknownAttempt(f"no attempt {attempt_id!r}" + (f" of rollout {rollout_id!r}" if found else ""))
+        return found
+
+    def _attempts(self, attempt_ids: list[str]) -> dict[str, tuple[Attempt, float | None]]:
+        """The known ones among these attempts, with their lease lengths, in one query."""
+        rows = self.db.execute(f"SELECT {_ATTEMPT_COLS}, lease_until - last_heartbeat FROM attempts WHERE attempt_id "
+                               f"IN ({','.join('?' * len(attempt_ids))})", attempt_ids).fetchall()
+        return {r[0]: (_attempt(r[:-1]), r[-1]) for r in rows}
+
+    def _rollout_rows(self, rollout_ids: list[str]) -> dict[str, tuple]:
+        return {r[0]: r for r in self.db.execute(f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id IN "
+                                                 f"({','.join('?' * len(rollout_ids))})", rollout_ids)}
 
     def get_rollouts(self, rollout_ids: list[str], strict: bool = False) -> list[Rollout]:
         """The rollouts in the order asked; unknown ids are skipped, or raise UnknownRollout when strict."""
-        rows = self.db.execute(f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id IN "
-                               f"({','.join('?' * len(rollout_ids))})", rollout_ids).fetchall()
-        by_id = {r[0]: _rollout(r) for r in rows}
+        by_id = {i: _rollout(r) for i, r in self._rollout_rows(rollout_ids).items()}
         if strict and (missing := [i for i in rollout_ids if i not in by_id]):
             raise UnknownRollout(f"no rollout with id {', '.join(map(repr, missing[:5]))}")
         return [by_id[i] for i in rollout_ids if i in by_id]
@@ -499,6 +515,31 @@ def _where(*conditions) -> tuple[str, list]:
             clauses.append(clause)
             args.append(value)
     return ("WHERE " + " AND ".join(clauses)) if clauses else "", args
+
+
+_MOVE_ATTEMPT = "UPDATE attempts SET status=?, ended_at=?, error=? WHERE attempt_id=?"
+_MOVE_ROLLOUT = "UPDATE rollouts SET status=?, reward=?, error=?, ended_at=? WHERE rollout_id=?"
+
+
+def _ending(attempt: Attempt, status: str, now: float, reward: float | None, error: str | None,
+            row: tuple) -> tuple[tuple, tuple, tuple]:
+    """What ending the running `attempt` as `status` does to it and to its rollout (`row`), checked, nothing
+    written: the attempt's move and the rollout's (parameters of _MOVE_ATTEMPT and _MOVE_ROLLOUT) and the rollout's
+    row after them. Whether the rollout ends or goes back to the queue is decided here."""
+    check_move("attempt", attempt.attempt_id, attempt.status, status)
+    config = AttemptPolicy.model_validate_json(row[2])
+    if status == "timeout" and reward is None and config.timeout_policy == "policy":
+        reward = 0.0  # the policy ran past the deadline (a store-side expiry, or a worker that did not score it)
+    if status == "succeeded":
+        new = "succeeded"
+    elif reward is None and status in config.retry_on and row[5] < config.max_attempts:
+        new = "requeued"  # a platform failure; one the policy caused was scored, and stands
+    else:
+        new = "failed"
+    check_move("rollout", row[0], row[3], new)
+    ended = None if new == "requeued" else now
+    return ((status, now, error, attempt.attempt_id), (new, reward, error, ended, row[0]),
+            (*row[:3], new, row[4], row[5], reward, error, row[8], ended, row[10]))
 
 
 def _rollout(r) -> Rollout:
