@@ -315,9 +315,20 @@ class TeacherConfig(_Strict):
         return self
 
 
+class LoraConfig(_Strict):
+    """Low-rank adapters (peft) on a frozen base: only they train and hold optimizer state; the KL reference is the
+    base with the adapter off (no second model in memory). No adapter dropout: the learner scores each sampled token
+    as the engine sampled it, so every dropout is off."""
+    rank: int = Field(16, gt=0)
+    alpha: float = Field(32.0, gt=0)  # the update is scaled by alpha / rank
+    # the linear layers adapted: names as peft matches them (e.g. [q_proj, v_proj]), or every linear but the LM head
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+
+
 class TrainerConfig(_Strict):
     iterations: int = Field(8, gt=0)
-    max_minutes: float | None = Field(None, gt=0)  # the iteration running when this budget runs out is the last
+    # training minutes (counted after the evaluation before training); the iteration running when they run out is the last
+    max_minutes: float | None = Field(None, gt=0)
     num_workers: int = Field(1, gt=0)  # Ray Train workers (DeepSpeed data-parallel ranks)
     threads_per_worker: int = Field(2, gt=0)  # torch threads in each: workers × threads ≈ the cores to train on
     micro_batch_tokens: int = Field(2048, gt=0)  # padded tokens per forward/backward: bounds the memory
@@ -354,6 +365,7 @@ class TrainerConfig(_Strict):
     # How new weights reach the engines (lightning_ray/weight_sync); auto: object_store unless the learner and the
     # replicas have GPUs, then cuda_ipc where they share one (fractional GPUs on both), else collective (NCCL)
     weight_sync: Literal["auto", "object_store", "cuda_ipc", "collective"] = "auto"
+    lora: LoraConfig | None = None  # null: full fine-tuning; trainer.lora={} (or {rank:8,...}): LoRA adapters
 
     @model_validator(mode="after")
     def _zero_stage_fits(self):

@@ -20,6 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from lightning_ray.config import TrainConfig, validate
 from lightning_ray.models.tiny import EASY
 from lightning_ray.tracing import semconv
+from lightning_ray.types import Transition
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 
@@ -182,3 +183,14 @@ def check_kept_generation(engine, old_model, run) -> None:
     errors_new = logprob_errors(new_model, prompt, c.token_ids, c.logprobs)
     assert errors_old[:switch].max() < ATOL and errors_new[switch:].max() < ATOL
     assert errors_new[:switch].max() > 0.01 and errors_old[switch:].max() > 0.01  # the two versions do differ
+
+
+def random_transitions(vocab: int, n: int = 8) -> list[Transition]:
+    """n transitions of random tokens (24 of prompt, 8 of response), rewards and advantages alternating ±1, in
+    groups of 4: a batch a learner can step on (its made-up served logprobs want trainer.max_logprob_gap=None)."""
+    rng = random.Random(0)
+    return [Transition(rollout_id=f"r{i}", group_id=f"g{i // 4}", span_id=f"s{i}",
+                       prompt_ids=[rng.randrange(vocab) for _ in range(24)],
+                       response_ids=[rng.randrange(vocab) for _ in range(8)], logprobs=[-1.0] * 8, reward=i % 2,
+                       returns=i % 2, advantage=1.0 if i % 2 else -1.0, policy_version=0, temperature=1.0)
+            for i in range(n)]

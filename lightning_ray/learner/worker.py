@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import resource
 import time
 import traceback
 import uuid
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from lightning_ray.algorithm.loss import kl_to_reference, policy_loss, truncated_is_weights
 from lightning_ray.algorithm.ppo import gae, token_rewards, value_loss, whiten
 from lightning_ray.config import AlgorithmConfig, TrainerConfig
+from lightning_ray.learner import lora
 from lightning_ray.types import Transition
 
 # transitions with the weights of their action tokens in the loss (one for all, or one each: loss.token_weights)
@@ -130,12 +132,16 @@ def learn(cfg: dict, nonce: str) -> None:
             m.attention_dropout = 0.0
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # padding is masked out anyway
-    # the frozen initial policy, kept only when the loss pulls towards it, on the rank's device in its dtype
+    # the frozen initial policy, kept only when the loss pulls towards it, on the rank's device in its dtype (with
+    # LoRA the base itself, the adapter off)
     reference = None
-    if alg.kl_coef > 0:
+    if t.lora:
+        model = lora.with_adapter(model, t.lora)
+        reference = lora.AdapterOff(model) if alg.kl_coef > 0 else None
+    elif alg.kl_coef > 0:
         reference = AutoModelForCausalLM.from_pretrained(cfg["model_path"], **load).to(device).eval()
         reference.requires_grad_(False)
-    parameters = [{"params": list(model.parameters())}]
+    parameters = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     if alg.estimator == "ppo":  # a critic: the value head
         model = WithValueHead(model)
         parameters.append({"params": list(model.value_head.parameters()), "lr": alg.value_lr or t.lr})
@@ -160,9 +166,11 @@ def learn(cfg: dict, nonce: str) -> None:
     while (msg := inbox.get()) is not None:
         if msg["kind"] == "save":  # learner/checkpoint.py's layout
             with whole_weights(engine) as module:
-                if rank == 0:
-                    module.save_pretrained(Path(msg["path"]) / "policy")  # a critic's value head is the run's own
+                if rank == 0:  # a critic's value head is the run's own; an adapter is saved also on its own
+                    served(module).save_pretrained(Path(msg["path"]) / "policy")
                     tokenizer.save_pretrained(Path(msg["path"]) / "policy")
+                    if t.lora:
+                        module.save_pretrained(Path(msg["path"]) / "adapter")
             # every rank its share: weights, optimizer state (ZeRO's partitions), the value head
             engine.save_checkpoint(str(Path(msg["path"]) / "learner"), tag="state", save_latest=False)
             outbox.put({"rank": rank, "nonce": nonce, "saved": msg["path"]})
@@ -176,13 +184,13 @@ def learn(cfg: dict, nonce: str) -> None:
             # copied here: ZeRO-3 frees the gathered parameters when the block ends. Weights that no step moved
             # (each was skipped) are no new version.
             if rank == 0 and stats["updated"]:
-                ray.get(registry.publish.remote(msg["version"], publisher.publish(msg["version"], module)))
+                ray.get(registry.publish.remote(msg["version"], publisher.publish(msg["version"], served(module))))
             published = time.perf_counter()
-            digest = parameter_digest(module)
+            digest = parameter_digest(served(module))
         if on_cuda:  # activations and gradients' cached blocks back to the GPU, for a colocated engine to wake into
             torch.cuda.empty_cache()
         stats.update(compute_s=trained - started, publish_s=published - trained,
-                     digest_s=time.perf_counter() - published)
+                     digest_s=time.perf_counter() - published, peak_mib=peak_mib(device))
         outbox.put({"rank": rank, "nonce": nonce, "version": msg["version"], "digest": digest, **stats})
 
 
@@ -200,6 +208,11 @@ class WithValueHead(torch.nn.Module):
 
 def policy_of(module: torch.nn.Module) -> torch.nn.Module:
     return module.policy if isinstance(module, WithValueHead) else module
+
+
+def served(policy: torch.nn.Module):
+    """The policy as the engines load it: with LoRA, the adapter merged into the base's weights."""
+    return lora.Merged(policy) if lora.is_adapted(policy) else policy
 
 
 @contextmanager
@@ -426,6 +439,13 @@ def collate(micro_batch: MicroBatch, pad_id: int) -> dict[str, torch.Tensor]:
             "advantages": per_action([t.advantage for t, _ in rows]), "weights": torch.from_numpy(weights),
             "served_logprobs": torch.from_numpy(served), "row_tokens": tokens,
             "sample_returns": [t.returns for t, _ in rows]}
+
+
+def peak_mib(device: torch.device) -> float:
+    """This rank's peak memory so far: the GPU's allocated bytes, or on CPUs the process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def to_device(batch: dict, device: torch.device) -> dict:

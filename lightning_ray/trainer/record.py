@@ -93,6 +93,8 @@ class IterationRecord(BaseModel):
     learner_seconds: dict[str, float] | None = described(
         "rank 0's step: forward/backward (`compute_s`), `optimizer_s`, `publish_s` (weights to the "
         "registry), `digest_s`", optional=True)
+    learner_peak_mib: float | None = described(
+        "rank 0's peak memory so far, MiB: the GPU's allocated (CUDA), else the process's resident set", optional=True)
     served_policy_version: int | None = described("the version the endpoint serves after the sync", optional=True)
     probe_logprob_before: float | None = described(
         "greedy logprob of a fixed prompt through the API, before the sync", optional=True)
@@ -144,6 +146,7 @@ def iteration_record(iteration, rollouts, spans, transitions, adapted, sampling,
             "worker_digests": [r["digest"] for r in results],
             "learner_seconds": {k: round(results[0][k], 2) for k in ("compute_s", "optimizer_s", "publish_s",
                                                                      "digest_s")},
+            "learner_peak_mib": round(results[0]["peak_mib"], 1),
         })
     return record
 

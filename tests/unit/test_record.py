@@ -18,7 +18,7 @@ SAMPLING = {"sampling_rounds": 1, "groups_with_signal": 1, "groups_dropped": 0}
 REPLY = {"rank": 0, "updated": True, "loss": 0.5, "clip_frac": 0.1, "logprob_abs_diff": 1e-7, "entropy": 1.2,
          "kl_ref": 0.0, "value_loss": 0.0, "tis_capped": 0.0, "grad_norm": 0.3, "steps": 1, "skipped_nonfinite": 0,
          "tokens": 12, "micro_batches": 2, "digest": "ab12", "compute_s": 0.5, "optimizer_s": 0.1, "publish_s": 0.2,
-         "digest_s": 0.01}
+         "digest_s": 0.01, "peak_mib": 812.5}
 
 
 def made(results: list[dict]) -> dict:

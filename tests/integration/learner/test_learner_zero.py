@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from helpers import small
+from helpers import random_transitions as transitions, small
 import ray
 import torch
 from transformers import AutoModelForCausalLM
@@ -23,14 +23,6 @@ from lightning_ray.learner.driver import Learner
 from lightning_ray.learner.worker import clear_stale_build_locks, parameter_digest
 from lightning_ray.types import Transition
 from lightning_ray.weight_sync.registry import WeightRegistry
-
-
-def transitions(vocab: int, n: int = 8) -> list[Transition]:
-    rng = random.Random(0)
-    return [Transition(rollout_id=f"r{i}", group_id=f"g{i // 4}", span_id=f"s{i}",
-                       prompt_ids=[rng.randrange(vocab) for _ in range(24)],
-                       response_ids=[rng.randrange(vocab) for _ in range(8)], logprobs=[-1.0] * 8, reward=i % 2,
-                       returns=i % 2, advantage=1.0 if i % 2 else -1.0, policy_version=0, temperature=1.0) for i in range(n)]
 
 
 def uneven_transitions(vocab: int, n: int = 12) -> list[Transition]:

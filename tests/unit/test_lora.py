@@ -1,0 +1,73 @@
+"""LoRA's pieces on a small random Llama (no Ray): the merged view is the adapted policy as one plain model under
+the base's own names, and the adapter switched off is the base, bit for bit. The learner training with them:
+tests/integration/learner/test_lora_learner.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lightning_ray.config import ConfigError, LoraConfig, compose
+from lightning_ray.learner import lora
+
+
+@pytest.fixture
+def base() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)).eval()
+
+
+def adapted(base: LlamaForCausalLM, **options) -> torch.nn.Module:
+    """The base with an adapter whose B is no longer zero (as after some training)."""
+    names = dict(base.state_dict())
+    model = lora.with_adapter(base, LoraConfig(**options))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    assert set(names) == {k.replace(".base_layer", "") for k in model.get_base_model().state_dict()
+                          if ".lora_" not in k}
+    return model
+
+
+def test_the_merged_view_is_the_adapted_policy_as_a_plain_model(base):
+    names = set(base.state_dict())
+    reference = {k: v.clone() for k, v in base.state_dict().items()}
+    model = adapted(base, rank=4, alpha=8.0)
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        adapted_logits = model(input_ids=ids).logits
+        merged = lora.Merged(model).state_dict()
+        assert set(merged) == names  # the base's names: what an engine loads, strictly
+        plain = LlamaForCausalLM(base.config).eval()
+        plain.load_state_dict(merged)
+        torch.testing.assert_close(plain(input_ids=ids).logits, adapted_logits, rtol=1e-5, atol=1e-5)
+        # only the adapted layers moved; embeddings and norms are the base's, and the base itself is untouched
+        moved = {k for k in names if not torch.equal(merged[k], reference[k])}
+        assert moved and all(k.endswith("proj.weight") for k in moved)
+        assert all(torch.equal(v, reference[k.replace(".base_layer", "")])
+                   for k, v in model.get_base_model().state_dict().items() if ".lora_" not in k)
+        # parameters as the weight publishers read them: each once (the tied LM head is the embeddings)
+        assert dict(lora.Merged(model).named_parameters()).keys() == dict(plain.named_parameters()).keys()
+
+
+def test_the_adapter_switched_off_is_the_base(base):
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        expected = base(input_ids=ids).logits
+        model = adapted(base, rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
+        assert not torch.equal(model(input_ids=ids).logits, expected)
+        assert torch.equal(lora.AdapterOff(model)(input_ids=ids).logits, expected)
+        assert lora.AdapterOff(model).get_decoder() is model.get_decoder()
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == [
+        n for n, _ in model.named_parameters() if ".lora_" in n and ("q_proj" in n or "v_proj" in n)]
+
+
+def test_lora_is_off_by_default_and_its_settings_are_checked():
+    assert compose([]).trainer.lora is None
+    assert compose(["trainer.lora={}"]).trainer.lora == LoraConfig()
+    assert compose(["trainer.lora={rank:4,target_modules:[q_proj]}"]).trainer.lora.target_modules == ["q_proj"]
+    with pytest.raises(ConfigError, match=r"trainer\.lora\.rank"):
+        compose(["trainer.lora={rank:0}"])
