@@ -1,0 +1,58 @@
+"""LoRA against full fine-tuning on the same work: the main job (SmolLM2-135M on the calc task) trained for the same
+iterations twice, once with every weight and once with adapters (trainer.lora), side by side in one run: held-out
+accuracy before and after, the learner's seconds per update, the sync's seconds, rank 0's peak memory.
+
+    python benchmarks/lora.py [--iterations 8] [--lora-lr 2e-4] [key=value ...]   # Hydra overrides, both runs
+
+LoRA wants a larger step than full fine-tuning (only the adapters move): --lora-lr (full: trainer.lr, 2e-5 by
+default). Not part of CI (~25 min on 2 cores). Prints one JSON line per run and one of ratios, and writes
+lora.json in runs/lora-<time>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from learning import trained
+
+from lightning_ray.config import compose
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--lora-lr", type=float, default=2e-4)
+    parser.add_argument("--lora", default="{}", help="trainer.lora's value (default: rank 16, alpha 32, all linears)")
+    args, overrides = parser.parse_known_args()
+    root = Path(__file__).resolve().parents[1] / "runs" / time.strftime("lora-%Y-%m-%d_%H-%M-%S")
+    every = [f"trainer.iterations={args.iterations}", f"trainer.eval_every={args.iterations}", "task.eval_size=100",
+             *overrides]
+    runs = {}
+    for name, extra in (("full", []), ("lora", [f"trainer.lora={args.lora}", f"trainer.lr={args.lora_lr}"])):
+        cfg = compose([*every, *extra, f"run_dir={root / name}"])
+        result = trained(cfg)
+        records = [json.loads(line) for line in (cfg.run_path / "metrics.jsonl").read_text().splitlines()]
+        updates = [r for r in records if r.get("updated")]
+        runs[name] = {"run": name, **result,
+                      "update_s": round(sum(r["learner_seconds"]["compute_s"] + r["learner_seconds"]["optimizer_s"]
+                                            for r in updates) / max(len(updates), 1), 2),
+                      "sync_s": round(sum(r["seconds"].get("sync", 0.0) for r in updates) / max(len(updates), 1), 2),
+                      "learner_peak_mib": max((r["learner_peak_mib"] for r in updates), default=None)}
+        print(json.dumps(runs[name]), flush=True)
+    full, lora = runs["full"], runs["lora"]
+    ratios = {"benchmark": "lora", "iterations": args.iterations,
+              "accuracy_after": {k: r["accuracy"][-1][1] for k, r in runs.items()},
+              "accuracy_gap_points": round(100 * (full["accuracy"][-1][1] - lora["accuracy"][-1][1]), 1),
+              "update_speedup": round(full["update_s"] / lora["update_s"], 2) if lora["update_s"] else None,
+              "sync_speedup": round(full["sync_s"] / lora["sync_s"], 2) if lora["sync_s"] else None,
+              "peak_memory_ratio": round(lora["learner_peak_mib"] / full["learner_peak_mib"], 2)
+              if full["learner_peak_mib"] and lora["learner_peak_mib"] else None}
+    print(json.dumps(ratios), flush=True)
+    (root / "lora.json").write_text(json.dumps({**ratios, "runs": runs}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
