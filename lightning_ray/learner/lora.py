@@ -4,7 +4,8 @@ into the base's weights, under the base model's own parameter names."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -44,34 +45,37 @@ class AdapterOff:
 
 class Merged:
     """The adapted policy as one plain model: each adapted weight W + (alpha / rank)·B·A, every other weight as
-    it is, under the base model's names (what the engines load). Computed afresh on each call, nothing in place: the
-    base stays bit-for-bit frozen. Offers what the weight publishers, the digest and a save read."""
+    it is, under the base model's names (what the engines load). Nothing is merged in place: the base stays
+    bit-for-bit frozen. Offers what the weight publishers, the digest and a save read; the merged weights are
+    computed once per view, so a publish and the digest after it read the same tensors."""
 
     def __init__(self, model: torch.nn.Module):
         from peft.tuners.lora import LoraLayer
 
         self.base, self.adapter = model.get_base_model(), model.active_adapter
-        self.layers = {name: m for name, m in self.base.named_modules() if isinstance(m, LoraLayer)}
+        self.layers = {name: m for name, m in self.base.named_modules()
+                       if isinstance(m, LoraLayer) and self.adapter in m.lora_A}
 
-    def _merged(self, items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    @cached_property
+    def weights(self) -> dict[str, torch.Tensor]:
         with torch.no_grad():
-            for name, tensor in items:
-                if ".lora_" in name:
-                    continue
-                owner, base_layer, leaf = name.rpartition(".base_layer.")
-                if not base_layer:
-                    yield name, tensor.detach()
-                    continue
-                layer = self.layers[owner]
-                if leaf == "weight" and self.adapter in layer.lora_A:
-                    tensor = tensor + layer.get_delta_weight(self.adapter).to(tensor.dtype)
-                yield f"{owner}.{leaf}", tensor.detach()
+            return {name: t + self.layers[name[:-len(".weight")]].get_delta_weight(self.adapter).to(t.dtype)
+                    if name.endswith(".weight") and name[:-len(".weight")] in self.layers else t
+                    for name, t in _served_names(self.base.named_parameters())}
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self._merged(self.base.named_parameters())
+        return iter(self.weights.items())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self._merged(self.base.state_dict().items()))
+        """The parameters, and what else the base's state holds (buffers, a tied LM head's second name)."""
+        return {name: self.weights.get(name, t) for name, t in _served_names(self.base.state_dict().items())}
 
     def save_pretrained(self, path: Path) -> None:
         self.base.save_pretrained(path, state_dict=self.state_dict())
+
+
+def _served_names(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """peft's names back to the base model's (q_proj.base_layer.weight → q_proj.weight), the adapter's own left out."""
+    for name, t in items:
+        if ".lora_" not in name:
+            yield name.replace(".base_layer.", "."), t.detach()

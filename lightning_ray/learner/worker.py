@@ -183,10 +183,11 @@ def learn(cfg: dict, nonce: str) -> None:
         with whole_weights(engine) as module:
             # copied here: ZeRO-3 frees the gathered parameters when the block ends. Weights that no step moved
             # (each was skipped) are no new version.
+            policy = served(module)
             if rank == 0 and stats["updated"]:
-                ray.get(registry.publish.remote(msg["version"], publisher.publish(msg["version"], served(module))))
+                ray.get(registry.publish.remote(msg["version"], publisher.publish(msg["version"], policy)))
             published = time.perf_counter()
-            digest = parameter_digest(served(module))
+            digest = parameter_digest(policy)
         if on_cuda:  # activations and gradients' cached blocks back to the GPU, for a colocated engine to wake into
             torch.cuda.empty_cache()
         stats.update(compute_s=trained - started, publish_s=published - trained,
