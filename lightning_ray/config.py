@@ -327,7 +327,8 @@ class LoraConfig(_Strict):
 
 class TrainerConfig(_Strict):
     iterations: int = Field(8, gt=0)
-    # training minutes (counted after the evaluation before training); the iteration running when they run out is the last
+    # training minutes, counted after the evaluation before training; the iteration running when they run out is
+    # the last
     max_minutes: float | None = Field(None, gt=0)
     num_workers: int = Field(1, gt=0)  # Ray Train workers (DeepSpeed data-parallel ranks)
     threads_per_worker: int = Field(2, gt=0)  # torch threads in each: workers × threads ≈ the cores to train on

@@ -58,10 +58,12 @@ class Merged:
 
     @cached_property
     def weights(self) -> dict[str, torch.Tensor]:
+        merged = {}
         with torch.no_grad():
-            return {name: t + self.layers[name[:-len(".weight")]].get_delta_weight(self.adapter).to(t.dtype)
-                    if name.endswith(".weight") and name[:-len(".weight")] in self.layers else t
-                    for name, t in _served_names(self.base.named_parameters())}
+            for name, t in _served_names(self.base.named_parameters()):
+                layer = self.layers.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+                merged[name] = t if layer is None else t + layer.get_delta_weight(self.adapter).to(t.dtype)
+        return merged
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.weights.items())
@@ -75,7 +77,7 @@ class Merged:
 
 
 def _served_names(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """peft's names back to the base model's (q_proj.base_layer.weight → q_proj.weight), the adapter's own left out."""
+    """peft's names back to the base model's (q_proj.base_layer.weight → q_proj.weight), the adapter's left out."""
     for name, t in items:
         if ".lora_" not in name:
             yield name.replace(".base_layer.", "."), t.detach()
