@@ -11,11 +11,16 @@ import pytest
 from openai import OpenAI
 
 from lightning_ray.serving.teacher import TAUGHT
+from lightning_ray.tasks import calc
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Task
 
 MODEL = "tiny-calc"
-MESSAGES = [{"role": "system", "content": "Solve the arithmetic."}, {"role": "user", "content": "What is 3 + 4?"}]
+# The calc agent's own opening and a question of the kind the tiny model was warmed up on: its greedy answer (a CALC
+# line) ends its turn. Off that distribution ("Solve the arithmetic.") the tiny model's greedy answer depends on the
+# machine that built it (CPU kernels round differently): on one it looped "4 + 4 + ..." to max_tokens.
+MESSAGES = [*calc.opening({"dataset": "basic_arithmetic", "protocol": "text"}),
+            {"role": "user", "content": "Calculate 3 + 4."}]
 
 
 @pytest.fixture(scope="module", params=["model", "endpoint"])
