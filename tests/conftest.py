@@ -17,10 +17,14 @@ from helpers import free_port
 
 def pytest_collection_modifyitems(session, config, items):
     """On a fresh machine the tiny model's build takes ~3 min: when a collected test needs it, it builds in a process
-    of its own from the start, while the unit tier (which comes first: testpaths) runs. Whoever resolves the model
-    first builds it; the other waits on the cache's lock (models._cached) and finds it built."""
+    of its own from the start, while the test files that do not need it run first (the unit tier's, then the
+    integration tier's: testpaths' order, kept within each part; a test file that waited for the build left a core
+    idle ~100 s). Whoever resolves the model first builds it; the other waits on the cache's lock (models._cached)
+    and finds it built."""
     global _tiny_build
-    if any("tiny_model_path" in item.fixturenames for item in items):  # a failed build is the fixture's to report
+    needs_model = {item.module for item in items if "tiny_model_path" in item.fixturenames}
+    items.sort(key=lambda item: item.module in needs_model)  # stable: each file's tests stay together, in order
+    if needs_model:  # a failed build is the fixture's to report
         _tiny_build = subprocess.Popen(
             [sys.executable, "-c", "from lightning_ray.config import ModelConfig; "
              "from lightning_ray.models import resolve_model_path; resolve_model_path(ModelConfig())"],

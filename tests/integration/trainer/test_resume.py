@@ -13,10 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import free_port
-from helpers import CLI, ROOT, TINY, cli
+from helpers import CLI, ROOT, TINY, cli, free_port
 
 from lightning_ray.learner.checkpoint import LoopState, commit, latest, staging
+
+# its jobs run the tiny model (TINY): built first, so the file runs once it is (tests/conftest.py orders the files)
+pytestmark = pytest.mark.usefixtures("tiny_model_path")
 
 
 def state(next_iteration: int) -> LoopState:

@@ -37,8 +37,10 @@ def test_the_hf_engine_keeps_a_generation_going_across_a_weight_update(tiny_mode
 
 
 def stream_while_publishing(deployed, state: dict, n: int) -> tuple[list[str], list, float, float]:
-    """Stream n choices of 400 tokens and publish version 1 once the first tokens are out: the stream's frames, the
-    call's spans, when the update was synced and when the stream ended (seconds from the publish)."""
+    """Stream n choices of 400 tokens and publish version 1 once the first tokens are out (a frame with content: the
+    first frames can come before any token, and a call aborted before its first token has nothing to record): the
+    stream's frames, the call's spans, when the update was synced and when the stream ended (seconds from the
+    publish)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 400,
             "ignore_eos": True, "n": n, "stream": True}
     rollout, frames, first, ended = deployed["new_rollout"](), [], threading.Event(), []
@@ -47,8 +49,10 @@ def stream_while_publishing(deployed, state: dict, n: int) -> tuple[list[str], l
         with httpx.stream("POST", deployed["url"] + "/v1/chat/completions", json=body, timeout=120,
                           headers={"X-Rollout-Id": rollout}) as r:
             for line in r.iter_lines():
-                first.set()
                 frames.append(line)
+                if line.startswith("data: {") and any(c.get("delta", {}).get("content")
+                                                      for c in json.loads(line[6:]).get("choices", [])):
+                    first.set()
         ended.append(time.time())
 
     reader = threading.Thread(target=stream)
