@@ -50,8 +50,8 @@ def stream_while_publishing(deployed, state: dict, n: int) -> tuple[list[str], l
                           headers={"X-Rollout-Id": rollout}) as r:
             for line in r.iter_lines():
                 frames.append(line)
-                if line.startswith("data: {") and any(c.get("delta", {}).get("content")
-                                                      for c in json.loads(line[6:]).get("choices", [])):
+                if not first.is_set() and line.startswith("data: {") and any(
+                        c.get("delta", {}).get("content") for c in json.loads(line[6:]).get("choices", [])):
                     first.set()
         ended.append(time.time())
 
