@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers import CLI, ROOT, TINY, cli, free_port, free_ports
 from openai import OpenAI
 
@@ -137,14 +138,34 @@ def test_report_writes_a_page_with_curves(run_dir, cli_run, tmp_path, fmt):
     assert "iterations" in page and f"{cli_run['history'][-1]['eval']['accuracy']:.3f}" in page
 
 
-def test_eval_measures_the_checkpoint(run_dir, tmp_path):
+def test_eval_measures_the_checkpoint_in_a_sweep_with_a_directory_per_job(run_dir, tmp_path, monkeypatch):
+    """`lightning-ray eval -m seed=0,1` on the run's checkpoint: each job its own run directory and eval.json.
+    Every job of a sweep resolves ${now:...} alike (OmegaConf caches it), so each gets run_root/multirun/<time>/i
+    instead; Hydra's multirun.yaml lies there too, not in the current directory. Hydra writes it, and .hydra/ when
+    asked, with the command line in clear: masked as each job starts, and a key given as ${oc.env:...} stays an
+    interpolation there. (Every job sweeps through the same entry point, lightning_ray.config.job: evaluation is
+    the cheapest of them.)"""
+    monkeypatch.setenv("SWEEP_TEST_KEY", "sk-secret-2")
+    stray = (ROOT / "multirun").exists()
     checkpoint = run_dir / "checkpoint"
-    r = cli("eval", *TINY, f"model.path={checkpoint}", f"serve.port={free_port()}", f"hydra.run.dir={tmp_path}",
-            timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    result = json.loads((tmp_path / "eval.json").read_text())
-    assert result["model"] == str(checkpoint) and result["tasks"] == 4 and 0 <= result["accuracy"] <= 1
-    assert f"held-out accuracy {result['accuracy']:.3f} on 4 problems" in r.stdout
+    r = cli("eval", "-m", "seed=0,1", *TINY, f"model.path={checkpoint}", "serve.api_key=${oc.env:SWEEP_TEST_KEY}",
+            f"serve.port={free_port()}", "+engine.env.HF_TOKEN=hf_sweepsecret0123", "hydra.output_subdir=.hydra",
+            f"run_root={tmp_path}", timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    [sweep] = tmp_path.glob("multirun/*")
+    for job in ("0", "1"):
+        result = json.loads((sweep / job / "eval.json").read_text())
+        assert result["model"] == str(checkpoint) and result["tasks"] == 4
+        assert f"held-out accuracy {result['accuracy']:.3f} on 4 problems" in r.stdout
+        saved = yaml.safe_load((sweep / job / "config.yaml").read_text())
+        assert (saved["seed"], saved["serve"]["api_key"], saved["run_dir"]) == (int(job), "***", str(sweep / job))
+        assert "+engine.env.HF_TOKEN=***" in yaml.safe_load((sweep / job / ".hydra" / "overrides.yaml").read_text())
+    multirun = yaml.safe_load((sweep / "multirun.yaml").read_text())
+    assert multirun["serve"]["api_key"] == "${oc.env:SWEEP_TEST_KEY}" and multirun["engine"]["env"]["HF_TOKEN"] == "***"
+    assert "+engine.env.HF_TOKEN=***" in multirun["hydra"]["overrides"]["task"]
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and (b"sk-secret-2" in p.read_bytes()
+                                                                    or b"hf_sweepsecret0123" in p.read_bytes())]
+    assert (ROOT / "multirun").exists() == stray
 
 
 def test_serve_answers_an_openai_client_until_ctrl_c(run_dir, tmp_path):

@@ -61,12 +61,12 @@ def test_resume_names_what_is_missing(tmp_path):
 
 
 def test_a_run_killed_mid_iteration_goes_on_from_its_checkpoint(tmp_path):
-    """Three iterations, a checkpoint after each. The job is SIGKILLed (the driver and the local Ray cluster it
-    started) once iteration 1's rollouts are running; `resume=<run_dir>` with the same overrides runs iterations 1
-    and 2: each iteration is in metrics.jsonl once, with a full batch, sampled by the version the one before it
-    published; the killed iteration's unfinished rollouts are cancelled, not trained."""
+    """Two iterations, a checkpoint after each. The job is SIGKILLed (the driver and the local Ray cluster it
+    started) once iteration 1's rollouts are running; `resume=<run_dir>` with the same overrides runs iteration 1
+    again, once: each iteration is in metrics.jsonl once, with a full batch, sampled by the version the one before
+    it published; the killed iteration's unfinished rollouts are cancelled, not trained."""
     run = tmp_path / "run"
-    args = [*TINY, "trainer.iterations=3", "trainer.checkpoint_every=1", "trainer.eval_every=0",
+    args = [*TINY, "trainer.iterations=2", "trainer.checkpoint_every=1", "trainer.eval_every=0",
             f"serve.port={free_port()}", f"hydra.run.dir={run}"]
     job = subprocess.Popen([*CLI, "train", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, start_new_session=True)  # its own process group: Ray's processes too
@@ -84,15 +84,16 @@ def test_a_run_killed_mid_iteration_goes_on_from_its_checkpoint(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "resumed from iter-000001: iteration 1, policy v1" in r.stdout
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [h["iteration"] for h in history] == [0, 1, 2]
-    assert [h["rollouts"] for h in history] == [32] * 3
+    assert [h["iteration"] for h in history] == [0, 1]
+    assert [h["rollouts"] for h in history] == [32] * 2
     versions = [0] + [h["policy_version"] for h in history]
     for before, h in zip(versions, history):
         assert h["rollout_policy_versions"] == [before]  # sampled by the version the iteration before published
-    assert latest(run).state.next_iteration == 3 and latest(run).state.policy_version == versions[-1]
-    killed = [status for status, iteration in rollout_rows(run) if iteration == 1 and status != "succeeded"]
+    assert latest(run).state.next_iteration == 2 and latest(run).state.policy_version == versions[-1]
+    again = [status for status, iteration in rollout_rows(run) if iteration == 1]
+    killed = [status for status in again if status != "succeeded"]
     assert killed and set(killed) <= {"cancelled", "failed"}  # the killed run's unfinished ones
-    assert sum(1 for status, iteration in rollout_rows(run) if iteration == 2) == 32  # iteration 2 ran once
+    assert again.count("succeeded") >= 32 and len(again) <= 64  # the resumed run's batch, the killed one's part
 
 
 def rollout_rows(run: Path) -> list[tuple[str, int]]:
