@@ -325,16 +325,23 @@ def check_logprob_gap(gap: torch.Tensor, max_gap: float, world_size: int) -> Non
 
 def optimizer_step(engine, world_size: int) -> tuple[float, bool]:
     """engine.step(), unless the gradient is not finite: then no rank steps, and the gradient is dropped. DeepSpeed's
-    ZeRO optimizers check the global norm themselves; without ZeRO we do. Returns the gradient norm before clipping
-    and whether the step was taken."""
+    ZeRO optimizers check the global norm themselves; without ZeRO we do. Returns the norm of the gradient the step
+    applies (the ranks' average) before clipping, and whether the step was taken."""
     if engine.zero_optimization_stage() > 0:
         engine.step()
         return float(engine.get_global_grad_norm()), engine.was_step_applied()
-    grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]
-    norm = torch.linalg.vector_norm(torch.stack(grads)) if grads else torch.zeros((), device=engine.device)
-    finite = torch.isfinite(norm).float()
-    if world_size > 1:  # step() all-reduces the gradients: every rank steps, or none
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    if world_size > 1:
+        # step() averages the ranks' gradients (stage 0 reduces there, not in backward): the norm that is reported,
+        # and clipped to, is the average's, which no rank holds before; one reduction of a copy gives it to each
+        mean = torch.cat([g.reshape(-1) for g in grads]) / world_size
+        dist.all_reduce(mean)
+        norm = torch.linalg.vector_norm(mean)
+    elif grads:
+        norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    else:
+        norm = torch.zeros((), device=engine.device)
+    finite = torch.isfinite(norm).float()  # the same on every rank: every rank steps, or none
     if finite.item():
         engine.step()
     else:
