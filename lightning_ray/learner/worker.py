@@ -334,9 +334,9 @@ def optimizer_step(engine, world_size: int) -> tuple[float, bool]:
     if world_size > 1:
         # step() averages the ranks' gradients (stage 0 reduces there, not in backward): the norm that is reported,
         # and clipped to, is the average's, which no rank holds before; one reduction of a copy gives it to each
-        mean = torch.cat([g.reshape(-1) for g in grads]) / world_size
-        dist.all_reduce(mean)
-        norm = torch.linalg.vector_norm(mean)
+        total = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(total)
+        norm = torch.linalg.vector_norm(total) / world_size
     elif grads:
         norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
     else:
