@@ -5,6 +5,7 @@ run a set of rollouts to their end."""
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 
 import ray
@@ -17,11 +18,12 @@ from lightning_ray.models import resolve_model_path
 from lightning_ray.placement import ON_HEAD, actor_options
 from lightning_ray.rollout.dispatch import run_to_end
 from lightning_ray.rollout.worker import RolloutWorker
-from lightning_ray.serving.app import APP_NAME, deploy_policy
+from lightning_ray.serving.app import APP_NAME, policy_app
 from lightning_ray.serving.templates import resolve_chat_template
 from lightning_ray.store.client import StoreClient
 from lightning_ray.store.http import APP_NAME as STORE_APP
-from lightning_ray.store.http import deploy_store_api
+from lightning_ray.store.http import ROUTE_PREFIX as STORE_PREFIX
+from lightning_ray.store.http import StoreApi
 from lightning_ray.terminal import console, status
 from lightning_ray.types import AttemptPolicy, Rollout, Task
 from lightning_ray.weight_sync import resolve as resolve_weight_sync
@@ -76,25 +78,33 @@ class Services:
             resume.state.policy_version if resume else 0)
         if learner:  # ~5 s sooner ready than one after the other, on 2 cores
             self.learner = Learner(cfg, self.model_path, self.registry, resume)
-        with status(f"starting the policy server ({cfg.engine.kind} engine)"):
-            self.apps.append(APP_NAME)
-            served = resume.policy if resume else self.model_path
-            self.server_url = deploy_policy(str(served), cfg.model.name, self.store, self.registry,
-                                            host=cfg.serve.host, port=cfg.serve.port, **policy_options(cfg))
-        console.print(f"policy served at {self.server_url}/v1 as {cfg.model.name!r}")
-        if cfg.store.http:
-            self.apps.append(STORE_APP)
-            store_url = deploy_store_api(self.store, cfg.serve.host, cfg.serve.port, cfg.serve.api_key)
-            console.print(f"trace store at {store_url} (OTLP/HTTP: {store_url}/v1/traces)")
-        # Each worker runs agents_per_worker agents at once (threads): the engine batches their calls. A worker
-        # that dies is restarted by Ray, and its attempts retried by the store (rollout.max_attempts).
+        # The rollout workers and both apps start at once, their processes booting while the policy's replica loads;
+        # an agent that cannot load fails the start before the engine is up, named. Each worker runs
+        # agents_per_worker agents at once (threads): the engine batches their calls. A worker that dies is
+        # restarted by Ray, and its attempts retried by the store (rollout.max_attempts).
+        self.server_url = f"http://{cfg.serve.host}:{cfg.serve.port}"
         self.workers = [RolloutWorker.options(
             name=f"rollout-worker-{i}@{label}", max_concurrency=cfg.rollout.agents_per_worker, max_restarts=-1,
             runtime_env=cfg.task.runtime_env, **actor_options(cfg.rollout.resources),
         ).remote(cfg.task, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing,
                  cfg.rollout.timeout_seconds, cfg.rollout.max_abandoned_agents, self.queue)
             for i in range(cfg.rollout.num_workers if rollout_workers else 0)]
-        ray.get([w.__ray_ready__.remote() for w in self.workers])  # an agent that cannot load fails here, named
+        apps = [serve.RunTarget(policy_app(str(resume.policy if resume else self.model_path), cfg.model.name,
+                                           self.store, self.registry, **policy_options(cfg)),
+                                name=APP_NAME, route_prefix="/")]
+        if cfg.store.http:
+            apps.append(serve.RunTarget(StoreApi.bind(self.store, api_key=cfg.serve.api_key), name=STORE_APP,
+                                        route_prefix=STORE_PREFIX))
+        self.apps = [app.name for app in apps]
+        with status(f"starting the policy server ({cfg.engine.kind} engine) and the rollout workers"):
+            serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+            serve.run_many(apps, wait_for_applications_running=False)
+            ray.get([w.__ray_ready__.remote() for w in self.workers])
+            _wait_running(self.apps)
+        console.print(f"policy served at {self.server_url}/v1 as {cfg.model.name!r}")
+        if cfg.store.http:
+            store_url = self.server_url + STORE_PREFIX
+            console.print(f"trace store at {store_url} (OTLP/HTTP: {store_url}/v1/traces)")
         if self.learner:
             with status("starting the learner (Ray Train, DeepSpeed)"):
                 self.learner.wait_ready()
@@ -103,10 +113,12 @@ class Services:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.learner:
-            self.learner.close()
+        if self.learner:  # its ranks shut down while the apps are deleted
+            self.learner.stop()
         for app in self.apps:
             serve.delete(app)
+        if self.learner:
+            self.learner.close()
         # Named, the run's actors would outlive it in a driver that goes on (a notebook, the tests' one cluster):
         # Serve keeps the handles a deleted app was deployed with.
         for actor in [*self.workers, *([self.registry] if self.registry else [])]:
@@ -126,6 +138,17 @@ class Services:
         """Queue a rollout per task and run them all to their end (rollout/dispatch.py)."""
         rollout_ids = [r.rollout_id for r in self.store.enqueue(tasks, self.attempts, self.queue)]
         return run_to_end(self.store, self.workers, self.cfg.rollout.agents_per_worker, rollout_ids, desc)
+
+
+def _wait_running(apps: list[str]) -> None:
+    """Until every app is RUNNING; one whose deploy failed raises with Serve's message (as serve.run would)."""
+    while True:
+        states = serve.status().applications
+        if failed := [f"{name}: {states[name].message}" for name in apps if states[name].status == "DEPLOY_FAILED"]:
+            raise RuntimeError(f"deploying {'; '.join(failed)}")
+        if all(states[name].status == "RUNNING" for name in apps):
+            return
+        time.sleep(0.2)
 
 
 def _link_ray_logs(session_dir: str, log_dir: Path) -> None:

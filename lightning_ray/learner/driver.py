@@ -64,6 +64,7 @@ class Learner:
                                  failure_config=FailureConfig(max_failures=t.max_restarts)),
         )
         self.error: BaseException | None = None
+        self.stopping = False
         self.thread = threading.Thread(target=self._fit, args=(trainer,), daemon=True, name="learner-fit")
         self.thread.start()  # returns at once: the ranks start while the caller starts other things (services.py)
 
@@ -174,12 +175,19 @@ class Learner:
         """The policy (HF) into path/policy, the learner's whole state into path/learner (learner/checkpoint.py)."""
         self._command([{"kind": "save", "path": str(path)}] * self.n)
 
+    def stop(self) -> None:
+        """Tells each rank to stop, without waiting for the training run to end (close does). A queue already gone
+        (its node lost) is no reason to fail: stopping runs on the way out of a run, and whatever ended it is the
+        error to see."""
+        if not self.stopping:
+            self.stopping = True
+            for inbox in self.inboxes:
+                with contextlib.suppress(ray.exceptions.RayError):
+                    inbox.put(None)
+
     def close(self) -> None:
-        """Tells each rank to stop. A queue already gone (its node lost) is no reason to fail: closing runs on the
-        way out of a run, and whatever ended it is the error to see."""
-        for inbox in self.inboxes:
-            with contextlib.suppress(ray.exceptions.RayError):
-                inbox.put(None)
+        """Stops the ranks and waits for the training run to end."""
+        self.stop()
         self.thread.join(timeout=60)
 
 

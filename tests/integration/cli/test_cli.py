@@ -184,7 +184,7 @@ def test_serve_answers_an_openai_client_until_ctrl_c(run_dir, tmp_path):
             lines.append(line)
         assert f"http://127.0.0.1:{port}/v1" in lines[-1] and "curl" in server.stdout.readline()
         assert re.search(r"\(ServeController pid=\d+\)", "".join(lines)), "".join(lines[-40:])
-        assert "Application 'policy' is ready" in (tmp_path / "logs" / "driver.log").read_text()
+        assert 'Started Serve in namespace "serve"' in (tmp_path / "logs" / "driver.log").read_text()
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0)
         out = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "What is 3 + 4?"}],
                                              max_tokens=8)

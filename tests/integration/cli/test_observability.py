@@ -47,7 +47,7 @@ def test_only_the_kept_iterations_spans_stay(cli_run):
 def test_ray_and_serve_logs_land_in_the_run_directory(cli_run):
     logs = cli_run["dir"] / "logs"
     driver = (logs / "driver.log").read_text()
-    assert "Started a local Ray instance" in driver and "Application 'policy' is ready" in driver
+    assert "Started a local Ray instance" in driver and 'Started Serve in namespace "serve"' in driver
     session_logs = logs / "ray"  # the Ray session's files: every worker's output, Serve's controller and replicas
     assert session_logs.is_dir() and list(session_logs.glob("serve/controller_*.log"))
 
