@@ -18,12 +18,11 @@ from lightning_ray.models import resolve_model_path
 from lightning_ray.placement import ON_HEAD, actor_options
 from lightning_ray.rollout.dispatch import run_to_end
 from lightning_ray.rollout.worker import RolloutWorker
-from lightning_ray.serving.app import APP_NAME, policy_app
+from lightning_ray.serving.app import policy_target
 from lightning_ray.serving.templates import resolve_chat_template
 from lightning_ray.store.client import StoreClient
-from lightning_ray.store.http import APP_NAME as STORE_APP
 from lightning_ray.store.http import ROUTE_PREFIX as STORE_PREFIX
-from lightning_ray.store.http import StoreApi
+from lightning_ray.store.http import store_api_target
 from lightning_ray.terminal import console, status
 from lightning_ray.types import AttemptPolicy, Rollout, Task
 from lightning_ray.weight_sync import resolve as resolve_weight_sync
@@ -89,12 +88,10 @@ class Services:
         ).remote(cfg.task, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing,
                  cfg.rollout.timeout_seconds, cfg.rollout.max_abandoned_agents, self.queue)
             for i in range(cfg.rollout.num_workers if rollout_workers else 0)]
-        apps = [serve.RunTarget(policy_app(str(resume.policy if resume else self.model_path), cfg.model.name,
-                                           self.store, self.registry, **policy_options(cfg)),
-                                name=APP_NAME, route_prefix="/")]
+        apps = [policy_target(str(resume.policy if resume else self.model_path), cfg.model.name, self.store,
+                              self.registry, **policy_options(cfg))]
         if cfg.store.http:
-            apps.append(serve.RunTarget(StoreApi.bind(self.store, api_key=cfg.serve.api_key), name=STORE_APP,
-                                        route_prefix=STORE_PREFIX))
+            apps.append(store_api_target(self.store, cfg.serve.api_key))
         self.apps = [app.name for app in apps]
         with status(f"starting the policy server ({cfg.engine.kind} engine) and the rollout workers"):
             serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})

@@ -383,9 +383,15 @@ def policy_app(model_path: str, model_name: str, store, registry, num_replicas: 
         sleep_while_training=sleep_while_training, teacher=teacher)
 
 
+def policy_target(model_path: str, model_name: str, store, registry, **app_options) -> serve.RunTarget:
+    """The policy app (policy_app's options) as Serve runs it: at the proxy's root."""
+    return serve.RunTarget(policy_app(model_path, model_name, store, registry, **app_options), name=APP_NAME,
+                           route_prefix="/")
+
+
 def deploy_policy(model_path: str, model_name: str, store, registry, host: str = "127.0.0.1", port: int = 8000,
                   **app_options) -> str:
     """Start the policy app (policy_app's options) on Ray Serve and return its base URL (without /v1)."""
     serve.start(http_options={"host": host, "port": port})
-    serve.run(policy_app(model_path, model_name, store, registry, **app_options), name=APP_NAME, route_prefix="/")
+    serve.run_many([policy_target(model_path, model_name, store, registry, **app_options)])
     return f"http://{host}:{port}"

@@ -258,9 +258,14 @@ class StoreApi:
         return otlp_response(content_type, result["rejected"], "; ".join(result["errors"]))
 
 
+def store_api_target(store: StoreClient, api_key: str | None = None) -> serve.RunTarget:
+    """The store's HTTP API as Serve runs it: under ROUTE_PREFIX on the proxy."""
+    return serve.RunTarget(StoreApi.bind(store, api_key=api_key), name=APP_NAME, route_prefix=ROUTE_PREFIX)
+
+
 def deploy_store_api(store: StoreClient, host: str = "127.0.0.1", port: int = 8000,
                      api_key: str | None = None) -> str:
     """Serve the store over HTTP on the Serve proxy; return its base URL (OTLP exporters post to {url}/v1/traces)."""
     serve.start(http_options={"host": host, "port": port})
-    serve.run(StoreApi.bind(store, api_key=api_key), name=APP_NAME, route_prefix=ROUTE_PREFIX)
+    serve.run_many([store_api_target(store, api_key)])
     return f"http://{host}:{port}{ROUTE_PREFIX}"
