@@ -4,12 +4,15 @@ tests (pyproject's pytest `pythonpath`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from opentelemetry.sdk.resources import Resource
@@ -92,6 +95,30 @@ SMALL = {
     "algorithm": {"level": "transition"},
     "trainer": {"iterations": 2, "lr": 1e-5, "checkpoint_every": 1, "step_timeout_s": 600},
 }
+
+
+def kill_session(leader: subprocess.Popen) -> None:
+    """SIGKILL a process started with `start_new_session=True` and everything in its session, as a node's crash
+    would: Ray's workers each lead a process group of their own, so killing the leader's group leaves them running
+    (and writing) for a while. Returns once none is left."""
+    def members() -> list[int]:
+        pids = []
+        for entry in os.listdir("/proc"):
+            try:
+                if entry.isdigit() and os.getsid(int(entry)) == leader.pid \
+                        and Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    pids.append(int(entry))
+            except (OSError, IndexError):  # ended meanwhile
+                pass
+        return pids
+
+    while pids := members():
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        leader.poll()  # reaps the leader: a zombie is no member
+        time.sleep(0.05)
+    leader.wait()
 
 
 def small(raw: dict, schema: type[TrainConfig] = TrainConfig) -> TrainConfig:

@@ -9,7 +9,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, free_ports
+from helpers import ROOT, free_ports, kill_session
 
 RAY = str(Path(sys.executable).with_name("ray"))
 HEAD = "node:__internal_head__"
@@ -61,11 +60,10 @@ def cluster(tmp_path_factory):
         yield {"env": env, "address": f"http://127.0.0.1:{dashboard}", "dashboard": dashboard, "tmp": tmp,
                "ray_tmp": Path(ray_tmp)}
     finally:
-        # each node's processes SIGKILLed at once (its process group): nothing of the cluster outlives the tests, and
-        # terminating the nodes took ~30 s of the suite
+        # each node's processes SIGKILLed (its session): nothing of the cluster outlives the tests, and terminating
+        # the nodes took ~30 s of the suite
         for p in procs:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+            kill_session(p)
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
