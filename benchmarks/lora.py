@@ -1,6 +1,6 @@
 """LoRA against full fine-tuning on the same work: the main job (SmolLM2-135M on the calc task) trained for the same
 iterations twice, once with every weight and once with adapters (trainer.lora), side by side in one run: held-out
-accuracy before and after, the learner's seconds per update, the sync's seconds, rank 0's peak memory.
+accuracy before and after, the learner's seconds per update, the sync's seconds and bytes, rank 0's peak memory.
 
     python benchmarks/lora.py [--iterations 8] [--lora-lr 2e-4] [key=value ...]   # Hydra overrides, both runs
 
@@ -40,7 +40,9 @@ def main() -> None:
                       "update_s": round(sum(r["learner_seconds"]["compute_s"] + r["learner_seconds"]["optimizer_s"]
                                             for r in updates) / max(len(updates), 1), 2),
                       "sync_s": round(sum(r["seconds"].get("sync", 0.0) for r in updates) / max(len(updates), 1), 2),
-                      "learner_peak_mib": max((r["learner_peak_mib"] for r in updates), default=None)}
+                      "learner_peak_mib": max((r["learner_peak_mib"] for r in updates), default=None),
+                      # what each sync ships: the whole policy, or (LoRA) peft's adapter files alone
+                      "sync_bytes": shipped(cfg.run_path / "checkpoint", name)}
         print(json.dumps(runs[name]), flush=True)
     full, lora = runs["full"], runs["lora"]
     ratios = {"benchmark": "lora", "iterations": args.iterations,
@@ -48,10 +50,16 @@ def main() -> None:
               "accuracy_gap_points": round(100 * (full["accuracy"][-1][1] - lora["accuracy"][-1][1]), 1),
               "update_speedup": round(full["update_s"] / lora["update_s"], 2) if lora["update_s"] else None,
               "sync_speedup": round(full["sync_s"] / lora["sync_s"], 2) if lora["sync_s"] else None,
+              "sync_bytes_ratio": round(lora["sync_bytes"] / full["sync_bytes"], 4),
               "peak_memory_ratio": round(lora["learner_peak_mib"] / full["learner_peak_mib"], 2)
               if full["learner_peak_mib"] and lora["learner_peak_mib"] else None}
     print(json.dumps(ratios), flush=True)
     (root / "lora.json").write_text(json.dumps({**ratios, "runs": runs}, indent=2) + "\n")
+
+
+def shipped(checkpoint: Path, run: str) -> int:
+    files = (checkpoint.resolve().parent / "adapter").iterdir() if run == "lora" else checkpoint.glob("*.safetensors")
+    return sum(f.stat().st_size for f in files)
 
 
 if __name__ == "__main__":

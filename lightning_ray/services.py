@@ -88,8 +88,11 @@ class Services:
         ).remote(cfg.task, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing,
                  cfg.rollout.timeout_seconds, cfg.rollout.max_abandoned_agents, self.queue)
             for i in range(cfg.rollout.num_workers if rollout_workers else 0)]
-        apps = [policy_target(str(resume.policy if resume else self.model_path), cfg.model.name, self.store,
-                              self.registry, **policy_options(cfg))]
+        # a resumed run serves its checkpoint's policy; with LoRA, the base and the checkpoint's adapter on it
+        # (the versions after it ship adapters: the engines must keep the base)
+        served, adapter = ((self.model_path, resume.path / "adapter") if cfg.trainer.lora else (resume.policy, None)) \
+            if resume else (self.model_path, None)
+        apps = [policy_target(str(served), cfg.model.name, self.store, self.registry, **policy_options(cfg, adapter))]
         if cfg.store.http:
             apps.append(store_api_target(self.store, cfg.serve.api_key))
         self.apps = [app.name for app in apps]
@@ -158,10 +161,13 @@ def _link_ray_logs(session_dir: str, log_dir: Path) -> None:
         link.symlink_to(Path(session_dir) / "logs", target_is_directory=True)
 
 
-def policy_options(cfg: TrainConfig) -> dict:
-    """The policy app's options (serving/app.py: policy_app) from a run's config."""
+def policy_options(cfg: TrainConfig, adapter: Path | None = None) -> dict:
+    """The policy app's options (serving/app.py: policy_app) from a run's config; `adapter`: a LoRA adapter's
+    directory served on the model from the start."""
+    lora = {"lora_rank": cfg.trainer.lora.rank, "adapter": str(adapter) if adapter else None} if cfg.trainer.lora \
+        else {}
     return dict(num_replicas=cfg.serve.num_replicas, autoscaling=cfg.serve.autoscaling, engine=cfg.engine.kind,
-                engine_options=engine_options(cfg.engine),
+                engine_options={**engine_options(cfg.engine), **lora},
                 max_model_len=cfg.engine.max_model_len, api_key=cfg.serve.api_key, seed=cfg.seed, env=cfg.engine.env,
                 resources=cfg.serve.resources, chat_template=resolve_chat_template(cfg.serve.chat_template),
                 drain=cfg.serve.drain, drain_timeout_s=cfg.serve.drain_timeout_s,

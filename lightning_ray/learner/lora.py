@@ -45,14 +45,14 @@ class AdapterOff:
 
 class Merged:
     """The adapted policy as one plain model: each adapted weight W + (alpha / rank)·B·A, every other weight as
-    it is, under the base model's names (what the engines load). Nothing is merged in place: the base stays
-    bit-for-bit frozen. Offers what the weight publishers, the digest and a save read; the merged weights are
-    computed once per view, so a publish and the digest after it read the same tensors."""
+    it is, under the base model's names (a checkpoint's policy/). Nothing is merged in place: the base stays
+    bit-for-bit frozen. Offers what the digest and a save read (and `model`, the adapted one, whose adapter alone
+    is published); the merged weights are computed once per view."""
 
     def __init__(self, model: torch.nn.Module):
         from peft.tuners.lora import LoraLayer
 
-        self.base, self.adapter = model.get_base_model(), model.active_adapter
+        self.model, self.base, self.adapter = model, model.get_base_model(), model.active_adapter
         self.layers = {name: m for name, m in self.base.named_modules()
                        if isinstance(m, LoraLayer) and self.adapter in m.lora_A}
 

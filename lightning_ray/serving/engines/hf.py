@@ -22,10 +22,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from lightning_ray.serving.engines.base import SamplingParams, TokenDelta, WeightLoading, check_weights
 from lightning_ray.serving.engines.grammar import JsonGrammars, apply_bitmask
+from lightning_ray.weight_sync.adapter import Adapter
 
 
 class HFEngine(WeightLoading):
-    def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, gpu_memory_utilization: float = 0.9):
+    def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, gpu_memory_utilization: float = 0.9,
+                 adapter: str | None = None, lora_rank: int | None = None):
+        """adapter: a LoRA adapter's directory (peft's), served on the model from the start (a resumed LoRA run);
+        lora_rank: the rank LoRA runs train (vLLM's setting: the HF engine takes any)."""
         transformers.logging.disable_progress_bar()
         torch.manual_seed(seed)  # requests without a seed of their own draw from the process's generator
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -44,7 +48,10 @@ class HFEngine(WeightLoading):
         self.lock = threading.Lock()  # the weights: held for one decoding step, or for a load
         self.policy_version = 0
         self._shapes = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
-        self._staged: dict | None = None
+        self._staged: dict | Adapter | None = None
+        self._adapter_shapes: dict[str, tuple[int, ...]] | None = None  # trainer.lora: the served adapter's tensors
+        if adapter:
+            self._apply(Adapter.read(adapter))
 
     @cached_property
     def grammars(self) -> JsonGrammars:
@@ -113,21 +120,39 @@ class HFEngine(WeightLoading):
                 context.append(token)
                 inputs = torch.tensor([[token]], device=self.device)
 
-    async def stage_weights(self, state_dict: dict) -> None:
-        check_weights(state_dict, self._shapes)
-        self._staged = state_dict
+    async def stage_weights(self, weights: dict | Adapter) -> None:
+        """A whole state dict, or (trainer.lora) an adapter, checked against the one served once there is one."""
+        if isinstance(weights, Adapter):
+            if self._adapter_shapes:
+                check_weights(weights.tensors(), self._adapter_shapes)
+        else:
+            check_weights(weights, self._shapes)
+        self._staged = weights
 
     async def swap_weights(self, version: int) -> None:
         def swap():
             with self.lock:  # between two decoding steps
                 try:  # load_state_dict goes on past a tensor it cannot copy: the rest are new, that one old
-                    self.model.load_state_dict(self._staged)
+                    self._apply(self._staged)
                 except Exception as e:
                     self.broken = f"loading policy version {version} failed part way: {e}"
                     raise RuntimeError(self.broken) from e
                 self.policy_version, self.broken, self._staged = version, None, None
 
         await asyncio.to_thread(swap)
+
+    def _apply(self, weights: dict | Adapter) -> None:
+        if not isinstance(weights, Adapter):
+            self.model.load_state_dict(weights)
+            return
+        import peft
+
+        if not isinstance(self.model, peft.PeftModel):  # the first adapter: its layers on the base, which stays
+            self.model = peft.get_peft_model(self.model, weights.config()).eval()
+        loaded = peft.set_peft_model_state_dict(self.model, weights.tensors())  # a shape that differs raises
+        if loaded.unexpected_keys:
+            raise ValueError(f"the adapter does not fit the served model: {loaded.unexpected_keys[:5]}")
+        self._adapter_shapes = weights.shapes()  # what every later adapter must be
 
     # ---- sleep while a colocated learner trains (engine.sleep_while_training) --------------------------------
     async def sleep(self) -> None:

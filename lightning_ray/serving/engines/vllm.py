@@ -40,11 +40,13 @@ from vllm import SamplingParams as VLLMSamplingParams  # noqa: E402
 from vllm.config import StructuredOutputsConfig, WeightTransferConfig  # noqa: E402
 from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 
 from lightning_ray.serving.engines import grammar  # noqa: E402
 from lightning_ray.serving.engines.base import SamplingParams, TokenDelta, WeightLoading, check_weights  # noqa: E402
+from lightning_ray.weight_sync.adapter import Adapter  # noqa: E402
 
 WEIGHTS_DIR_PREFIX = "lightning-ray-vllm-weights-"  # + the owner's pid: a dead owner's directory is swept
 
@@ -52,17 +54,26 @@ WEIGHTS_DIR_PREFIX = "lightning-ray-vllm-weights-"  # + the owner's pid: a dead 
 class VLLMEngine(WeightLoading):
     def __init__(self, model_path: str, dtype: str = "float32", gpu_memory_utilization: float = 0.1,
                  seed: int = 0, weight_transfer: str | None = None, sleep_mode: bool = False, drain: str = "wait",
-                 **engine_args):
+                 lora_rank: int | None = None, adapter: str | None = None, **engine_args):
         """weight_transfer: vLLM's weight-transfer backend ("ipc", "nccl"; CUDA only) for weight_sync's cuda_ipc and
         collective transports; without it weights are reloaded from a local safetensors file. sleep_mode: vLLM's,
         for engine.sleep_while_training (CUDA only: vLLM-CPU has none, and a CPU engine holds no GPU memory).
-        drain: serve.drain; under `keep` a weight load pauses the requests in flight instead of waiting for them."""
+        drain: serve.drain; under `keep` a weight load pauses the requests in flight instead of waiting for them.
+        lora_rank: trainer.lora's rank: vLLM's LoRA support on, every request served with the latest adapter (the
+        first from `adapter`, a directory, in a resumed run)."""
         self.drain = drain
         self.sleep_mode = sleep_mode and torch.cuda.is_available()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # JSON constraints compiled as engines.grammar compiles them for the HF engine: xgrammar, compact JSON.
         engine_args.setdefault("structured_outputs_config", StructuredOutputsConfig(
             backend="xgrammar", disable_any_whitespace=not grammar.ANY_WHITESPACE))
+        if lora_rank:  # one adapter at a time, replaced in place by each version; vLLM sizes its buffers by the rank
+            if not (max_rank := next((r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= lora_rank), None)):
+                raise ValueError(f"trainer.lora.rank={lora_rank}: vLLM serves adapters of rank 512 at most")
+            engine_args.update(enable_lora=True, max_loras=1, max_lora_rank=max_rank)
+        self._lora = LoRARequest("policy", 1, adapter) if adapter else None
+        self._adapters, self._staged_adapter = 0, None  # adapters staged so far, each in a directory of its own
+        self._adapter_shapes = Adapter.read(adapter).shapes() if adapter else None
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
             logprobs_mode="raw_logprobs",  # untempered, as the interface requires (and vLLM's default)
@@ -95,7 +106,7 @@ class VLLMEngine(WeightLoading):
             max_tokens=1, prompt_logprobs=k, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)) if forced \
             else (self._prompt(prompt_ids), self._sampling(params))
         try:
-            async for out in self.engine.generate(*request, request_id=uuid.uuid4().hex):
+            async for out in self.engine.generate(*request, request_id=uuid.uuid4().hex, lora_request=self._lora):
                 if not admitted:  # vLLM has the request now: it counts in get_num_unfinished_requests
                     admitted, self._admitting = True, self._admitting - 1
                 if forced:  # one prefill: each forced token's logprob is its prompt logprob
@@ -153,8 +164,16 @@ class VLLMEngine(WeightLoading):
             structured_outputs=None if params.json_schema is None else StructuredOutputsParams(json=params.json_schema),
             detokenize=False)  # the server decodes; we want ids
 
-    async def stage_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Written to local disk (vLLM's reload reads safetensors) while serving goes on."""
+    async def stage_weights(self, state_dict: dict[str, torch.Tensor] | Adapter) -> None:
+        """Written to local disk (vLLM's reload reads safetensors; its LoRA support, peft's files) while serving goes
+        on."""
+        if isinstance(state_dict, Adapter):  # the first one vLLM checks as it loads it, later ones against it
+            if self._adapter_shapes:
+                check_weights(state_dict.tensors(), self._adapter_shapes)
+            self._adapters += 1
+            self._staged_adapter = await asyncio.to_thread(
+                state_dict.write, os.path.join(self._weights_dir, f"adapter-{self._adapters}"))
+            return
         tensors = {name: t for name, t in state_dict.items()
                    if not (self.tied and name == "lm_head.weight")}  # tied: it is the embedding (shared memory)
         check_weights(tensors, self._shapes)
@@ -169,6 +188,15 @@ class VLLMEngine(WeightLoading):
         are copied in place (vLLM's `reload_weights`, from the staged safetensors) and the prefix cache, which
         holds the old weights' keys and values, is dropped.
         """
+        if adapter := self._staged_adapter:  # a request keeps the adapter it started with: none may run across it
+            async with self.drained(keep=False), self._loading(version):
+                served, self._staged_adapter = self._lora, None
+                self._lora = LoRARequest("policy", 1, str(adapter), load_inplace=True)
+                await self.engine.add_lora(self._lora)
+                self._adapter_shapes = Adapter.read(adapter).shapes()
+            if served and Path(served.lora_path).parent == Path(self._weights_dir):
+                shutil.rmtree(served.lora_path, ignore_errors=True)
+            return
         async with self.drained(), self._loading(version):
             await self.engine.collective_rpc("load_checkpoint", args=(self._weights_dir,))
 
@@ -189,7 +217,7 @@ class VLLMEngine(WeightLoading):
         self.policy_version, self.broken = version, None
 
     @asynccontextmanager
-    async def drained(self):
+    async def drained(self, keep: bool = True):
         """New requests wait, running ones finish, then the body runs: no generation sees two sets of weights.
         Under serve.drain=keep the running ones are paused instead (vLLM's `pause_generation(mode="keep")`) and go
         on after the body; `_loading` makes them read their context again under the new weights.
@@ -199,7 +227,7 @@ class VLLMEngine(WeightLoading):
         async with self._load_lock:
             self._open.clear()
             try:
-                if self.drain == "keep":
+                if self.drain == "keep" and keep:
                     await self.engine.pause_generation(mode="keep", clear_cache=False)
                     try:
                         yield

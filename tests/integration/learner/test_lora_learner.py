@@ -1,48 +1,49 @@
-"""trainer.lora through the real learner (Ray Train + DeepSpeed, the tiny model): only the adapter trains, the KL
-reference is the base (the adapter off), what is published and saved is the merged policy a server loads strictly,
-and the checkpoint also holds the adapter, which peft loads back onto the base to the same weights."""
+"""trainer.lora through the whole stack (the tiny model, the HF engine, Ray Train + DeepSpeed): only the adapter
+trains, the KL reference is the base (the adapter off), each update ships the adapter alone and the engine serves it
+on its base exactly as the learner computes the policy, and the checkpoint holds the merged policy a server loads
+strictly and the adapter, which peft loads back onto the base to the same weights. (The engines' side alone, and
+vLLM's: tests/integration/serving/test_lora_serving.py.)"""
 
 from __future__ import annotations
 
-from helpers import random_transitions, small
+from helpers import small
 import peft
-import ray
+import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_ray.learner import lora
-from lightning_ray.learner.driver import Learner
 from lightning_ray.learner.worker import parameter_digest
-from lightning_ray.weight_sync.registry import WeightRegistry
+from lightning_ray.models.tiny import EASY
+from lightning_ray.trainer import train
 
 
-def test_lora_trains_the_adapter_and_publishes_the_merged_policy(ray_cluster, tiny_model_path, tmp_path):
-    cfg = small({"run_dir": str(tmp_path), "algorithm": {"kl_coef": 0.5, "kl_penalty": "loss"}, "trainer": {
-        "num_workers": 1, "threads_per_worker": 1, "lr": 1e-2, "micro_batch_tokens": 96, "max_logprob_gap": None,
-        "lora": {"rank": 4, "alpha": 8.0}}})
-    initial = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    base = {k: v.clone() for k, v in initial.state_dict().items()}
-    registry = WeightRegistry.remote()
-    learner = Learner(cfg, tiny_model_path, registry)
-    try:
-        first = learner.step(random_transitions(initial.config.vocab_size))[0]
-        second = learner.step(random_transitions(initial.config.vocab_size))[0]
-        version, refs = ray.get(registry.wait_newer.remote(1, 10.0))
-        published = ray.get(refs[0])
-        learner.save(tmp_path / "checkpoint")
-    finally:
-        learner.close()
+def test_lora_trains_and_the_engine_serves_the_adapter_it_ships(ray_cluster, tiny_model_path, serve_port, tmp_path):
+    cfg = small({
+        "run_dir": str(tmp_path), "model": {"path": str(tiny_model_path)}, "serve": {"port": serve_port},
+        "task": {"generator": EASY, "eval_size": 4},
+        # PPO: its value head gives every transition a signal, so both iterations update; a KL loss to the base
+        "algorithm": {"estimator": "ppo", "kl_coef": 0.5, "kl_penalty": "loss"},
+        "trainer": {"iterations": 2, "eval_every": 0, "lr": 1e-2, "checkpoint_every": 2,
+                    "lora": {"rank": 4, "alpha": 8.0}}})
+    history = train(cfg)
+    first, second = history
+    assert first["updated"] and second["updated"]
     # B starts at 0: the first step's policy is the base (no KL to it); the second's has moved away from it
-    assert first["kl_ref"] == 0 and second["kl_ref"] > 0 and first["grad_norm"] > 0
-    assert version == 2 and set(published) == set(base)
-    served = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    served.load_state_dict(published)  # strict: the base's own names and shapes
-    assert parameter_digest(served) == second["digest"] != parameter_digest(initial)
-    moved = {k for k in base if not (published[k] == base[k]).all()}
-    assert moved and all(k.endswith("proj.weight") for k in moved)  # the adapted linears only
+    assert first["kl_ref"] == 0 and second["kl_ref"] > 0
+    for i, h in enumerate(history):
+        assert h["rollout_policy_versions"] == [i] and h["served_policy_version"] == h["policy_version"] == i + 1
+    # iteration 1 was sampled from the served adapter and scored by the learner's adapted policy: the same numbers
+    # (serving the base, or a stale adapter, would be off by the update itself)
+    assert second["logprob_abs_diff"] < 1e-4 and first["probe_logprob_after"] != first["probe_logprob_before"]
     checkpoint = tmp_path / "checkpoint"
-    assert parameter_digest(AutoModelForCausalLM.from_pretrained(checkpoint / "policy")) == second["digest"]
-    reloaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path),
-                                              checkpoint / "adapter")
-    assert parameter_digest(lora.Merged(reloaded)) == second["digest"]
-    assert sum(f.stat().st_size for f in (checkpoint / "adapter").iterdir()) < 0.2 * sum(
-        f.stat().st_size for f in (checkpoint / "policy").iterdir())
+    policy = AutoModelForCausalLM.from_pretrained(checkpoint)  # merged: the base's own names and shapes
+    [digest] = set(second["worker_digests"])
+    assert parameter_digest(policy) == digest
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
+    moved = {k for k, t in policy.state_dict().items() if not torch.equal(t, base[k])}
+    assert moved and all(k.endswith("proj.weight") for k in moved)  # the adapted linears only
+    adapter = checkpoint.resolve().parent / "adapter"
+    reloaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), adapter)
+    assert parameter_digest(lora.Merged(reloaded)) == digest
+    assert sum(f.stat().st_size for f in adapter.iterdir()) < 0.2 * sum(
+        f.stat().st_size for f in checkpoint.iterdir())
