@@ -40,14 +40,6 @@ class Adapter:
             (path / name).write_bytes(data)
         return path
 
-    @property
-    def nbytes(self) -> int:
-        return sum(len(data) for data in self.files.values())
-
-    @property
-    def rank(self) -> int:
-        return json.loads(self.files[CONFIG])["r"]
-
     def config(self):
         """peft's LoraConfig, for inference (no trainable parameters)."""
         import peft

@@ -68,7 +68,7 @@ def test_a_run_killed_mid_iteration_goes_on_from_its_checkpoint(tmp_path):
     args = [*TINY, "trainer.iterations=2", "trainer.checkpoint_every=1", "trainer.eval_every=0",
             f"serve.port={free_port()}", f"hydra.run.dir={run}"]
     job = subprocess.Popen([*CLI, "train", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, start_new_session=True)  # its own process group: Ray's processes too
+                           text=True, start_new_session=True)  # its own session: Ray's processes too
     try:
         deadline = time.monotonic() + 600
         # iteration 1 has begun (its checkpoint before it is whole) and some of its rollouts are unfinished: a tight
