@@ -41,7 +41,7 @@ def test_an_engine_serves_the_base_plus_each_new_adapter(kind, tiny_model_path, 
     first, second = adapted(tiny_model_path, 1), adapted(tiny_model_path, 2)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
     Adapter.of(first).write(tmp_path / "resumed")
-    loop = asyncio.new_event_loop()  # vLLM binds to the loop it first runs on
+    loop, engine = asyncio.new_event_loop(), None  # vLLM binds to the loop it first runs on
     try:
         engine = loop.run_until_complete(_start(kind, tiny_model_path, tmp_path / "resumed"))
         prompt = engine.tokenizer.encode("Solve: 12 + 30")
@@ -55,13 +55,18 @@ def test_an_engine_serves_the_base_plus_each_new_adapter(kind, tiny_model_path, 
         check_serves(engine, loop.run_until_complete, second, prompt)
         assert logprob_error(base, prompt, *_greedy(engine, loop, prompt)) > 1e-3  # the adapter does act
     finally:
-        if kind == "vllm" and "engine" in locals():
-            engine.shutdown()
+        if kind == "vllm" and engine:
+            loop.run_until_complete(_stop(engine))
         loop.close()
 
 
 async def _start(kind, path, adapter):
     return make_engine(kind, str(path), max_model_len=512, lora_rank=4, adapter=str(adapter))
+
+
+async def _stop(engine):
+    engine.shutdown()
+    await asyncio.sleep(0.1)  # lets vLLM's cancelled background tasks finish on their loop
 
 
 def _greedy(engine, loop, prompt):
