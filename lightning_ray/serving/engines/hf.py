@@ -149,10 +149,11 @@ class HFEngine(WeightLoading):
 
         if not isinstance(self.model, peft.PeftModel):  # the first adapter: its layers on the base, which stays
             self.model = peft.get_peft_model(self.model, weights.config()).eval()
-        loaded = peft.set_peft_model_state_dict(self.model, weights.tensors())  # a shape that differs raises
+        tensors = weights.tensors()
+        loaded = peft.set_peft_model_state_dict(self.model, tensors)  # a shape that differs raises
         if loaded.unexpected_keys:
             raise ValueError(f"the adapter does not fit the served model: {loaded.unexpected_keys[:5]}")
-        self._adapter_shapes = weights.shapes()  # what every later adapter must be
+        self._adapter_shapes = {n: tuple(t.shape) for n, t in tensors.items()}  # what every later adapter must be
 
     # ---- sleep while a colocated learner trains (engine.sleep_while_training) --------------------------------
     async def sleep(self) -> None:

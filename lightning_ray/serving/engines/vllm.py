@@ -18,7 +18,7 @@ import tempfile
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, get_args
 
 # vLLM-CPU settings (GPU builds ignore them), read from the environment when vLLM starts its processes.
 # KV cache in GiB: the default sizes it from host RAM. Threads: vLLM's default binds the model's OpenMP threads to
@@ -38,6 +38,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from vllm import AsyncEngineArgs  # noqa: E402
 from vllm import SamplingParams as VLLMSamplingParams  # noqa: E402
 from vllm.config import StructuredOutputsConfig, WeightTransferConfig  # noqa: E402
+from vllm.config.lora import MaxLoRARanks  # noqa: E402
 from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
@@ -68,7 +69,7 @@ class VLLMEngine(WeightLoading):
         engine_args.setdefault("structured_outputs_config", StructuredOutputsConfig(
             backend="xgrammar", disable_any_whitespace=not grammar.ANY_WHITESPACE))
         if lora_rank:  # one adapter at a time, replaced in place by each version; vLLM sizes its buffers by the rank
-            if not (max_rank := next((r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= lora_rank), None)):
+            if not (max_rank := next((r for r in get_args(MaxLoRARanks) if r >= lora_rank), None)):
                 raise ValueError(f"trainer.lora.rank={lora_rank}: vLLM serves adapters of rank 512 at most")
             engine_args.update(enable_lora=True, max_loras=1, max_lora_rank=max_rank)
         self._lora = LoRARequest("policy", 1, adapter) if adapter else None
@@ -168,11 +169,13 @@ class VLLMEngine(WeightLoading):
         """Written to local disk (vLLM's reload reads safetensors; its LoRA support, peft's files) while serving goes
         on."""
         if isinstance(state_dict, Adapter):  # the first one vLLM checks as it loads it, later ones against it
+            shapes = state_dict.shapes()
             if self._adapter_shapes:
-                check_weights(state_dict.tensors(), self._adapter_shapes)
+                check_weights({n: torch.empty(s, device="meta") for n, s in shapes.items()}, self._adapter_shapes)
             self._adapters += 1
-            self._staged_adapter = await asyncio.to_thread(
-                state_dict.write, os.path.join(self._weights_dir, f"adapter-{self._adapters}"))
+            path = await asyncio.to_thread(state_dict.write,
+                                           os.path.join(self._weights_dir, f"adapter-{self._adapters}"))
+            self._staged_adapter = (path, shapes)
             return
         tensors = {name: t for name, t in state_dict.items()
                    if not (self.tied and name == "lm_head.weight")}  # tied: it is the embedding (shared memory)
@@ -188,12 +191,12 @@ class VLLMEngine(WeightLoading):
         are copied in place (vLLM's `reload_weights`, from the staged safetensors) and the prefix cache, which
         holds the old weights' keys and values, is dropped.
         """
-        if adapter := self._staged_adapter:  # a request keeps the adapter it started with: none may run across it
+        if self._staged_adapter:  # a request keeps the adapter it started with: none may run across it
+            (adapter, shapes), self._staged_adapter = self._staged_adapter, None
             async with self.drained(keep=False), self._loading(version):
-                served, self._staged_adapter = self._lora, None
-                self._lora = LoRARequest("policy", 1, str(adapter), load_inplace=True)
+                served, self._lora = self._lora, LoRARequest("policy", 1, str(adapter), load_inplace=True)
                 await self.engine.add_lora(self._lora)
-                self._adapter_shapes = Adapter.read(adapter).shapes()
+                self._adapter_shapes = shapes
             if served and Path(served.lora_path).parent == Path(self._weights_dir):
                 shutil.rmtree(served.lora_path, ignore_errors=True)
             return
