@@ -4,6 +4,9 @@ accuracy before and after, the learner's seconds per update, the sync's seconds 
 
     python benchmarks/lora.py [--iterations 8] [--lora-lr 2e-4] [key=value ...]   # Hydra overrides, both runs
 
+What LoRA ships is trainer.lora.sync's (auto: merged weights on CPUs, the adapter on GPUs):
+`--lora '{sync: adapter}'` measures the adapter-only sync on CPUs.
+
 LoRA wants a larger step than full fine-tuning (only the adapters move): --lora-lr (full: trainer.lr, 2e-5 by
 default). Not part of CI (~25 min on 2 cores). Prints one JSON line per run and one of ratios, and writes
 lora.json in runs/lora-<time>/.
@@ -19,6 +22,7 @@ from pathlib import Path
 from learning import trained
 
 from lightning_ray.config import compose
+from lightning_ray.services import weight_sync
 
 
 def main() -> None:
@@ -42,7 +46,7 @@ def main() -> None:
                       "sync_s": round(sum(r["seconds"].get("sync", 0.0) for r in updates) / max(len(updates), 1), 2),
                       "learner_peak_mib": max((r["learner_peak_mib"] for r in updates), default=None),
                       # what each sync ships: the whole policy, or (LoRA) peft's adapter files alone
-                      "sync_bytes": shipped(cfg.run_path / "checkpoint", name)}
+                      "sync": weight_sync(cfg), "sync_bytes": shipped(cfg.run_path / "checkpoint", weight_sync(cfg))}
         print(json.dumps(runs[name]), flush=True)
     full, lora = runs["full"], runs["lora"]
     ratios = {"benchmark": "lora", "iterations": args.iterations,
@@ -57,8 +61,9 @@ def main() -> None:
     (root / "lora.json").write_text(json.dumps({**ratios, "runs": runs}, indent=2) + "\n")
 
 
-def shipped(checkpoint: Path, run: str) -> int:
-    files = (checkpoint.resolve().parent / "adapter").iterdir() if run == "lora" else checkpoint.glob("*.safetensors")
+def shipped(checkpoint: Path, sync: str) -> int:
+    files = (checkpoint.resolve().parent / "adapter").iterdir() if sync == "adapter" else \
+        checkpoint.glob("*.safetensors")
     return sum(f.stat().st_size for f in files)
 
 

@@ -323,6 +323,11 @@ class LoraConfig(_Strict):
     alpha: float = Field(32.0, gt=0)  # the update is scaled by alpha / rank
     # the linear layers adapted: names as peft matches them (e.g. [q_proj, v_proj]), or every linear but the LM head
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    # What each version ships to the engines: the adapter alone (a few MB; the engines apply it on their base: peft,
+    # vLLM's LoRA kernels) or the merged weights (the whole model, served as a plain one). auto: the adapter where
+    # the replicas have GPUs; merged on CPUs, where vLLM's LoRA path made each rollout 5-9x slower than the sync saves
+    # (benchmarks/results/lora_calc_adapter_sync_partial.json).
+    sync: Literal["auto", "adapter", "merged"] = "auto"
 
 
 class TrainerConfig(_Strict):

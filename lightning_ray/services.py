@@ -88,10 +88,10 @@ class Services:
         ).remote(cfg.task, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing,
                  cfg.rollout.timeout_seconds, cfg.rollout.max_abandoned_agents, self.queue)
             for i in range(cfg.rollout.num_workers if rollout_workers else 0)]
-        # a resumed run serves its checkpoint's policy; with LoRA, the base and the checkpoint's adapter on it
-        # (the versions after it ship adapters: the engines must keep the base)
-        served, adapter = ((self.model_path, resume.path / "adapter") if cfg.trainer.lora else (resume.policy, None)) \
-            if resume else (self.model_path, None)
+        # a resumed run serves its checkpoint's policy; when LoRA ships adapters, the base and the checkpoint's
+        # adapter on it (the versions after it are adapters: the engines must keep the base)
+        served, adapter = ((self.model_path, resume.path / "adapter") if weight_sync(cfg) == "adapter"
+                           else (resume.policy, None)) if resume else (self.model_path, None)
         apps = [policy_target(str(served), cfg.model.name, self.store, self.registry, **policy_options(cfg, adapter))]
         if cfg.store.http:
             apps.append(store_api_target(self.store, cfg.serve.api_key))
@@ -164,8 +164,8 @@ def _link_ray_logs(session_dir: str, log_dir: Path) -> None:
 def policy_options(cfg: TrainConfig, adapter: Path | None = None) -> dict:
     """The policy app's options (serving/app.py: policy_app) from a run's config; `adapter`: a LoRA adapter's
     directory served on the model from the start."""
-    lora = {"lora_rank": cfg.trainer.lora.rank, "adapter": str(adapter) if adapter else None} if cfg.trainer.lora \
-        else {}
+    lora = {"lora_rank": cfg.trainer.lora.rank, "adapter": str(adapter) if adapter else None} \
+        if weight_sync(cfg) == "adapter" else {}
     return dict(num_replicas=cfg.serve.num_replicas, autoscaling=cfg.serve.autoscaling, engine=cfg.engine.kind,
                 engine_options={**engine_options(cfg.engine), **lora},
                 max_model_len=cfg.engine.max_model_len, api_key=cfg.serve.api_key, seed=cfg.seed, env=cfg.engine.env,
@@ -175,10 +175,15 @@ def policy_options(cfg: TrainConfig, adapter: Path | None = None) -> dict:
                 max_ongoing_requests=cfg.serve.max_ongoing_requests, max_queued_requests=cfg.serve.max_queued_requests,
                 sleep_while_training=cfg.engine.sleep_while_training,
                 teacher={**cfg.teacher.model_dump(), "task": cfg.task.name} if cfg.teacher.kind != "none" else None,
-                weight_sync=resolve_weight_sync(cfg.trainer.weight_sync, cfg.trainer.resources_per_worker,
-                                                cfg.serve.resources),
+                weight_sync=weight_sync(cfg),
                 defaults={"max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature,
                           "top_p": cfg.rollout.top_p})
+
+
+def weight_sync(cfg: TrainConfig) -> str:
+    """The run's weight-sync transport (weight_sync.resolve), `adapter` when LoRA ships its adapter alone."""
+    t = cfg.trainer
+    return resolve_weight_sync(t.weight_sync, t.resources_per_worker, cfg.serve.resources, t.lora)
 
 
 def engine_options(e: EngineConfig) -> dict:

@@ -49,7 +49,8 @@ class Learner:
             train_loop_per_worker,
             train_loop_config={
                 "model_path": str(model_path), "inboxes": self.inboxes, "outbox": self.outbox, "registry": registry,
-                "weight_sync": {"kind": resolve_weight_sync(t.weight_sync, t.resources_per_worker, cfg.serve.resources),
+                "weight_sync": {"kind": resolve_weight_sync(t.weight_sync, t.resources_per_worker, cfg.serve.resources,
+                                                            t.lora),
                                 "timeout_s": cfg.serve.sync_timeout_s},
                 "trainer": resolved(t), "algorithm": cfg.algorithm,
                 "extensions_dir": str(Path("~/.cache/lightning_ray/torch_extensions").expanduser()),

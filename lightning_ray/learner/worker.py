@@ -148,12 +148,10 @@ def learn(cfg: dict, nonce: str) -> None:
     engine = deepspeed_engine(model, parameters, t, on_cuda)
     inbox, outbox, registry = cfg["inboxes"][rank], cfg["outbox"], cfg["registry"]
     from lightning_ray.weight_sync import make_publisher
-    from lightning_ray.weight_sync.adapter import AdapterPublisher
 
-    # rank 0 publishes each version, by the run's transport (object store, CUDA IPC, or a broadcast it serves)
-    # (with LoRA, the adapter alone: the engines apply it on their base)
-    publisher = None if rank else AdapterPublisher() if t.lora else make_publisher(cfg["weight_sync"], registry,
-                                                                                   engine.device)
+    # rank 0 publishes each version, by the run's transport (object store, CUDA IPC, a broadcast it serves, or with
+    # LoRA the adapter alone)
+    publisher = None if rank else make_publisher(cfg["weight_sync"], registry, engine.device)
     outbox.put({"rank": rank, "ready": True, "nonce": nonce, "pid": os.getpid(),
                 "actor": ray.get_runtime_context().current_actor})
     while (msg := inbox.get()) is not None and not (msg["kind"] == "attach" and msg["nonce"] == nonce):

@@ -10,6 +10,7 @@ was superseded before it could be fetched (the newer one follows).
 - object_store: a host copy through Ray's object store (the CPU default).
 - cuda_ipc: colocated on one GPU; the replica copies straight from the learner's GPU memory.
 - collective: separate GPUs or nodes; a broadcast from learner rank 0 to the replica that asks (NCCL; gloo on CPU).
+- adapter (trainer.lora.sync): a LoRA adapter alone, through the object store; the engines apply it on their base.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # torch is imported where a transport runs: the weight registry's process needs none of it (~2 s)
     import torch
+
+    from lightning_ray.config import LoraConfig
 
 TRANSPORTS = ("object_store", "cuda_ipc", "collective")
 
@@ -28,12 +31,16 @@ class Publisher(Protocol):
     def close(self) -> None: ...
 
 
-def resolve(kind: str, learner_resources: dict, replica_resources: dict) -> str:
+def resolve(kind: str, learner_resources: dict, replica_resources: dict, lora: LoraConfig | None = None) -> str:
     """`auto`: the object store unless the learner and the replicas both have GPUs; then CUDA IPC where they share
-    one (Ray lets two actors share a GPU only if each asks for a fraction of it), else a collective broadcast."""
+    one (Ray lets two actors share a GPU only if each asks for a fraction of it), else a collective broadcast.
+    With LoRA, `adapter` where trainer.lora.sync says so (auto: where the replicas have GPUs); merged weights take
+    the run's transport."""
+    learner_gpu, replica_gpu = learner_resources.get("GPU", 0), replica_resources.get("GPU", 0)
+    if lora and (lora.sync == "adapter" or lora.sync == "auto" and replica_gpu):
+        return "adapter"
     if kind != "auto":
         return kind
-    learner_gpu, replica_gpu = learner_resources.get("GPU", 0), replica_resources.get("GPU", 0)
     if not (learner_gpu and replica_gpu):
         return "object_store"
     return "cuda_ipc" if learner_gpu < 1 and replica_gpu < 1 else "collective"
@@ -49,6 +56,10 @@ def make_publisher(options: dict, registry, device: torch.device) -> Publisher:
     kind, bucket_bytes = options["kind"], options.get("bucket_bytes", BUCKET_BYTES)
     if kind == "object_store":
         return object_store.ObjectStorePublisher()
+    if kind == "adapter":
+        from lightning_ray.weight_sync.adapter import AdapterPublisher
+
+        return AdapterPublisher()
     if kind == "cuda_ipc":
         from lightning_ray.weight_sync.cuda_ipc import CudaIpcPublisher
 

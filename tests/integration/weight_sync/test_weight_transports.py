@@ -13,6 +13,7 @@ import pytest
 import ray
 import torch
 
+from lightning_ray.config import LoraConfig
 from lightning_ray.serving.app import deploy_policy
 from lightning_ray.weight_sync import buckets as bk
 from lightning_ray.weight_sync import resolve
@@ -48,6 +49,14 @@ def test_auto_picks_the_transport_from_the_placement():
     assert resolve("auto", {"GPU": 0.5}, {"GPU": 0.5}) == "cuda_ipc"
     assert resolve("auto", {"GPU": 1}, {"GPU": 1}) == "collective"
     assert resolve("collective", {}, {}) == "collective"
+
+
+def test_lora_ships_its_adapter_where_the_replicas_have_gpus_and_merged_weights_on_cpus():
+    lora = LoraConfig()  # sync: auto
+    assert resolve("auto", {"CPU": 1}, {"CPU": 1}, lora) == "object_store"  # merged, by the run's transport
+    assert resolve("auto", {"GPU": 1}, {"GPU": 1}, lora) == "adapter"
+    assert resolve("auto", {"GPU": 0.5}, {"GPU": 0.5}, LoraConfig(sync="merged")) == "cuda_ipc"
+    assert resolve("collective", {}, {}, LoraConfig(sync="adapter")) == "adapter"
 
 
 def learner_actor(registry, model_path, kind: str = "collective", bucket_bytes: int = SMALL_BUCKETS,
