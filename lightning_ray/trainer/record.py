@@ -72,7 +72,8 @@ class IterationRecord(BaseModel):
     clip_frac: float | None = described("share of clipped tokens, averaged over the steps", optional=True)
     logprob_abs_diff: float | None = described(
         "mean \\|learner logprob − served logprob\\| on the same tokens before the update (≈1e-5 with "
-        "vLLM, 1e-7 with HF; `trainer.max_logprob_gap` bounds it on the first step)", optional=True)
+        "vLLM: `benchmarks/results/lora_first_run.json`, `imitation_sql_pilot.json`; `trainer.max_logprob_gap` "
+        "bounds it on the first step)", optional=True)
     entropy: float | None = described(
         "mean entropy of the sampling distribution over the trained tokens", optional=True)
     kl_ref: float | None = described(
