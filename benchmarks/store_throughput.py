@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -117,6 +118,17 @@ def slots_rollouts_per_s(name: str, store, n: int, slots: int) -> dict:
                 time.perf_counter() - t)
 
 
+@contextmanager
+def fresh(path: str | Path | None = None):
+    """A store of its own for one measurement, ended after it: a measured store's WAL checkpoints (hundreds of MB
+    after the spans) must not run beside the next measurement."""
+    store = StoreClient.start(path) if path else StoreClient.start()
+    try:
+        yield store
+    finally:
+        store.close()
+
+
 def ours(args) -> list[dict]:
     from ray import serve
 
@@ -127,15 +139,18 @@ def ours(args) -> list[dict]:
     dicts = make_spans(args.spans, args.workload_rollouts)
     out = []
     with tempfile.TemporaryDirectory() as run_dir:
-        out.append(spans_per_s("lightning_ray-sqlite", partial(StoreClient, StoreClient.start(run_dir).shards), dicts,
-                               args.batch, args.senders))
-        out.append(rollouts_per_s("lightning_ray-sqlite", StoreClient.start(Path(run_dir) / "q"), args.rollouts))
-        out.append(batched_rollouts_per_s("lightning_ray-sqlite", StoreClient.start(Path(run_dir) / "qb"),
-                                          args.batched_rollouts, args.k))
-        out.append(slots_rollouts_per_s("lightning_ray-sqlite", StoreClient.start(Path(run_dir) / "qs"),
-                                        args.batched_rollouts, args.slots))
-    out.append(spans_per_s("lightning_ray-memory", partial(StoreClient, StoreClient.start().shards), dicts,
-                           args.batch, args.senders))
+        with fresh(run_dir) as store:
+            out.append(spans_per_s("lightning_ray-sqlite", partial(StoreClient, store.shards), dicts, args.batch,
+                                   args.senders))
+        with fresh(Path(run_dir) / "q") as store:
+            out.append(rollouts_per_s("lightning_ray-sqlite", store, args.rollouts))
+        with fresh(Path(run_dir) / "qb") as store:
+            out.append(batched_rollouts_per_s("lightning_ray-sqlite", store, args.batched_rollouts, args.k))
+        with fresh(Path(run_dir) / "qs") as store:
+            out.append(slots_rollouts_per_s("lightning_ray-sqlite", store, args.batched_rollouts, args.slots))
+    with fresh() as store:
+        out.append(spans_per_s("lightning_ray-memory", partial(StoreClient, store.shards), dicts, args.batch,
+                               args.senders))
     with tempfile.TemporaryDirectory() as run_dir:
         url = deploy_store_api(StoreClient.start(run_dir), port=args.port)
         out.append(spans_per_s("lightning_ray-http", partial(LightningClient, url), dicts[:args.http_spans],

@@ -17,7 +17,7 @@ from pathlib import Path
 import ray
 
 from lightning_ray.store.errors import InvalidSpans, StoreError, UnknownRollout
-from lightning_ray.store.sqlite import span_from_row, span_row
+from lightning_ray.store.sqlite import rollout_of, rollout_row, span_from_row, span_row
 from lightning_ray.store.trace_store import TraceStore
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Attempt, AttemptPolicy, CancelOutcome, Rollout, Span, Task, Verdict, new_id
@@ -66,7 +66,7 @@ class StoreClient:
         rollouts = [Rollout(rollout_id=new_id("ro"), task=t, config=config or AttemptPolicy(), queue=queue)
                     for t in tasks]
         groups = self._by_shard([r.rollout_id for r in rollouts])
-        ray.get([self.shards[s].enqueue.remote([rollouts[i] for i in idx]) for s, idx in groups.items()])
+        ray.get([self.shards[s].enqueue.remote([rollout_row(rollouts[i]) for i in idx]) for s, idx in groups.items()])
         return rollouts
 
     def dequeue(self, worker_id: str | None = None, attempt_id: str | None = None,
@@ -91,7 +91,8 @@ class StoreClient:
         asked again may have its lease on any shard)."""
         if len(self.shards) > 1:
             return [self.dequeue(worker_id, a, queue) for a in attempt_ids]
-        return ray.get(self.shards[0].dequeue_batch.remote(attempt_ids, worker_id, queue))
+        return [row and rollout_of(row) for row in ray.get(self.shards[0].dequeue_batch.remote(attempt_ids, worker_id,
+                                                                                               queue))]
 
     def heartbeat(self, rollout_id: str, attempt_id: str) -> Attempt:
         return ray.get(self.shard(rollout_id).heartbeat.remote(attempt_id, rollout_id))
@@ -108,7 +109,7 @@ class StoreClient:
         out: list = [None] * len(verdicts)
         for idx, part in zip(groups.values(), parts):
             for i, outcome in zip(idx, part):
-                out[i] = outcome
+                out[i] = outcome if isinstance(outcome, StoreError) else rollout_of(outcome)
         return out
 
     def cancel(self, rollout_ids: list[str]) -> dict[str, CancelOutcome]:

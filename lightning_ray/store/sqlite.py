@@ -13,6 +13,7 @@ import operator
 import sqlite3
 import struct
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 
 import msgspec
@@ -210,16 +211,18 @@ class SQLiteBackend:
 
     def enqueue(self, rollouts: list[Rollout]) -> int:
         """Queue new rollouts; ids already present are ignored (a re-sent enqueue is not duplicated)."""
-        for r in rollouts:
-            if r.status != "queued" or r.attempts:
-                raise InvalidTransition(f"rollout {r.rollout_id} must enter the store as queued, not {r.status!r}")
+        return self.enqueue_rows([rollout_row(r) for r in rollouts])
+
+    def enqueue_rows(self, rows: list[tuple]) -> int:
+        """`enqueue`, each rollout as its row (rollout_row)."""
+        for r in rows:
+            if r[3] != "queued" or r[5]:
+                raise InvalidTransition(f"rollout {r[0]} must enter the store as queued, not {r[3]!r}")
         with self._transaction():
             (seq,) = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM rollouts").fetchone()
             return self.db.executemany(
                 f"INSERT OR IGNORE INTO rollouts (seq, {_ROLLOUT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(seq + i + 1, r.rollout_id, r.task.model_dump_json(), r.config.model_dump_json(), r.status,
-                  r.attempt_id, r.attempts, r.reward, r.error, r.enqueued_at, r.ended_at, r.queue)
-                 for i, r in enumerate(rollouts)]).rowcount
+                [(seq + i + 1, *r) for i, r in enumerate(rows)]).rowcount
 
     def dequeue(self, worker_id: str | None, now: float, attempt_id: str | None = None,
                 queue: str = "default") -> tuple[Rollout, Attempt] | None:
@@ -228,18 +231,25 @@ class SQLiteBackend:
         with self._transaction():
             if attempt_id is not None and (again := self.leased(attempt_id)):
                 return again
-            heads = self._heads(queue, 1)
-            return self._lease([(attempt_id or new_id("at"), heads[0])], worker_id, now)[0] if heads else None
+            if not (heads := self._heads(queue, 1)):
+                return None
+            [(row, attempt)] = self._lease([(attempt_id or new_id("at"), heads[0])], worker_id, now)
+            return rollout_of(row), attempt
 
     def dequeue_batch(self, worker_id: str | None, now: float, attempt_ids: list[str],
                       queue: str = "default") -> list[tuple[Rollout, Attempt] | None]:
         """`dequeue` for each attempt id, in one transaction: an id asked again gets its lease back, one whose attempt
         already ended gets None, the new ones lease the queue's oldest rollouts in order (None once it is empty)."""
+        return [lease and (rollout_of(lease[0]), lease[1])
+                for lease in self.dequeue_rows(worker_id, now, attempt_ids, queue)]
+
+    def dequeue_rows(self, worker_id: str | None, now: float, attempt_ids: list[str],
+                     queue: str = "default") -> list[tuple[tuple, Attempt] | None]:
+        """`dequeue_batch`, each rollout as its row (rollout_of builds it)."""
         with self._transaction():
             known = self._attempts(attempt_ids)
-            rollouts = {r.rollout_id: r for r in self.get_rollouts(
-                [a.rollout_id for a, _ in known.values() if a.status == "running"])}
-            out = {a: (rollouts[attempt.rollout_id], attempt) if attempt.status == "running" else None
+            rows = self._rollout_rows([a.rollout_id for a, _ in known.values() if a.status == "running"])
+            out = {a: (rows[attempt.rollout_id], attempt) if attempt.status == "running" else None
                    for a, (attempt, _) in known.items()}
             new = [a for a in dict.fromkeys(attempt_ids) if a not in out]
             leases = list(zip(new, self._heads(queue, len(new))))
@@ -257,20 +267,20 @@ class SQLiteBackend:
         return [row[1:] for row in sorted(heads)[:n]]
 
     def _lease(self, leases: list[tuple[str, tuple]], worker_id: str | None,
-               now: float) -> list[tuple[Rollout, Attempt]]:
-        """Each (attempt id, rollout row) leased: the rollout to a new attempt of that id; call inside a transaction.
-        The rows' writes go as one statement each."""
+               now: float) -> list[tuple[tuple, Attempt]]:
+        """Each (attempt id, rollout row) leased: the rollout to a new attempt of that id, as its new row; call inside
+        a transaction. The rows' writes go as one statement each."""
         out, attempts, moves = [], [], []
         for attempt_id, row in leases:
             check_move("rollout", row[0], row[3], "running")
-            rollout = _rollout((*row[:3], "running", attempt_id, row[5] + 1, *row[6:]))
-            cfg = rollout.config
-            attempt = Attempt(attempt_id=attempt_id, rollout_id=rollout.rollout_id, sequence=rollout.attempts,
-                              worker_id=worker_id, started_at=now, last_heartbeat=now)
+            row = (*row[:3], "running", attempt_id, row[5] + 1, *row[6:])
+            cfg = _policy(row[2])
+            attempt = Attempt(attempt_id=attempt_id, rollout_id=row[0], sequence=row[5], worker_id=worker_id,
+                              started_at=now, last_heartbeat=now)
             attempts.append((*_attempt_values(attempt), cfg.timeout_seconds and now + cfg.timeout_seconds,
                              cfg.unresponsive_seconds and now + cfg.unresponsive_seconds))
-            moves.append((attempt_id, attempt.sequence, rollout.rollout_id))
-            out.append((rollout, attempt))
+            moves.append((attempt_id, attempt.sequence, row[0]))
+            out.append((row, attempt))
         self.db.executemany(
             f"INSERT INTO attempts ({_ATTEMPT_COLS}, deadline, lease_until) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             attempts)
@@ -307,7 +317,11 @@ class SQLiteBackend:
         """`finish_attempt` for each verdict, in one transaction: each one's rollout, or the error its verdict met
         (that verdict changes nothing; the others are taken). Each verdict is checked whole before anything is
         written, against what the verdicts before it in the batch did; the writes go as one statement each."""
-        out: list[Rollout | StoreError] = []
+        return [o if isinstance(o, StoreError) else rollout_of(o) for o in self.finish_rows(verdicts, now)]
+
+    def finish_rows(self, verdicts: list[Verdict], now: float) -> list[tuple | StoreError]:
+        """`finish_attempts`, each rollout as its row (rollout_of builds it)."""
+        out: list[tuple | StoreError] = []
         with self._transaction():
             attempts = self._attempts([v.attempt_id for v in verdicts])
             rows = self._rollout_rows([a.rollout_id for a, _ in attempts.values()])
@@ -327,7 +341,7 @@ class SQLiteBackend:
                 out.append(row)
             self.db.executemany(_MOVE_ATTEMPT, attempt_moves)
             self.db.executemany(_MOVE_ROLLOUT, rollout_moves)
-        return [o if isinstance(o, StoreError) else _rollout(o) for o in out]
+        return out
 
     def _finish(self, attempt_id: str, status: str, now: float, reward: float | None, error: str | None,
                 rollout_id: str | None) -> Rollout:
@@ -378,7 +392,7 @@ class SQLiteBackend:
                                                   self._rollout_rows([attempt.rollout_id])[attempt.rollout_id])
         self.db.execute(_MOVE_ATTEMPT, attempt_move)
         self.db.execute(_MOVE_ROLLOUT, rollout_move)
-        return _rollout(row)
+        return rollout_of(row)
 
     def _move_attempt(self, attempt: Attempt, status: str, now: float, error: str | None) -> None:
         check_move("attempt", attempt.attempt_id, attempt.status, status)
@@ -405,7 +419,7 @@ class SQLiteBackend:
 
     def get_rollouts(self, rollout_ids: list[str], strict: bool = False) -> list[Rollout]:
         """The rollouts in the order asked; unknown ids are skipped, or raise UnknownRollout when strict."""
-        by_id = {i: _rollout(r) for i, r in self._rollout_rows(rollout_ids).items()}
+        by_id = {i: rollout_of(r) for i, r in self._rollout_rows(rollout_ids).items()}
         if strict and (missing := [i for i in rollout_ids if i not in by_id]):
             raise UnknownRollout(f"no rollout with id {', '.join(map(repr, missing[:5]))}")
         return [by_id[i] for i in rollout_ids if i in by_id]
@@ -415,7 +429,7 @@ class SQLiteBackend:
         where, args = _where(("status", status), ("enqueued_at >= ?", since), ("enqueued_at < ?", until))
         rows = self.db.execute(f"SELECT {_ROLLOUT_COLS} FROM rollouts {where} ORDER BY seq LIMIT ?",
                                (*args, -1 if limit is None else limit)).fetchall()
-        return [_rollout(r) for r in rows]
+        return [rollout_of(r) for r in rows]
 
     def get_attempts(self, rollout_id: str) -> list[Attempt]:
         rows = self.db.execute(f"SELECT {_ATTEMPT_COLS} FROM attempts WHERE rollout_id=? ORDER BY sequence",
@@ -527,7 +541,7 @@ def _ending(attempt: Attempt, status: str, now: float, reward: float | None, err
     written: the attempt's move and the rollout's (parameters of _MOVE_ATTEMPT and _MOVE_ROLLOUT) and the rollout's
     row after them. Whether the rollout ends or goes back to the queue is decided here."""
     check_move("attempt", attempt.attempt_id, attempt.status, status)
-    config = AttemptPolicy.model_validate_json(row[2])
+    config = _policy(row[2])
     if status == "timeout" and reward is None and config.timeout_policy == "policy":
         reward = 0.0  # the policy ran past the deadline (a store-side expiry, or a worker that did not score it)
     if status == "succeeded":
@@ -542,7 +556,15 @@ def _ending(attempt: Attempt, status: str, now: float, reward: float | None, err
             (*row[:3], new, row[4], row[5], reward, error, row[8], ended, row[10]))
 
 
-def _rollout(r) -> Rollout:
+def rollout_row(r: Rollout) -> tuple:
+    """A rollout as its row holds it (_ROLLOUT_COLS: task and attempt policy as JSON), which is also how rollouts
+    travel to and from the store's actor: Ray pickles plain values ~8x faster than the models (benchmarks/README.md),
+    and the store's one thread is what bounds rollouts/s."""
+    return (r.rollout_id, r.task.model_dump_json(), r.config.model_dump_json(), r.status, r.attempt_id, r.attempts,
+            r.reward, r.error, r.enqueued_at, r.ended_at, r.queue)
+
+
+def rollout_of(r: tuple) -> Rollout:
     return Rollout(rollout_id=r[0], task=Task.model_validate_json(r[1]), config=AttemptPolicy.model_validate_json(r[2]),
                    status=r[3], attempt_id=r[4], attempts=r[5], reward=r[6], error=r[7], enqueued_at=r[8],
                    ended_at=r[9], queue=r[10])
@@ -556,3 +578,9 @@ def _attempt(r) -> Attempt:
 def _attempt_values(a: Attempt) -> tuple:
     return (a.attempt_id, a.rollout_id, a.sequence, a.status, a.worker_id, a.started_at, a.last_heartbeat,
             a.ended_at, a.error)
+
+
+@lru_cache(maxsize=64)
+def _policy(text: str) -> AttemptPolicy:
+    """An attempt policy from its JSON, parsed once: a run's rollouts share one (read here, never handed out)."""
+    return AttemptPolicy.model_validate_json(text)

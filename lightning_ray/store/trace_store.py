@@ -77,17 +77,20 @@ class TraceStore:
 
     # --- the rollout queue ---------------------------------------------------------------------------------
 
-    async def enqueue(self, rollouts: list[Rollout]) -> int:
-        return await self._call(self.backend.enqueue, rollouts)
+    # The batch calls take and give rollouts as their rows (sqlite.rollout_row / rollout_of, on the caller's side):
+    # this actor's one thread bounds the store's rollouts/s, and plain values cost it a fraction of the models.
+
+    async def enqueue(self, rows: list[tuple]) -> int:
+        return await self._call(self.backend.enqueue_rows, rows)
 
     async def dequeue(self, worker_id: str | None = None, attempt_id: str | None = None,
                       queue: str = "default") -> tuple[Rollout, Attempt] | None:
         return await self._call(self.backend.dequeue, worker_id, time.time(), attempt_id, queue)
 
     async def dequeue_batch(self, attempt_ids: list[str], worker_id: str | None = None,
-                            queue: str = "default") -> list[Rollout | None]:
-        """The rollouts only (what a worker runs): the attempts stay here, one object less each to send back."""
-        leased = await self._call(self.backend.dequeue_batch, worker_id, time.time(), attempt_ids, queue)
+                            queue: str = "default") -> list[tuple | None]:
+        """The rollouts' rows only (what a worker runs): the attempts stay here, one object less each to send back."""
+        leased = await self._call(self.backend.dequeue_rows, worker_id, time.time(), attempt_ids, queue)
         return [lease and lease[0] for lease in leased]
 
     async def leased(self, attempt_id: str) -> tuple[Rollout, Attempt] | None:
@@ -103,8 +106,8 @@ class TraceStore:
         await self._notify()
         return rollout
 
-    async def finish_attempts(self, verdicts: list[Verdict]) -> list[Rollout | StoreError]:
-        outcomes = await self._call(self.backend.finish_attempts, verdicts, time.time())
+    async def finish_attempts(self, verdicts: list[Verdict]) -> list[tuple | StoreError]:
+        outcomes = await self._call(self.backend.finish_rows, verdicts, time.time())
         for e in outcomes:
             if isinstance(e, StoreError):
                 self.count_error(e.code)
