@@ -73,7 +73,9 @@ class Services:
         self.attempts = AttemptPolicy(max_attempts=cfg.rollout.max_attempts, timeout_seconds=cfg.rollout.timeout_seconds,
                                       unresponsive_seconds=cfg.rollout.unresponsive_seconds,
                                       timeout_policy=cfg.rollout.timeout_policy)
-        self.registry = WeightRegistry.options(name=f"weight-registry@{label}").remote(
+        # on the head too: the versions and who holds them die with no worker node (a node's death took it, and
+        # the run, in benchmarks/soak.py)
+        self.registry = WeightRegistry.options(name=f"weight-registry@{label}", **ON_HEAD).remote(
             resume.state.policy_version if resume else 0)
         if learner:  # ~5 s sooner ready than one after the other, on 2 cores
             self.learner = Learner(cfg, self.model_path, self.registry, resume)
