@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STACK  ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 OTHER  := $(if $(filter gpu,$(STACK)),cpu,gpu)
 
-.PHONY: setup train test test-unit gpu-check bundle clean
+.PHONY: setup train test test-unit gpu-check soak bundle clean
 
 setup: $(VENV)/.installed-$(STACK)
 
@@ -56,6 +56,10 @@ test-unit: setup
 # On a GPU node: the gpu tests and the GPU benchmarks, logs and JSON lines into gpu-check/ (ARGS: another folder).
 gpu-check: setup
 	PYTHON=$(PY) scripts/gpu_check.sh $(ARGS)
+
+# The soak with faults (benchmarks/soak.py): the job on a three-node local cluster while processes are killed.
+soak: setup
+	$(PY) benchmarks/soak.py $(ARGS)
 
 # Wheels (and DeepSpeed's sdist) for an offline GPU node, from a connected machine: `make bundle ARGS="--help"`.
 bundle:
