@@ -22,7 +22,7 @@ from pathlib import Path
 from learning import trained
 
 from lightning_ray.config import compose
-from lightning_ray.services import weight_sync
+from lightning_ray.weight_sync import of_run as weight_sync
 
 
 def main() -> None:

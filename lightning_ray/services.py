@@ -25,7 +25,7 @@ from lightning_ray.store.http import ROUTE_PREFIX as STORE_PREFIX
 from lightning_ray.store.http import store_api_target
 from lightning_ray.terminal import console, status
 from lightning_ray.types import AttemptPolicy, Rollout, Task
-from lightning_ray.weight_sync import resolve as resolve_weight_sync
+from lightning_ray import weight_sync
 from lightning_ray.weight_sync.registry import WeightRegistry
 
 
@@ -92,7 +92,7 @@ class Services:
             for i in range(cfg.rollout.num_workers if rollout_workers else 0)]
         # a resumed run serves its checkpoint's policy; when LoRA ships adapters, the base and the checkpoint's
         # adapter on it (the versions after it are adapters: the engines must keep the base)
-        served, adapter = ((self.model_path, resume.path / "adapter") if weight_sync(cfg) == "adapter"
+        served, adapter = ((self.model_path, resume.path / "adapter") if weight_sync.of_run(cfg) == "adapter"
                            else (resume.policy, None)) if resume else (self.model_path, None)
         apps = [policy_target(str(served), cfg.model.name, self.store, self.registry, **policy_options(cfg, adapter))]
         if cfg.store.http:
@@ -167,7 +167,7 @@ def policy_options(cfg: TrainConfig, adapter: Path | None = None) -> dict:
     """The policy app's options (serving/app.py: policy_app) from a run's config; `adapter`: a LoRA adapter's
     directory served on the model from the start."""
     lora = {"lora_rank": cfg.trainer.lora.rank, "adapter": str(adapter) if adapter else None} \
-        if weight_sync(cfg) == "adapter" else {}
+        if weight_sync.of_run(cfg) == "adapter" else {}
     return dict(num_replicas=cfg.serve.num_replicas, autoscaling=cfg.serve.autoscaling, engine=cfg.engine.kind,
                 engine_options={**engine_options(cfg.engine), **lora},
                 max_model_len=cfg.engine.max_model_len, api_key=cfg.serve.api_key, seed=cfg.seed, env=cfg.engine.env,
@@ -177,15 +177,9 @@ def policy_options(cfg: TrainConfig, adapter: Path | None = None) -> dict:
                 max_ongoing_requests=cfg.serve.max_ongoing_requests, max_queued_requests=cfg.serve.max_queued_requests,
                 sleep_while_training=cfg.engine.sleep_while_training,
                 teacher={**cfg.teacher.model_dump(), "task": cfg.task.name} if cfg.teacher.kind != "none" else None,
-                weight_sync=weight_sync(cfg),
+                weight_sync=weight_sync.of_run(cfg),
                 defaults={"max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature,
                           "top_p": cfg.rollout.top_p})
-
-
-def weight_sync(cfg: TrainConfig) -> str:
-    """The run's weight-sync transport (weight_sync.resolve), `adapter` when LoRA ships its adapter alone."""
-    t = cfg.trainer
-    return resolve_weight_sync(t.weight_sync, t.resources_per_worker, cfg.serve.resources, t.lora)
 
 
 def engine_options(e: EngineConfig) -> dict:

@@ -26,7 +26,7 @@ from lightning_ray.learner.worker import MicroBatch, train_loop_per_worker
 from lightning_ray.metrics import count_error
 from lightning_ray.placement import ON_HEAD
 from lightning_ray.types import Transition
-from lightning_ray.weight_sync import resolve as resolve_weight_sync
+from lightning_ray import weight_sync
 
 
 class Learner:
@@ -49,8 +49,7 @@ class Learner:
             train_loop_per_worker,
             train_loop_config={
                 "model_path": str(model_path), "inboxes": self.inboxes, "outbox": self.outbox, "registry": registry,
-                "weight_sync": {"kind": resolve_weight_sync(t.weight_sync, t.resources_per_worker, cfg.serve.resources,
-                                                            t.lora),
+                "weight_sync": {"kind": weight_sync.of_run(cfg),
                                 "timeout_s": cfg.serve.sync_timeout_s},
                 "trainer": resolved(t), "algorithm": cfg.algorithm,
                 "extensions_dir": str(Path("~/.cache/lightning_ray/torch_extensions").expanduser()),

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:  # torch is imported where a transport runs: the weight registry's process needs none of it (~2 s)
     import torch
 
-    from lightning_ray.config import LoraConfig
+    from lightning_ray.config import LoraConfig, TrainConfig
 
 TRANSPORTS = ("object_store", "cuda_ipc", "collective")
 
@@ -44,6 +44,12 @@ def resolve(kind: str, learner_resources: dict, replica_resources: dict, lora: L
     if not (learner_gpu and replica_gpu):
         return "object_store"
     return "cuda_ipc" if learner_gpu < 1 and replica_gpu < 1 else "collective"
+
+
+def of_run(cfg: TrainConfig) -> str:
+    """A run's transport, resolved from its config: what the learner publishes by and the replicas expect."""
+    t = cfg.trainer
+    return resolve(t.weight_sync, t.resources_per_worker, cfg.serve.resources, t.lora)
 
 
 def make_publisher(options: dict, registry, device: torch.device) -> Publisher:
