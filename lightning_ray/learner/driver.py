@@ -4,7 +4,8 @@ batches through Ray queues.
 A rank whose process dies (its node lost, killed, out of host memory) is restarted by Ray Train with every other rank
 (trainer.max_restarts, Ray Train's FailureConfig); the new ranks load the run's latest checkpoint and take the
 command that was in flight again, and the run goes on. Updates since that checkpoint are lost (none with
-trainer.checkpoint_every=1); the versions go on from the last one published, never back."""
+trainer.checkpoint_every=1): rank 0 publishes the weights the ranks went back to as the next version, so the replicas
+serve what the learner holds; the versions only go up."""
 
 from __future__ import annotations
 
@@ -108,9 +109,10 @@ class Learner:
                     return True
         return False
 
-    def _attach(self, ready: dict[int, dict]) -> None:
+    def _attach(self, ready: dict[int, dict], publish: int | None = None) -> None:
         """Waits for every rank's process to start (`ready`: those already heard from), then tells each the checkpoint
-        to load, if any, and waits for them all to have loaded it."""
+        to load, if any, and waits for them all to have loaded it (and rank 0 to have published what they loaded as
+        version `publish`, if given)."""
         while len(ready) < self.n:
             if (msg := self._next()).get("ready"):
                 ready[msg["rank"]] = msg
@@ -118,7 +120,7 @@ class Learner:
         self.ranks = ready
         load = str(self.checkpoint.path) if self.checkpoint else None
         for rank, msg in ready.items():
-            self.inboxes[rank].put({"kind": "attach", "nonce": msg["nonce"], "load": load})
+            self.inboxes[rank].put({"kind": "attach", "nonce": msg["nonce"], "load": load, "publish": publish})
         self._gather()
 
     def _command(self, messages: list[dict] | None) -> list[dict]:
@@ -127,11 +129,18 @@ class Learner:
         restarted = None  # the new processes heard from, once the ranks restart
         while True:
             try:
-                if not self.ranks or restarted is not None:
-                    self._attach(restarted or {})
-                    if restarted is not None and messages and messages[0]["kind"] == "step":
-                        # rank 0 may have published the step's version before it died: the versions only go up
-                        published, _ = ray.get(self.registry.wait_newer.remote(0, 0.0))
+                if not self.ranks:
+                    self._attach({})
+                if restarted is not None:
+                    # The replicas serve the updates the restart lost, from a payload the dead rank 0 owned: a
+                    # replica started now could not fetch it. Rank 0 publishes the weights the ranks went back to as
+                    # the next version (versions only go up; rank 0 may have published the step in flight before it
+                    # died), unless nothing was published yet.
+                    published, payload = ray.get(self.registry.wait_newer.remote(0, 0.0))
+                    self._attach(restarted, publish=published + 1 if payload is not None else None)
+                    if payload is not None:
+                        self.version = published = published + 1
+                    if messages and messages[0]["kind"] == "step":
                         messages = [{**msg, "version": max(msg["version"], published + 1)} for msg in messages]
                     restarted = None
                 if messages is None:

@@ -162,6 +162,10 @@ def learn(cfg: dict, nonce: str) -> None:
         loaded, _ = engine.load_checkpoint(str(Path(msg["load"]) / "learner"), tag="state")
         if loaded is None:  # DeepSpeed only warns
             raise FileNotFoundError(f"no learner state to load in {msg['load']}/learner")
+    if msg["publish"]:  # restarted ranks: the weights they went back to, as a new version (learner/driver.py)
+        with whole_weights(engine) as module:
+            if rank == 0:
+                publish(registry, publisher, msg["publish"], served(module))
     outbox.put({"rank": rank, "nonce": nonce, "attached": msg["load"]})
     first = True
     while (msg := inbox.get()) is not None:
@@ -186,7 +190,7 @@ def learn(cfg: dict, nonce: str) -> None:
             # (each was skipped) are no new version.
             policy = served(module)
             if rank == 0 and stats["updated"]:
-                ray.get(registry.publish.remote(msg["version"], publisher.publish(msg["version"], policy)))
+                publish(registry, publisher, msg["version"], policy)
             published = time.perf_counter()
             digest = parameter_digest(policy)
         if on_cuda:  # activations and gradients' cached blocks back to the GPU, for a colocated engine to wake into
@@ -194,6 +198,11 @@ def learn(cfg: dict, nonce: str) -> None:
         stats.update(compute_s=trained - started, publish_s=published - trained,
                      digest_s=time.perf_counter() - published, peak_mib=peak_mib(device))
         outbox.put({"rank": rank, "nonce": nonce, "version": msg["version"], "digest": digest, **stats})
+
+
+def publish(registry, publisher, version: int, policy: torch.nn.Module) -> None:
+    """Rank 0's: the version's payload by the run's transport, then the registry tells the replicas."""
+    ray.get(registry.publish.remote(version, publisher.publish(version, policy)))
 
 
 class WithValueHead(torch.nn.Module):

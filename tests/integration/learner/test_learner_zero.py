@@ -78,8 +78,9 @@ def test_zero3_publishes_whole_weights_and_a_resumed_or_restarted_learner_takes_
     the other stages above), a checkpoint, a second step; a learner resumed from the checkpoint takes the second step
     to the same weights. Only with AdamW's moments and the value head restored (from each rank's partitions): fresh
     moments or a fresh head would step elsewhere. Then the same step again, and one of its ranks is SIGKILLed in the
-    middle of it: Ray Train restarts both ranks, they load the checkpoint, the step is taken again, to the same
-    weights, and published as the next version."""
+    middle of it: Ray Train restarts both ranks, they load the checkpoint, rank 0 publishes the checkpoint's weights as
+    the next version (the replicas served the lost update, from a payload the dead rank 0 owned), then the step is
+    taken again, to the same weights, and published as the version after."""
     def config(run_dir):  # a run's learner queues are named after its directory
         return small({"run_dir": str(run_dir), "algorithm": PPO, "trainer": {
             "num_workers": 2, "threads_per_worker": 1, "zero_stage": 3, "lr": 1e-3, "micro_batch_tokens": 96,
@@ -110,23 +111,33 @@ def test_zero3_publishes_whole_weights_and_a_resumed_or_restarted_learner_takes_
         replies = resumed.step(second)
         assert resumed.version == 2 and {r["digest"] for r in replies} == {expected}
         os.kill(resumed.ranks[1]["pid"], signal.SIGSTOP)  # before the step is sent: it cannot finish without rank 1
-        killer = threading.Thread(target=kill_once_taken, args=(resumed, 1))
+        republished = {}
+        killer = threading.Thread(target=kill_once_taken, args=(resumed, 1, registry, republished))
         killer.start()
         replies = resumed.step(second)
         killer.join()
     finally:
         resumed.close()
-    assert resumed.restarts == 1 and resumed.version == 3 and {r["digest"] for r in replies} == {expected}
-    assert ray.get(registry.wait_newer.remote(2, 1.0))[0] == 3
+    assert resumed.restarts == 1 and resumed.version == 4 and {r["digest"] for r in replies} == {expected}
+    assert ray.get(registry.wait_newer.remote(3, 1.0))[0] == 4
+    # version 3: the checkpoint's weights, from the new rank 0 (version 2's payload died with the old one)
+    assert republished["version"] == 3
+    reloaded = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    reloaded.load_state_dict(republished["state"])
+    assert parameter_digest(reloaded) == parameter_digest(AutoModelForCausalLM.from_pretrained(saved.path / "policy"))
 
 
-def kill_once_taken(learner: Learner, rank: int) -> None:
+def kill_once_taken(learner: Learner, rank: int, registry, republished: dict) -> None:
     """SIGKILLs the (stopped) rank's process once the other ranks have taken their step (their inboxes empty): they
     wait for it in the step's first collective, so the learner dies mid-step, the stopped rank's message still queued
-    for it."""
+    for it. Then fetches into `republished` the next version the registry holds (the restarted ranks')."""
     while not all(inbox.empty() for i, inbox in enumerate(learner.inboxes) if i != rank):
         time.sleep(0.01)
+    version = ray.get(registry.wait_newer.remote(0, 0.0))[0]
     os.kill(learner.ranks[rank]["pid"], signal.SIGKILL)
+    republished["version"], payload = ray.get(registry.wait_newer.remote(version, 120.0))
+    republished["state"] = ray.get(payload[0])
+
 
 
 def test_two_ranks_train_like_one(ray_cluster, tiny_model_path, tmp_path):
