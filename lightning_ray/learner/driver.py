@@ -10,6 +10,7 @@ serve what the learner holds; the versions only go up."""
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 from pathlib import Path
@@ -46,6 +47,10 @@ class Learner:
         self.inboxes = [Queue(actor_options={"num_cpus": 0, "name": f"learner-inbox-{i}@{label}", **ON_HEAD})
                         for i in range(self.n)]
         self.outbox = Queue(actor_options={"num_cpus": 0, "name": f"learner-outbox@{label}", **ON_HEAD})
+        # Ray Train's preemption watcher only logs node drains and offers them to a training function that asks
+        # (ray.train.get_preemption_info; ours does not: a lost rank restarts from the checkpoint): an actor and a
+        # poll per start for nothing. Set the variable to 1 to have it.
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")  # passed on to Ray Train's controller
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={
