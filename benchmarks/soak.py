@@ -46,6 +46,20 @@ TARGETS = {"rollout worker": "RolloutWorker", "policy replica": "ServeReplica:po
 # the worker nodes, by their custom resources (the head, with the driver and the store, stays)
 NODES = {"policy node": {"num_cpus": 2, "resources": {"policy_gpu": 2}},
          "trainer node": {"num_cpus": 1, "resources": {"trainer_gpu": 1}}}
+# what brings each fault back, as the report says it (the mechanisms the checks then verify)
+RECOVERED_BY = {
+    "rollout worker": "Ray restarts the actor (max_restarts=-1); its leased attempts run out (rollout."
+                      "unresponsive_seconds) and are retried (rollout.max_attempts)",
+    "policy replica": "Serve starts a new replica, which loads the registry's latest version before it is routed to; "
+                      "the calls it was answering end in a server error, the platform's failure, and are retried",
+    "trace store": "Ray restarts the actor on the head from its SQLite files; Ray retries the calls it was sent "
+                   "(max_task_retries=-1)",
+    "learner rank": "Ray Train restarts every rank (trainer.max_restarts); they load the latest checkpoint, rank 0 "
+                    "republishes its weights as the next version, the command in flight is sent again",
+    "policy node": "a node joins in its place; Serve starts the replicas there (each on the latest version), as for a "
+                   "replica, and the rollout workers it held restart, as for a rollout worker",
+    "trainer node": "a node joins in its place; Ray Train starts the ranks there, as for a learner rank",
+}
 FINAL = ("succeeded", "failed", "cancelled")
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -93,7 +107,8 @@ class Chaos(threading.Thread):
         while not self.stopped.wait(self.rng.expovariate(1 / self.mean_gap)):
             kind = self.rng.choice([*TARGETS, *self.nodes])
             before = {k: alive(prefix) for k, prefix in TARGETS.items()}
-            fault = {"t_s": round(time.monotonic() - self.start_time, 1), "fault": kind}
+            fault = {"t_s": round(time.monotonic() - self.start_time, 1), "fault": kind,
+                     "recovered_by": RECOVERED_BY[kind]}
             if kind in self.nodes:  # every process on it dies with it, and each must be replaced
                 node = self.nodes[kind]
                 dead = {pid for pids in before.values() for pid in pids.values() if on(node, pid)}
