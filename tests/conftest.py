@@ -16,10 +16,10 @@ from helpers import free_port
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """On a fresh machine the tiny model's build takes ~3 min: when a collected test needs it, it builds in a process
+    """On a fresh machine the tiny model's build is long: when a collected test needs it, it builds in a process
     of its own from the start, while the test files that do not need it run first (the unit tier's, then the
     integration tier's: testpaths' order, kept within each part; a test file that waited for the build left a core
-    idle ~100 s). Whoever resolves the model first builds it; the other waits on the cache's lock (models._cached)
+    idle). Whoever resolves the model first builds it; the other waits on the cache's lock (models._cached)
     and finds it built."""
     global _tiny_build
     needs_model = {item.module for item in items if "tiny_model_path" in item.fixturenames}
@@ -50,7 +50,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def tiny_model_path():
-    """The tiny test model (model.path=null): built (~25 s) once into the user cache, then reused."""
+    """The tiny test model (model.path=null): built once into the user cache, then reused."""
     return resolve_model_path(ModelConfig())
 
 
