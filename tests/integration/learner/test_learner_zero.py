@@ -119,7 +119,6 @@ def kill_once_taken(learner: Learner, rank: int, registry, republished: dict) ->
     republished["state"] = ray.get(payload[0])
 
 
-
 def test_two_ranks_train_like_one(ray_cluster, tiny_model_path, tmp_path):
     """The same PPO batch on one rank and on two (ZeRO-1: each rank half the batch in its own micro-batches, and half
     the optimizer state), in 4 optimizer steps (2 mini-batches × 2 epochs), every rank in each of them: the loss is
@@ -131,9 +130,8 @@ def test_two_ranks_train_like_one(ray_cluster, tiny_model_path, tmp_path):
     runs = []
     for ranks in (1, 2):
         cfg = small({"run_dir": str(tmp_path / str(ranks)), "algorithm": {**PPO, "ppo_epochs": 2, "mini_batches": 2},
-                     "trainer": {
-            "num_workers": ranks, "threads_per_worker": 1, "zero_stage": 1, "lr": 1e-3, "micro_batch_tokens": 96,
-            "max_logprob_gap": None}})  # made-up served logprobs
+                     "trainer": {"num_workers": ranks, "threads_per_worker": 1, "zero_stage": 1, "lr": 1e-3,
+                                 "micro_batch_tokens": 96, "max_logprob_gap": None}})  # made-up served logprobs
         registry = WeightRegistry.remote()
         learner = Learner(cfg, tiny_model_path, registry)
         try:
