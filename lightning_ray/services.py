@@ -115,20 +115,25 @@ class Services:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.learner:  # its ranks shut down while the apps are deleted
-            self.learner.stop()
-        for app in self.apps:
-            serve.delete(app)
-        if self.learner:
-            self.learner.close()
+        """Stops every part, each whatever happened to the others (a part already gone, its node lost, must not
+        leave the rest running); the first failure is raised once all were tried."""
+        steps = [self.learner.stop] if self.learner else []  # its ranks shut down while the apps are deleted
+        steps += [lambda app=app: serve.delete(app) for app in self.apps]
+        steps += [self.learner.close] if self.learner else []
         # Named, the run's actors would outlive it in a driver that goes on (a notebook, the tests' one cluster):
         # Serve keeps the handles a deleted app was deployed with.
-        for actor in [*self.workers, *([self.registry] if self.registry else [])]:
-            ray.kill(actor, no_restart=True)
-        if self.store:
-            self.store.close()
-        if self.owns_ray:
-            ray.shutdown()
+        steps += [lambda actor=actor: ray.kill(actor, no_restart=True)
+                  for actor in [*self.workers, *([self.registry] if self.registry else [])]]
+        steps += [self.store.close] if self.store else []
+        steps += [ray.shutdown] if self.owns_ray else []
+        failures = []
+        for step in steps:
+            try:
+                step()
+            except Exception as e:
+                failures.append(e)
+        if failures:
+            raise failures[0]
 
     def sleep_engines(self) -> None:
         """Every replica's engine frees its GPU memory for the learner (engine.sleep_while_training); the next
