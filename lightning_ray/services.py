@@ -126,14 +126,14 @@ class Services:
                   for actor in [*self.workers, *([self.registry] if self.registry else [])]]
         steps += [self.store.close] if self.store else []
         steps += [ray.shutdown] if self.owns_ray else []
-        failures = []
+        failure = None
         for step in steps:
             try:
                 step()
             except Exception as e:
-                failures.append(e)
-        if failures:
-            raise failures[0]
+                failure = failure or e
+        if failure:
+            raise failure
 
     def sleep_engines(self) -> None:
         """Every replica's engine frees its GPU memory for the learner (engine.sleep_while_training); the next
