@@ -2,9 +2,16 @@
 model.path=...): the calc task's oracle answers the training rollouts behind the same endpoint, the episodes are
 recorded in the store, one SFT step trains on them through Ray Train + DeepSpeed, and RL goes on from the checkpoint
 the imitation run wrote, with no teacher. A teacher that errs (the tiny model itself, sampling) has its episodes
-filtered by reward."""
+filtered by reward.
+
+The RL run also stands for any run's time budget and pass@k evaluation (trainer.max_minutes, eval.pass_k): a run
+start is most of a test's time on this machine, so one run checks what needs no run of its own."""
 
 from __future__ import annotations
+
+import json
+import sqlite3
+from collections import defaultdict
 
 import pytest
 from helpers import small
@@ -34,7 +41,11 @@ def runs(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     imitated, reinforced, sampled = (tmp_path_factory.mktemp(name) for name in ("imitate", "rl", "sampled"))
     imitation = train(config(imitated, tiny_model_path, serve_port, teacher={"kind": "oracle"},
                              algorithm={"objective": "sft"}, rollout={"tasks_per_iteration": 6, "group_size": 1}))
-    rl = train(config(reinforced, imitated / "checkpoint", serve_port, rollout={"group_size": 4}))
+    # a time budget spent within the first of 50 iterations, which is then the last: evaluated (with pass@2 besides)
+    # and checkpointed as the last of `iterations` would be, though eval_every and checkpoint_every are 40
+    rl = train(config(reinforced, imitated / "checkpoint", serve_port, rollout={"group_size": 4}, eval={"pass_k": 2},
+                      trainer={"iterations": 50, "max_minutes": 1e-3, "eval_every": 40, "checkpoint_every": 40,
+                               "lr": 1e-3}))
     teacher = {"kind": "model", "path": str(tiny_model_path), "temperature": 1.0, "max_tokens": 32}
     erring = train(config(sampled, tiny_model_path, serve_port, teacher=teacher, algorithm={"objective": "sft"},
                           rollout={"tasks_per_iteration": 8, "group_size": 2}, trainer={"iterations": 1, "eval_every": 0}))
@@ -88,3 +99,32 @@ def test_a_teachers_episodes_below_the_bar_are_left_out(runs):
     # only the kept episodes' tokens were trained on (every call's answer, at algorithm.level=transition)
     assert h["trained_tokens"] == sum(len(s.attributes[semconv.COMPLETION_TOKEN_IDS]) for s in spans
                                       if s.rollout_id in kept)
+
+
+def test_a_time_budget_ends_training_with_the_final_evaluation(runs):
+    """trainer.max_minutes: the iteration running when the budget runs out is the last, evaluated and checkpointed as
+    the last of `iterations` would be."""
+    history = runs["rl"]
+    assert [h["iteration"] for h in history] == [0]
+    assert history[0]["eval_before"]["tasks"] == history[0]["eval"]["tasks"] == 4
+    assert history[0]["policy_version"] == 0 or (runs["reinforced"] / "checkpoint").is_dir()  # saved if it trained
+
+
+def test_pass_at_k_is_over_k_samples_of_each_held_out_problem(runs):
+    """eval.pass_k=2: after the greedy rollouts, two per problem at the rollout temperature; a problem passes if
+    either is right. Recomputed from the store: the evaluations' sampled rollouts (no group, temperature 1), the
+    last 8 being the final evaluation's."""
+    run_dir = runs["reinforced"]
+    rollouts = [{"rollout_id": r[0], "task": json.loads(r[1]), "reward": r[2]} for r in sqlite3.connect(
+        run_dir / "traces.sqlite").execute("SELECT rollout_id, task, reward FROM rollouts ORDER BY enqueued_at, seq")]
+    temperature = {s.rollout_id: s.attributes[semconv.SAMPLING]["temperature"] for s in calls(run_dir)}
+    sampled = [r for r in rollouts if r["task"]["group_id"] is None and temperature[r["rollout_id"]] == 1.0]
+    assert len(sampled) == 2 * 4 * 2  # before and after training, 4 problems, 2 samples each
+    by_task = defaultdict(list)
+    for r in sampled[8:]:
+        by_task[r["task"]["task_id"]].append(r["reward"] is not None and r["reward"] >= 1)
+    final = runs["rl"][-1]["eval"]
+    assert len(by_task) == 4 and all(len(right) == 2 for right in by_task.values())
+    assert final["pass@2"] == sum(any(right) for right in by_task.values()) / 4
+    assert final["mean@2"] == sum(sum(right) for right in by_task.values()) / 8
+    assert "pass@2" in runs["rl"][0]["eval_before"]
