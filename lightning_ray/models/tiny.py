@@ -30,11 +30,7 @@ def build_tiny_model(out_dir: str | Path, warmup_steps: int = 1000, seed: int = 
     """Write a tokenizer + model to out_dir (HF format) and return it."""
     out = Path(out_dir)
     torch.manual_seed(seed)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=_train_bpe(_corpus(400, seed=12345)), eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        bos_token=None,
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = build_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
@@ -48,6 +44,17 @@ def build_tiny_model(out_dir: str | Path, warmup_steps: int = 1000, seed: int = 
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The model's tokenizer alone (seconds, where the model takes minutes): byte-level BPE fitted to calc
+    transcripts, with the ChatML chat template."""
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_bpe(_corpus(400, seed=12345)), eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        bos_token=None,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def _render(conv: list[dict], tools: list[dict] | None) -> str:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import pytest
 import ray
+from transformers import AutoTokenizer
+
+from lightning_ray.models.tiny import build_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +20,12 @@ def starts_no_ray():
     running = ray.is_initialized()  # in `make test`, the integration tests' session cluster may be up already
     yield
     assert running or not ray.is_initialized(), "a unit test started Ray: move it to tests/integration/"
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory):
+    """The tiny model's tokenizer alone, saved and loaded as the model's directory holds it: seconds, where the
+    model's build takes minutes on a fresh machine (what the tests here need of it is its tokenizer)."""
+    path = tmp_path_factory.mktemp("tiny-tokenizer")
+    build_tokenizer().save_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)

@@ -7,7 +7,6 @@ import json
 
 import pytest
 from pydantic import ValidationError
-from transformers import AutoTokenizer
 
 from lightning_ray.algorithm.lightningrl import adapt
 from lightning_ray.config import TrainConfig
@@ -18,11 +17,6 @@ from lightning_ray.tasks import calc, rag, sql
 from lightning_ray.tasks.sql.workflow import CHECKER_PROMPT, WRITER_PROMPT, extract_sql
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Rollout, Span, Task
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
 def said(tokenizer, messages, tools, answer) -> str:

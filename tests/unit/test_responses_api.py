@@ -13,7 +13,6 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
-from transformers import AutoTokenizer
 
 from lightning_ray.serving.app import PolicyServer
 from lightning_ray.serving.decoding import ChoiceDelta
@@ -334,11 +333,6 @@ async def scripted_run(tokenizer, completion: str, fail_after: int | None, *args
         part = ids[i:i + 3]
         yield ChoiceDelta(index=0, text=tokenizer.decode(part), token_ids=part, logprobs=[0.0] * len(part),
                           finish_reason="stop" if i + 3 >= len(ids) else None, policy_version=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
 # The class as written in app.py, without the wrapper @serve.ingress puts around it.
