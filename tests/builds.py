@@ -1,8 +1,8 @@
 """What the tests build once per machine, keyed on their inputs (models in the user cache, AutoGen's venv in .venvs/),
-and the process that builds them in the background from the start of a session (conftest.py): on a fresh machine the
-tiny model first, at normal priority (most integration tests wait for it), then the others at the lowest (`nice` 19),
-on the cores the running tests leave idle, so a test that needs one finds it built, or waits on its lock
-(models._cached) for the rest.
+and the process that builds
+them in the background from the start of a session (conftest.py): on a fresh machine the tiny model first, at normal
+priority (most integration tests wait for it), then the others at the lowest (`nice` 19), on the cores the running
+tests leave idle, so a test that needs one finds it built, or waits on its lock (models._cached) for the rest.
 
     python tests/builds.py autogen rag    # the tiny model, then AutoGen's venv and the rag model"""
 
