@@ -1,17 +1,15 @@
-"""What the tests build once per machine, keyed on their inputs (models in the user cache, AutoGen's venv in .venvs/),
-and the process that builds
+"""What the tests build once per machine into the user cache (keyed on their inputs), and the process that builds
 them in the background from the start of a session (conftest.py): on a fresh machine the tiny model first, at normal
 priority (most integration tests wait for it), then the others at the lowest (`nice` 19), on the cores the running
 tests leave idle, so a test that needs one finds it built, or waits on its lock (models._cached) for the rest.
 
-    python tests/builds.py autogen rag    # the tiny model, then AutoGen's venv and the rag model"""
+    python tests/builds.py rag    # the tiny model, then the rag model"""
 
 from __future__ import annotations
 
 import inspect
 import os
 import random
-import subprocess
 import sys
 from functools import partial
 from pathlib import Path
@@ -23,8 +21,6 @@ from lightning_ray.models import _cached, content_key, resolve_model_path
 from lightning_ray.serving.chat import template_messages
 from lightning_ray.serving.responses import ResponsesRequest, to_chat
 from lightning_ray.tasks import rag
-
-from helpers import ROOT
 
 WORLD = {"people": 60}  # 120 questions over 131 facts: quick to embed in every rollout worker
 
@@ -73,23 +69,8 @@ def rag_model(tiny: Path) -> Path:
     return _cached(Path(ModelConfig().cache_dir).expanduser() / f"tiny-rag-{key}", partial(warm_up_on_rag, tiny))
 
 
-def autogen_venv() -> Path:
-    """AutoGen's pinned venv (envs/autogen: its protobuf pin cannot share ours), named by its pins' hash: new pins,
-    new venv (the first AutoGen test, the build included, took 31-35 s on empty caches against 14 s with the venv
-    there: benchmarks/results/suite_cpu_*_fresh.jsonl, suite_cpu_21f0cad.jsonl)."""
-    constraints = ROOT / "envs/autogen/constraints.txt"
-
-    def build(venv: Path) -> None:  # scripts in a venv name their interpreter by path: run it as `python -m` only
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "-q", "-c", str(constraints),
-                        "autogen-agentchat", "autogen-ext[openai]"], check=True, timeout=600)
-
-    return _cached(ROOT / ".venvs" / f"autogen-{content_key(constraints.read_text(), packages=())}", build,
-                   built="bin/python")
-
-
 if __name__ == "__main__":
     tiny = resolve_model_path(ModelConfig())
     os.nice(19)
     for name in sys.argv[1:]:
-        {"rag": lambda: rag_model(tiny), "autogen": autogen_venv}[name]()
+        {"rag": rag_model}[name](tiny)

@@ -18,7 +18,7 @@ from helpers import free_port
 
 def pytest_collection_modifyitems(session, config, items):
     """On a fresh machine the tiny model's build is long: when a collected test needs it, it builds in a process
-    of its own from the start (tests/builds.py: then, at the lowest priority, what else the collected tests
+    of its own from the start (tests/builds.py: then, at the lowest priority, the other models the collected tests
     need), while the test files that do not need it run first (the unit tier's, then the integration tier's:
     testpaths' order, kept within each part; a test file that waited for the build left a core idle). Whoever
     resolves a model first builds it; the other waits on the cache's lock (models._cached) and finds it built."""
@@ -39,7 +39,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 _builds: subprocess.Popen | None = None
-BUILT_LATER = {"autogen": "autogen_python", "rag": "rag_model_path"}  # in the order needed; the fixture of each
+BUILT_LATER = {"rag": "rag_model_path"}  # tests/builds.py's names, and the fixture that asks for each
 
 
 @pytest.fixture(scope="session")

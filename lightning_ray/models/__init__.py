@@ -72,16 +72,16 @@ def content_key(*sources: str, packages: tuple[str, ...] = ("torch", "transforme
     return h.hexdigest()[:12]
 
 
-def _cached(path: Path, build, built: str = "model.safetensors") -> Path:
-    """`path`, built first if it is not there (no `path/built`). One process builds while the others wait on its lock
-    (the kernel drops a lock with its process, so a crashed build never blocks anyone), into a temporary directory
-    renamed whole: a crash mid-build never leaves a half-written model behind."""
-    if (path / built).exists():
+def _cached(path: Path, build) -> Path:
+    """`path`, built first if it is not there. One process builds while the others wait on its lock (the kernel
+    drops a lock with its process, so a crashed build never blocks anyone), into a temporary directory renamed
+    whole: a crash mid-build never leaves a half-written model behind."""
+    if (path / "model.safetensors").exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(f"{path.name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (path / built).exists():  # else built while we waited
+        if not (path / "model.safetensors").exists():  # else built while we waited
             tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             build(tmp)
