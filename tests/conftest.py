@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import ray
@@ -18,28 +17,28 @@ from helpers import free_port
 
 def pytest_collection_modifyitems(session, config, items):
     """On a fresh machine the tiny model's build is long: when a collected test needs it, it builds in a process
-    of its own from the start (tests/builds.py: then, at the lowest priority, the other models the collected tests
-    need), while the test files that do not need it run first (the unit tier's, then the integration tier's:
-    testpaths' order, kept within each part; a test file that waited for the build left a core idle). Whoever
-    resolves a model first builds it; the other waits on the cache's lock (models._cached) and finds it built."""
-    global _builds
+    of its own from the start, while the test files that do not need it run first (the unit tier's, then the
+    integration tier's: testpaths' order, kept within each part; a test file that waited for the build left a core
+    idle). Whoever resolves the model first builds it; the other waits on the cache's lock (models._cached)
+    and finds it built."""
+    global _tiny_build
     needs_model = {item.module for item in items if "tiny_model_path" in item.fixturenames}
     items.sort(key=lambda item: item.module in needs_model)  # stable: each file's tests stay together, in order
     if needs_model:  # a failed build is the fixture's to report
-        later = [name for name, fixture in BUILT_LATER.items() if any(fixture in item.fixturenames for item in items)]
-        _builds = subprocess.Popen([sys.executable, str(Path(__file__).with_name("builds.py")), *later],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _tiny_build = subprocess.Popen(
+            [sys.executable, "-c", "from lightning_ray.config import ModelConfig; "
+             "from lightning_ray.models import resolve_model_path; resolve_model_path(ModelConfig())"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if _builds is not None and _builds.poll() is None:  # the session ended first (-x); models._cached
+    if _tiny_build is not None and _tiny_build.poll() is None:  # the session ended first (-x); models._cached
         # builds into a temporary directory renamed whole, so a killed build leaves nothing half-written
-        _builds.kill()
-        _builds.wait()
+        _tiny_build.kill()
+        _tiny_build.wait()
 
 
-_builds: subprocess.Popen | None = None
-BUILT_LATER = {"rag": "rag_model_path"}  # tests/builds.py's names, and the fixture that asks for each
+_tiny_build: subprocess.Popen | None = None
 
 
 @pytest.fixture(scope="session")
