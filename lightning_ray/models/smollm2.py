@@ -41,7 +41,8 @@ def build_smollm2(out_dir: str | Path) -> Path:
 def _gguf_read_once():
     """transformers parses the GGUF file three times (tokenizer, config, weights: ~7 s each, its 49k-token
     vocabulary read field by field) and rebuilds gguf's tensor-name map for each of the model's 397 modules (~12 s):
-    both are pure functions of their arguments, so while the model is built they are remembered. 56 s -> ~25 s."""
+    both are pure functions of their arguments, so while the model is built they are remembered: 56 s -> 18.5 s here,
+    the files byte for byte the same."""
     import gguf
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
