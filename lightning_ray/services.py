@@ -42,31 +42,37 @@ class Services:
         cfg.run_path.mkdir(parents=True, exist_ok=True)
         cfg.save(cfg.run_path / "config.yaml")
         print(f"run directory: {cfg.run_path}", flush=True)
-        self.owns_ray = not ray.is_initialized()
-        if self.owns_ray:
-            local = cfg.ray.address is None
-            # A run starts ~12 worker processes at once (store, registry, rollout workers, Serve's controller, proxy
-            # and replicas, Ray Train's controller and ranks): Ray expects one per CPU, and its warning would say so
-            # on every small machine.
-            context = ray.init(address=cfg.ray.address, namespace="lightning_ray", log_to_driver=cfg.verbose,
-                               **({"num_cpus": cfg.ray.num_cpus, "_metrics_export_port": cfg.ray.metrics_export_port,
-                                   "_system_config": {"worker_maximum_startup_concurrency": 16}} if local else {}))
-            _link_ray_logs(context.address_info["session_dir"], cfg.run_path / "logs")
-            if context.dashboard_url:
-                console.print(f"Ray dashboard at http://{context.dashboard_url} (metrics: lightning_ray_*)")
+        self.owns_ray, self.phase = not ray.is_initialized(), "Ray"
         try:
+            if self.owns_ray:
+                self._start_ray(cfg)
             self._start(cfg, rollout_workers, learner, resume)
-        except BaseException:
+        except BaseException as e:
+            e.add_note(f"while starting {self.phase} (what had started is stopped)")  # the part, in the traceback
             with contextlib.suppress(Exception):  # the start's own error is the one to see
                 self.__exit__()
             raise
 
+    def _start_ray(self, cfg: TrainConfig) -> None:
+        local = cfg.ray.address is None
+        # A run starts ~12 worker processes at once (store, registry, rollout workers, Serve's controller, proxy
+        # and replicas, Ray Train's controller and ranks): Ray expects one per CPU, and its warning would say so
+        # on every small machine.
+        context = ray.init(address=cfg.ray.address, namespace="lightning_ray", log_to_driver=cfg.verbose,
+                           **({"num_cpus": cfg.ray.num_cpus, "_metrics_export_port": cfg.ray.metrics_export_port,
+                               "_system_config": {"worker_maximum_startup_concurrency": 16}} if local else {}))
+        _link_ray_logs(context.address_info["session_dir"], cfg.run_path / "logs")
+        if context.dashboard_url:
+            console.print(f"Ray dashboard at http://{context.dashboard_url} (metrics: lightning_ray_*)")
+
     def _start(self, cfg: TrainConfig, rollout_workers: bool, learner: bool, resume: Checkpoint | None) -> None:
+        self.phase = "the model"
         with status("building the model"):
             self.model_path: Path = resolve_model_path(cfg.model)
         label = cfg.run_path.name  # names that read well in the Ray dashboard, unique per run
         self.queue = f"run@{label}"  # this run's rollouts, taken by its own workers only (types.Rollout.queue)
         # On the head, beside the driver: the store's SQLite files are the run directory's.
+        self.phase = "the trace store"
         self.store = StoreClient.start(cfg.run_path, cfg.store.num_shards, label=label, actor_options=ON_HEAD)
         if resume and (left := self.store.query_rollouts(status=["queued", "requeued", "running"])):
             self.store.cancel([r.rollout_id for r in left])  # the stopped run's: no worker is waiting for them
@@ -75,21 +81,24 @@ class Services:
                                       timeout_policy=cfg.rollout.timeout_policy)
         # on the head too: the versions and who holds them die with no worker node (a node's death took it, and
         # the run, in benchmarks/soak.py)
+        self.phase = "the weight registry"
         self.registry = WeightRegistry.options(name=f"weight-registry@{label}", **ON_HEAD).remote(
             resume.state.policy_version if resume else 0)
         if learner:  # ~5 s sooner ready than one after the other, on 2 cores
+            self.phase = "the learner"
             self.learner = Learner(cfg, self.model_path, self.registry, resume)
         # The rollout workers and both apps start at once, their processes booting while the policy's replica loads;
         # an agent that cannot load fails the start before the engine is up, named. Each worker runs
         # agents_per_worker agents at once (threads): the engine batches their calls. A worker that dies is
         # restarted by Ray, and its attempts retried by the store (rollout.max_attempts).
         self.server_url = f"http://{cfg.serve.host}:{cfg.serve.port}"
-        self.workers = [RolloutWorker.options(
-            name=f"rollout-worker-{i}@{label}", max_concurrency=cfg.rollout.agents_per_worker, max_restarts=-1,
-            runtime_env=cfg.task.runtime_env, **actor_options(cfg.rollout.resources),
-        ).remote(cfg.task, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing,
-                 cfg.rollout.timeout_seconds, cfg.rollout.max_abandoned_agents, self.queue)
-            for i in range(cfg.rollout.num_workers if rollout_workers else 0)]
+        self.phase = "the rollout workers"
+        for i in range(cfg.rollout.num_workers if rollout_workers else 0):  # one by one: a failure stops those before
+            self.workers.append(RolloutWorker.options(
+                name=f"rollout-worker-{i}@{label}", max_concurrency=cfg.rollout.agents_per_worker, max_restarts=-1,
+                runtime_env=cfg.task.runtime_env, **actor_options(cfg.rollout.resources),
+            ).remote(cfg.task, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing,
+                     cfg.rollout.timeout_seconds, cfg.rollout.max_abandoned_agents, self.queue))
         # a resumed run serves its checkpoint's policy; when LoRA ships adapters, the base and the checkpoint's
         # adapter on it (the versions after it are adapters: the engines must keep the base)
         served, adapter = ((self.model_path, resume.path / "adapter") if weight_sync.of_run(cfg) == "adapter"
@@ -98,7 +107,8 @@ class Services:
         if cfg.store.http:
             apps.append(store_api_target(self.store, cfg.serve.api_key))
         self.apps = [app.name for app in apps]
-        with status(f"starting the policy server ({cfg.engine.kind} engine) and the rollout workers"):
+        self.phase = f"the policy server ({cfg.engine.kind} engine) and the rollout workers"
+        with status(f"starting {self.phase}"):
             serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
             serve.run_many(apps, wait_for_applications_running=False)
             ray.get([w.__ray_ready__.remote() for w in self.workers])
@@ -108,7 +118,8 @@ class Services:
             store_url = self.server_url + STORE_PREFIX
             console.print(f"trace store at {store_url} (OTLP/HTTP: {store_url}/v1/traces)")
         if self.learner:
-            with status("starting the learner (Ray Train, DeepSpeed)"):
+            self.phase = "the learner (Ray Train, DeepSpeed)"
+            with status(f"starting {self.phase}"):
                 self.learner.wait_ready()
 
     def __enter__(self) -> Services:

@@ -36,7 +36,7 @@ def config(tmp_path, serve_port, tiny_model_path, **overrides) -> dict:
 
 def test_a_run_that_fails_to_start_stops_what_it_started(ray_cluster, tiny_model_path, serve_port, tmp_path):
     """The rollout workers start beside the policy app and the learner's ranks: an agent that cannot be imported
-    fails the start, naming it, and takes the app and the learner down with it."""
+    fails the start, naming it and the part that was starting, and takes the app and the learner down with it."""
     from ray import serve
 
     def reserved() -> set[str]:  # placement groups holding resources: Ray Train's, while its ranks live
@@ -44,8 +44,10 @@ def test_a_run_that_fails_to_start_stops_what_it_started(ray_cluster, tiny_model
 
     before = reserved()
     cfg = small(config(tmp_path, serve_port, tiny_model_path, task={"agent": "tests.agents.no_such_agent:agent"}))
-    with pytest.raises(Exception, match="no_such_agent"):
+    with pytest.raises(Exception, match="no_such_agent") as failed:
         Services(cfg, learner=True)
+    assert failed.value.__notes__ == [
+        "while starting the policy server (hf engine) and the rollout workers (what had started is stopped)"]
     assert "policy" not in serve.status().applications
     deadline = time.monotonic() + 60
     while reserved() - before:
