@@ -46,7 +46,7 @@ def _gguf_read_once():
     import gguf
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    gguf.GGUFReader, gguf.get_tensor_name_map = cache(lambda path: reader(path)), cache(name_map)
+    gguf.GGUFReader, gguf.get_tensor_name_map = cache(reader), cache(name_map)
     try:
         yield
     finally:
