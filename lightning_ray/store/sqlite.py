@@ -156,6 +156,9 @@ def row_problem(r) -> str | None:
 
 
 class SQLiteBackend:
+    """A shard's durable storage: store/protocol.py's operations as TraceStore calls them, on one SQLite thread, the
+    clock passed in (`now`); waiting, error counts and span ingest (add_span_rows) are the actor's."""
+
     def __init__(self, path: str | Path = ":memory:"):
         """The queue lives in `path`, the spans beside it in `<stem>-spans.sqlite`: spans are ~10 KB rows that
         want 64 KB pages (no overflow chains: 3-4x faster inserts), while the queue's small transactions want small

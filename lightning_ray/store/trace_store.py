@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class TraceStore:
+    """One shard: store/protocol.py's operations, async, keyed by attempt first and on the rows StoreClient encodes
+    (tests/unit/test_store_protocol.py checks them by name against the protocol)."""
+
     async def __init__(self, path: str | Path = ":memory:", max_batch_spans: int = 10_000,
                        expire_every_s: float = 0.2):
         self.backend = SQLiteBackend(path)

@@ -1,16 +1,20 @@
 """Every layer of the store offers what lightning_ray/store/protocol.py declares (checked on the code, nothing
-started): the two clients with the same parameters, the HTTP API a route per operation, the shard actor each one."""
+started): the two clients with the same parameters, the HTTP API a route per operation taking them, the shard actor
+and its SQLite backend each operation by the same parameter names (keyed by attempt first, on encoded rows)."""
 
 from __future__ import annotations
 
 import inspect
+import typing
 
 import pytest
+from pydantic import BaseModel
 
 from lightning_ray.client import LightningClient
 from lightning_ray.store import http
 from lightning_ray.store.client import StoreClient
 from lightning_ray.store.protocol import RolloutStore
+from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.store.trace_store import TraceStore
 
 OPERATIONS = [name for name, f in vars(RolloutStore).items() if inspect.isfunction(f) and not name.startswith("_")]
@@ -51,9 +55,42 @@ def test_each_client_offers_every_operation_with_its_parameters(layer):
         assert mismatches(getattr(layer, op), getattr(RolloutStore, op)) == [], f"{layer.__name__}.{op}"
 
 
-def test_the_http_api_has_a_route_per_operation_and_the_shard_actor_each_operation():
-    routes = {route.endpoint.__name__ for route in http.api.routes if hasattr(route, "endpoint")}
-    assert set(OPERATIONS) <= routes, set(OPERATIONS) - routes
-    shard = TraceStore.__ray_metadata__.modified_class  # the class as written, under Ray's actor wrapper
-    assert all(inspect.iscoroutinefunction(getattr(shard, op, None)) for op in OPERATIONS), \
-        [op for op in OPERATIONS if not inspect.iscoroutinefunction(getattr(shard, op, None))]
+def route_parameters(route) -> set[str]:
+    """What a route reads from a call: its path and query parameters and its JSON body's fields."""
+    out = set()
+    for name, kind in typing.get_type_hints(route.endpoint).items():
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            out |= set(kind.model_fields)
+        elif name not in ("return", "request"):
+            out.add(name)
+    return out
+
+
+def test_the_http_api_has_a_route_per_operation_taking_its_parameters():
+    routes = {route.endpoint.__name__: route for route in http.api.routes if hasattr(route, "endpoint")}
+    assert set(OPERATIONS) <= set(routes), set(OPERATIONS) - set(routes)
+    for op in OPERATIONS:
+        wanted = set(inspect.signature(getattr(RolloutStore, op)).parameters) - {"self"}
+        # query_spans' rollout ids are a repeated query parameter: ?rollout_id=a&rollout_id=b
+        taken = {"rollout_ids" if n == "rollout_id" and op == "query_spans" else n for n in route_parameters(routes[op])}
+        assert wanted <= taken, f"{op}: the route takes no {wanted - taken}"
+
+
+# Beneath the clients the shard (TraceStore) and its SQLite backend speak the same operations keyed by attempt first
+# and on the rows StoreClient encodes (store/protocol.py): these are the only parameters they may name otherwise.
+ENCODED = {"enqueue": {"tasks", "config", "queue"}, "add_spans": {"spans"}}
+ACTOR_ONLY = {"wait_for_rollouts", "stats", "add_spans"}  # the shard waits, counts errors and ingests (add_span_rows)
+
+
+@pytest.mark.parametrize("layer", [TraceStore.__ray_metadata__.modified_class, SQLiteBackend],
+                         ids=["TraceStore", "SQLiteBackend"])
+def test_the_shard_and_its_backend_offer_each_operation_by_its_parameters(layer):
+    for op in OPERATIONS:
+        if layer is SQLiteBackend and op in ACTOR_ONLY:
+            continue
+        f = getattr(layer, op, None)
+        assert f is not None, f"{layer.__name__} has no {op}"
+        if layer is not SQLiteBackend:  # the actor's calls are awaited; the backend's run on its SQLite thread
+            assert inspect.iscoroutinefunction(f), f"{layer.__name__}.{op} is not async"
+        wanted = set(inspect.signature(getattr(RolloutStore, op)).parameters) - ENCODED.get(op, set())
+        assert wanted <= set(inspect.signature(f).parameters), f"{layer.__name__}.{op}: no {wanted - set(inspect.signature(f).parameters)}"
