@@ -26,7 +26,7 @@ import ray
 import torch
 from openai import AsyncOpenAI
 
-from lightning_ray.config import ModelConfig
+from lightning_ray.config import ModelConfig, validate
 from lightning_ray.models import SMOLLM2, resolve_model_path
 from lightning_ray.serving.app import deploy_policy
 from lightning_ray.serving.engines import SamplingParams, generate, make_engine
@@ -152,7 +152,11 @@ def main() -> None:
     model = str(resolve_model_path(ModelConfig(path=SMOLLM2 if args.model == "smollm2" else None)))
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     store = StoreClient.start(tempfile.mkdtemp())
-    url = deploy_policy(model, MODEL_NAME, store, WeightRegistry.remote(), port=8123, engine=args.engine)
+    # the endpoint's settings as a run's (temperature 1.0: the direct side's default too)
+    cfg = validate({"run_dir": tempfile.mkdtemp(), "model": {"name": MODEL_NAME},
+                    "engine": {"kind": args.engine, "max_model_len": 512}, "serve": {"port": 8123},
+                    "rollout": {"temperature": 1.0}})
+    url = deploy_policy(cfg, model, store, WeightRegistry.remote())
 
     async def run():  # the in-process engine lives on this loop (vLLM's AsyncLLM binds to its first loop)
         engine = make_engine(args.engine, model, max_model_len=512)

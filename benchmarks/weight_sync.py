@@ -92,6 +92,7 @@ def learner_actor(registry, path: str, kind: str, device: str, dtype: torch.dtyp
 def run(model: str, path: Path, kind: str, cuda: bool, replicas: int, versions: int, port: int) -> dict:
     from ray import serve
 
+    from lightning_ray.config import validate
     from lightning_ray.serving.app import APP_NAME, deploy_policy
     from lightning_ray.store.client import StoreClient
     from lightning_ray.weight_sync.registry import WeightRegistry
@@ -101,9 +102,11 @@ def run(model: str, path: Path, kind: str, cuda: bool, replicas: int, versions: 
     registry = WeightRegistry.remote()
     store = StoreClient.start(Path(tempfile.mkdtemp(prefix="weight-sync-store-")))
     learner = learner_actor(registry, str(path), kind, "cuda" if cuda else "cpu", dtype, gpus)
-    deploy_policy(str(path), "bench", store, registry, port=port, num_replicas=replicas, weight_sync=kind,
-                  sync_timeout_s=300, engine_options={"dtype": str(dtype).removeprefix("torch.")},
-                  resources={"CPU": 1, **({"GPU": gpus} if cuda else {})})
+    cfg = validate({"run_dir": tempfile.mkdtemp(), "model": {"name": "bench"},
+                    "engine": {"kind": "hf", "dtype": str(dtype).removeprefix("torch.")}, "trainer": {"weight_sync": kind},
+                    "serve": {"port": port, "num_replicas": replicas, "sync_timeout_s": 300,
+                              "resources": {"CPU": 1, **({"GPU": gpus} if cuda else {})}}})
+    deploy_policy(cfg, str(path), store, registry)
     try:
         seconds, publish_seconds = [], []
         for version in range(1, versions + 2):

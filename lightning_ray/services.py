@@ -11,7 +11,7 @@ from pathlib import Path
 import ray
 from ray import serve
 
-from lightning_ray.config import EngineConfig, TrainConfig
+from lightning_ray.config import TrainConfig
 from lightning_ray.learner.checkpoint import Checkpoint
 from lightning_ray.learner.driver import Learner
 from lightning_ray.models import resolve_model_path
@@ -19,7 +19,6 @@ from lightning_ray.placement import ON_HEAD, actor_options
 from lightning_ray.rollout.dispatch import run_to_end
 from lightning_ray.rollout.worker import RolloutWorker
 from lightning_ray.serving.app import policy_target
-from lightning_ray.serving.templates import resolve_chat_template
 from lightning_ray.store.client import StoreClient
 from lightning_ray.store.http import ROUTE_PREFIX as STORE_PREFIX
 from lightning_ray.store.http import store_api_target
@@ -103,7 +102,7 @@ class Services:
         # adapter on it (the versions after it are adapters: the engines must keep the base)
         served, adapter = ((self.model_path, resume.path / "adapter") if weight_sync.of_run(cfg) == "adapter"
                            else (resume.policy, None)) if resume else (self.model_path, None)
-        apps = [policy_target(str(served), cfg.model.name, self.store, self.registry, **policy_options(cfg, adapter))]
+        apps = [policy_target(cfg, str(served), self.store, self.registry, adapter)]
         if cfg.store.http:
             apps.append(store_api_target(self.store, cfg.serve.api_key))
         self.apps = [app.name for app in apps]
@@ -177,30 +176,3 @@ def _link_ray_logs(session_dir: str, log_dir: Path) -> None:
         link.unlink()
     if not link.exists():
         link.symlink_to(Path(session_dir) / "logs", target_is_directory=True)
-
-
-def policy_options(cfg: TrainConfig, adapter: Path | None = None) -> dict:
-    """The policy app's options (serving/app.py: policy_app) from a run's config; `adapter`: a LoRA adapter's
-    directory served on the model from the start."""
-    lora = {"lora_rank": cfg.trainer.lora.rank, "adapter": str(adapter) if adapter else None} \
-        if weight_sync.of_run(cfg) == "adapter" else {}
-    return dict(num_replicas=cfg.serve.num_replicas, autoscaling=cfg.serve.autoscaling, engine=cfg.engine.kind,
-                engine_options={**engine_options(cfg.engine), **lora},
-                max_model_len=cfg.engine.max_model_len, api_key=cfg.serve.api_key, seed=cfg.seed, env=cfg.engine.env,
-                resources=cfg.serve.resources, chat_template=resolve_chat_template(cfg.serve.chat_template),
-                drain=cfg.serve.drain, drain_timeout_s=cfg.serve.drain_timeout_s,
-                sync_timeout_s=cfg.serve.sync_timeout_s,
-                max_ongoing_requests=cfg.serve.max_ongoing_requests, max_queued_requests=cfg.serve.max_queued_requests,
-                sleep_while_training=cfg.engine.sleep_while_training,
-                teacher={**cfg.teacher.model_dump(), "task": cfg.task.name} if cfg.teacher.kind != "none" else None,
-                weight_sync=weight_sync.of_run(cfg),
-                defaults={"max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature,
-                          "top_p": cfg.rollout.top_p})
-
-
-def engine_options(e: EngineConfig) -> dict:
-    """What make_engine takes: the settings both engines read, vLLM's own, then engine.options as they are."""
-    vllm = {"tensor_parallel_size": e.tensor_parallel_size, "enable_prefix_caching": e.prefix_caching,
-            "sleep_mode": e.sleep_while_training}
-    return {"dtype": e.dtype, "gpu_memory_utilization": e.gpu_memory_utilization,
-            **(vllm if e.kind == "vllm" else {}), **e.options}

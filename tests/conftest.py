@@ -12,7 +12,7 @@ import ray
 from lightning_ray.config import ModelConfig
 from lightning_ray.models import resolve_model_path
 
-from helpers import free_port
+from helpers import free_port, small
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -63,8 +63,10 @@ def serve_port() -> int:
 @pytest.fixture(scope="session")
 def policy_app(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     """Deploys the policy app on the tiny model with its own trace store and weight registry, for a `with` block:
-    `with policy_app(defaults={...}) as app:` gives {"url", "store", "registry", "new_rollout"} and deletes the app
-    afterwards. `app["new_rollout"]()` queues a rollout and returns its id (calls for unknown rollouts get a 404)."""
+    `with policy_app(rollout={"max_tokens": 8}, serve={"api_key": KEY}) as app:` gives {"url", "store", "registry",
+    "new_rollout"} and deletes the app afterwards. Its settings are a run's config (helpers.small: the tests' preset,
+    the model named tiny-calc) with the sections given merged over it, as the job's would be. `app["new_rollout"]()`
+    queues a rollout and returns its id (calls for unknown rollouts get a 404)."""
     from ray import serve
 
     from lightning_ray.serving.app import APP_NAME, deploy_policy
@@ -73,11 +75,14 @@ def policy_app(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     from lightning_ray.weight_sync.registry import WeightRegistry
 
     @contextmanager
-    def deploy(model_name: str = "tiny-calc", registry=None, **options):
-        store = StoreClient.start(tmp_path_factory.mktemp("store"))
+    def deploy(registry=None, **sections):
+        run_dir = tmp_path_factory.mktemp("policy-app")
+        cfg = small({"run_dir": str(run_dir), "model": {"name": "tiny-calc"}, **sections,
+                     "serve": {"port": serve_port, **sections.get("serve", {})}})
+        store = StoreClient.start(run_dir)
         own_registry = registry is None
         registry = registry or WeightRegistry.remote()
-        url = deploy_policy(str(tiny_model_path), model_name, store, registry, port=serve_port, **options)
+        url = deploy_policy(cfg, str(tiny_model_path), store, registry)
         try:
             yield {"url": url, "store": store, "registry": registry,
                    "new_rollout": lambda: store.enqueue([Task(task_id="test", input={})])[0].rollout_id}

@@ -50,7 +50,6 @@ def app(args: dict):
     the run directory as with `serve`."""
     from lightning_ray.models import resolve_model_path
     from lightning_ray.placement import ON_HEAD
-    from lightning_ray.services import policy_options
     from lightning_ray.serving.app import policy_app
     from lightning_ray.store.client import StoreClient
     from lightning_ray.weight_sync.registry import WeightRegistry
@@ -60,4 +59,4 @@ def app(args: dict):
     cfg.save(cfg.run_path / "config.yaml")
     store = StoreClient.start(cfg.run_path, cfg.store.num_shards, actor_options={**ON_HEAD, "lifetime": "detached"})
     registry = WeightRegistry.options(lifetime="detached").remote()
-    return policy_app(str(resolve_model_path(cfg.model)), cfg.model.name, store, registry, **policy_options(cfg))
+    return policy_app(cfg, str(resolve_model_path(cfg.model)), store, registry)

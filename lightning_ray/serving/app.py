@@ -15,7 +15,8 @@ import asyncio
 import logging
 import time
 import zlib
-from typing import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, AsyncIterator
 
 import ray
 from fastapi import FastAPI, Request
@@ -34,10 +35,15 @@ from lightning_ray.serving.responses import ResponsesRequest, create_response
 from lightning_ray.serving.routing import RolloutAffinityRouter
 from lightning_ray.serving.schemas import ChatCompletionRequest, CompletionRequest, JsonSchemaFormat, check_schema
 from lightning_ray.serving.teacher import TAUGHT, answer_tokens, make_teacher
+from lightning_ray.serving.templates import resolve_chat_template
 from lightning_ray.tracing import semconv
 from lightning_ray.tracing.spans import new_span_id
 from lightning_ray.types import Span
+from lightning_ray import weight_sync
 from lightning_ray.weight_sync import Receiver, engine_weight_transfer
+
+if TYPE_CHECKING:  # the replicas need none of the config's imports (Hydra)
+    from lightning_ray.config import EngineConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="lightning_ray policy")
@@ -55,12 +61,11 @@ APP_NAME = "policy"
                   request_router_config={"request_router_class": RolloutAffinityRouter})
 @serve.ingress(api)
 class PolicyServer:
-    async def __init__(self, model_path: str, model_name: str, store, registry, engine: str = "hf",
-                 engine_options: dict | None = None, max_model_len: int = 512, defaults: dict | None = None,
-                 api_key: str | None = None, max_request_bytes: int = 8 << 20, seed: int = 0,
-                 chat_template: str | None = None, drain_timeout_s: float = 60.0, drain: str = "wait",
-                 weight_sync: str = "object_store", sync_timeout_s: float = 120.0,
-                 sleep_while_training: bool = False, teacher: dict | None = None):
+    async def __init__(self, model_path: str, model_name: str, store, registry, *, engine: str, engine_options: dict,
+                       max_model_len: int, defaults: dict, api_key: str | None, seed: int, chat_template: str | None,
+                       drain_timeout_s: float, drain: str, weight_sync: str, sync_timeout_s: float,
+                       sleep_while_training: bool, teacher: dict | None, max_request_bytes: int = 8 << 20):
+        """The settings are policy_app's, from the run's config (one source of defaults)."""
         import torch
 
         torch.set_num_threads(1)  # a replica shares the cores with rollouts and training
@@ -68,7 +73,7 @@ class PolicyServer:
         # Each replica samples from its own random stream: with one shared seed, two replicas given the same calls
         # in the same order would draw the same samples, and a GRPO group spread over them would be correlated.
         seed = (seed + zlib.crc32(self.replica_id.encode())) % 2**31
-        engine_options = dict(engine_options or {})
+        engine_options = dict(engine_options)
         if transfer := engine_weight_transfer(weight_sync, engine):  # vLLM builds its weight-transfer engine at start
             engine_options["weight_transfer"] = transfer
         if engine == "vllm":  # it pauses its own scheduler (the HF engine swaps between two steps whatever the mode)
@@ -78,7 +83,7 @@ class PolicyServer:
         if chat_template:  # the template text (serving/templates.py), in place of the model's own
             self.tokenizer.chat_template = chat_template
         self.model_name, self.store, self.registry = model_name, store, registry
-        self.max_model_len, self.defaults = max_model_len, defaults or {}
+        self.max_model_len, self.defaults = max_model_len, defaults
         api.state.api_key, api.state.max_request_bytes = api_key, max_request_bytes
         self.gate = Gate(drain_timeout_s, drain)
         self._sleep = None  # the gate's pause, held while the engine sleeps (engine.sleep_while_training)
@@ -359,39 +364,45 @@ class PolicyServer:
         metrics().policy_version.set(version, tags={"role": "served"})
 
 
-def policy_app(model_path: str, model_name: str, store, registry, num_replicas: int = 1,
-               autoscaling: dict | None = None, engine: str = "hf", engine_options: dict | None = None,
-               max_model_len: int = 512, defaults: dict | None = None, api_key: str | None = None, seed: int = 0,
-               env: dict[str, str] | None = None, chat_template: str | None = None, drain_timeout_s: float = 60.0,
-               drain: str = "wait", resources: dict[str, float] | None = None, weight_sync: str = "object_store",
-               sync_timeout_s: float = 120.0, sleep_while_training: bool = False, max_ongoing_requests: int = 256,
-               max_queued_requests: int = -1, teacher: dict | None = None):
-    """The policy app, bound (Serve's Application). `autoscaling` is Serve's autoscaling_config (min_replicas,
-    max_replicas, target_ongoing_requests, ...) and replaces num_replicas; `resources` are each replica's
-    ({"CPU": 1, "policy_gpu": 1}: placement.actor_options). `weight_sync`: the run's transport, resolved
-    (weight_sync.resolve): a vLLM engine on CUDA is built with the weight-transfer backend it needs. `teacher`:
-    make_teacher's arguments, for an imitation run (serving/teacher.py)."""
-    options = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}
-    options.update(ray_actor_options=actor_options(resources or {}), max_ongoing_requests=max_ongoing_requests,
-                   max_queued_requests=max_queued_requests)
-    if env:  # the replicas' environment: engines read settings from it when they start (vLLM-CPU's binding)
-        options["ray_actor_options"]["runtime_env"] = {"env_vars": env}
+def policy_app(cfg: TrainConfig, model_path: str, store, registry, adapter: Path | None = None):
+    """The policy app, bound (Serve's Application), as the run's config says: serve.* (replicas or autoscaling,
+    limits, each replica's resources), engine.*, the rollouts' sampling as the defaults of a call that sets none,
+    teacher.* in an imitation run (serving/teacher.py). `adapter`: a LoRA adapter's directory served on the model
+    from the start (a resumed run's, when the engines keep the base)."""
+    s, transport = cfg.serve, weight_sync.of_run(cfg)
+    options = {"autoscaling_config": s.autoscaling} if s.autoscaling else {"num_replicas": s.num_replicas}
+    options.update(ray_actor_options=actor_options(s.resources), max_ongoing_requests=s.max_ongoing_requests,
+                   max_queued_requests=s.max_queued_requests)
+    if cfg.engine.env:  # the replicas' environment: engines read settings from it when they start (vLLM-CPU's binding)
+        options["ray_actor_options"]["runtime_env"] = {"env_vars": cfg.engine.env}
+    lora = {"lora_rank": cfg.trainer.lora.rank, "adapter": str(adapter) if adapter else None} \
+        if transport == "adapter" else {}
     return PolicyServer.options(**options).bind(
-        model_path, model_name, store, registry, engine=engine, engine_options=engine_options,
-        max_model_len=max_model_len, defaults=defaults, api_key=api_key, seed=seed, chat_template=chat_template,
-        drain_timeout_s=drain_timeout_s, drain=drain, weight_sync=weight_sync, sync_timeout_s=sync_timeout_s,
-        sleep_while_training=sleep_while_training, teacher=teacher)
+        model_path, cfg.model.name, store, registry, engine=cfg.engine.kind,
+        engine_options={**engine_options(cfg.engine), **lora}, max_model_len=cfg.engine.max_model_len,
+        defaults={"max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature,
+                  "top_p": cfg.rollout.top_p},
+        api_key=s.api_key, seed=cfg.seed, chat_template=resolve_chat_template(s.chat_template),
+        drain_timeout_s=s.drain_timeout_s, drain=s.drain, weight_sync=transport, sync_timeout_s=s.sync_timeout_s,
+        sleep_while_training=cfg.engine.sleep_while_training,
+        teacher={**cfg.teacher.model_dump(), "task": cfg.task.name} if cfg.teacher.kind != "none" else None)
 
 
-def policy_target(model_path: str, model_name: str, store, registry, **app_options) -> serve.RunTarget:
-    """The policy app (policy_app's options) as Serve runs it: at the proxy's root."""
-    return serve.RunTarget(policy_app(model_path, model_name, store, registry, **app_options), name=APP_NAME,
-                           route_prefix="/")
+def engine_options(e: EngineConfig) -> dict:
+    """What make_engine takes: the settings both engines read, vLLM's own, then engine.options as they are."""
+    vllm = {"tensor_parallel_size": e.tensor_parallel_size, "enable_prefix_caching": e.prefix_caching,
+            "sleep_mode": e.sleep_while_training}
+    return {"dtype": e.dtype, "gpu_memory_utilization": e.gpu_memory_utilization,
+            **(vllm if e.kind == "vllm" else {}), **e.options}
 
 
-def deploy_policy(model_path: str, model_name: str, store, registry, host: str = "127.0.0.1", port: int = 8000,
-                  **app_options) -> str:
-    """Start the policy app (policy_app's options) on Ray Serve and return its base URL (without /v1)."""
-    serve.start(http_options={"host": host, "port": port})
-    serve.run_many([policy_target(model_path, model_name, store, registry, **app_options)])
-    return f"http://{host}:{port}"
+def policy_target(cfg: TrainConfig, model_path: str, store, registry, adapter: Path | None = None) -> serve.RunTarget:
+    """The policy app (policy_app) as Serve runs it: at the proxy's root."""
+    return serve.RunTarget(policy_app(cfg, model_path, store, registry, adapter), name=APP_NAME, route_prefix="/")
+
+
+def deploy_policy(cfg: TrainConfig, model_path: str, store, registry) -> str:
+    """Start the policy app (policy_app) on Ray Serve at serve.host:serve.port; its base URL (without /v1)."""
+    serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+    serve.run_many([policy_target(cfg, model_path, store, registry)])
+    return f"http://{cfg.serve.host}:{cfg.serve.port}"

@@ -7,12 +7,11 @@ import pytest
 
 from lightning_ray.config import ConfigError, compose
 from lightning_ray.serving.app import policy_app
-from lightning_ray.services import policy_options
 
 
 def deployment(overrides: list[str], tmp_path):
     cfg = compose([f"run_dir={tmp_path}", "engine=hf", *overrides])
-    return policy_app("model", cfg.model.name, None, None, **policy_options(cfg))._bound_deployment
+    return policy_app(cfg, "model", None, None)._bound_deployment
 
 
 def test_serve_limits_reach_each_replica(tmp_path):

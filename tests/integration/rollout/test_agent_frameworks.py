@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import ray
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from openai import OpenAI
@@ -20,7 +19,7 @@ QUESTION = [{"role": "system", "content": calc.TOOL_SYSTEM_PROMPT}, {"role": "us
 
 @pytest.fixture(scope="module")
 def server(policy_app):
-    with policy_app(MODEL, defaults={"temperature": 0.0, "max_tokens": 48}) as app:
+    with policy_app(rollout={"temperature": 0.0, "max_tokens": 48}) as app:
         yield app
 
 

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import ray
 
 from lightning_ray.models import content_key
 
@@ -38,7 +37,7 @@ def autogen_python() -> Path:
 
 @pytest.fixture(scope="module")
 def server(policy_app):
-    with policy_app(defaults={"temperature": 0.0, "max_tokens": 48}) as app:
+    with policy_app(rollout={"temperature": 0.0, "max_tokens": 48}) as app:
         yield app
 
 

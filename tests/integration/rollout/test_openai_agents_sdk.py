@@ -7,7 +7,6 @@ import asyncio
 
 import httpx
 import pytest
-import ray
 from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 from openai import AsyncOpenAI
 
@@ -22,7 +21,7 @@ from lightning_ray.types import Rollout, Task
 @pytest.fixture(scope="module")
 def server(policy_app):
     set_tracing_disabled(True)
-    with policy_app(defaults={"temperature": 0.0, "max_tokens": 48}) as app:
+    with policy_app(rollout={"temperature": 0.0, "max_tokens": 48}) as app:
         yield app
 
 

@@ -70,7 +70,7 @@ requests = st.one_of(request_strategy(st.nothing()), request_strategy(junk),
 
 @pytest.fixture(scope="module")
 def url(policy_app):
-    with policy_app(MODEL, max_model_len=256, defaults={"max_tokens": 4}) as app:
+    with policy_app(engine={"max_model_len": 256}, rollout={"max_tokens": 4}) as app:
         yield app["url"]
 
 

@@ -37,7 +37,8 @@ ENGINES = ["hf", pytest.param("vllm", marks=pytest.mark.skipif(
 @pytest.fixture(scope="module", params=ENGINES)
 def server(request, policy_app):
     """The same tests run against each engine behind the same server."""
-    with policy_app(MODEL, max_model_len=320, api_key=KEY, defaults={"max_tokens": 12}, engine=request.param) as app:
+    with policy_app(engine={"kind": request.param, "max_model_len": 320}, serve={"api_key": KEY},
+                    rollout={"max_tokens": 12}) as app:
         yield {**app, "engine": request.param}
 
 

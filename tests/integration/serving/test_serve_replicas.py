@@ -21,7 +21,7 @@ BODY = {"model": MODEL, "messages": [{"role": "user", "content": "What is 3 + 4?
 
 @pytest.fixture(scope="module")
 def app(policy_app, tiny_model_path):
-    with policy_app(MODEL, num_replicas=2) as deployed:
+    with policy_app(serve={"num_replicas": 2}) as deployed:
         yield {**deployed, "model_path": tiny_model_path}
 
 

@@ -27,8 +27,8 @@ MESSAGES = [*calc.opening({"dataset": "basic_arithmetic", "protocol": "text"}),
 def server(request, policy_app, tiny_model_path, serve_port):
     where = {"model": {"path": str(tiny_model_path)},
              "endpoint": {"base_url": f"http://127.0.0.1:{serve_port}/v1", "model": MODEL}}[request.param]
-    teacher = {"kind": request.param, **where, "task": "calc", "temperature": 0.0, "max_tokens": 64}
-    with policy_app(MODEL, max_model_len=512, teacher=teacher) as app:
+    teacher = {"kind": request.param, **where, "temperature": 0.0, "max_tokens": 64}
+    with policy_app(teacher=teacher, algorithm={"objective": "sft"}) as app:
         yield {**app, "teacher": f"{request.param}:{tiny_model_path if request.param == 'model' else MODEL}"}
 
 

@@ -31,7 +31,7 @@ def app(policy_app, serve_port):
 
     from lightning_ray.store.http import APP_NAME, deploy_store_api
 
-    with policy_app(MODEL, api_key=KEY, defaults={"max_tokens": 8}) as app:
+    with policy_app(serve={"api_key": KEY}, rollout={"max_tokens": 8}) as app:
         url = deploy_store_api(app["store"], port=serve_port, api_key=KEY)
         yield {**app, "store_url": url}
         serve.delete(APP_NAME)

@@ -38,7 +38,7 @@ def app(policy_app, serve_port):
 
     from lightning_ray.store.http import APP_NAME, deploy_store_api
 
-    with policy_app(defaults={"max_tokens": 16}) as app:
+    with policy_app(rollout={"max_tokens": 16}) as app:
         url = deploy_store_api(app["store"], port=serve_port)
         yield {**app, "store_url": url}
         serve.delete(APP_NAME)

@@ -71,7 +71,7 @@ def test_reward_is_the_generators_score():
 
 @pytest.fixture(scope="module")
 def server(policy_app):
-    with policy_app("tiny-calc", defaults={"temperature": 0.0, "max_tokens": 96}, max_model_len=1024) as app:
+    with policy_app(rollout={"temperature": 0.0, "max_tokens": 96}, engine={"max_model_len": 1024}) as app:
         yield app
 
 

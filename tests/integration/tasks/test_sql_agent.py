@@ -21,7 +21,7 @@ MODEL = "tiny-calc"
 @pytest.fixture(scope="module")
 def server(policy_app):
     # the schema in the prompt is ~900 of the tiny model's tokens: its rotary positions extend past 512
-    with policy_app(MODEL, max_model_len=2048, defaults={"temperature": 1.0, "max_tokens": 24}) as app:
+    with policy_app(engine={"max_model_len": 2048}, rollout={"temperature": 1.0, "max_tokens": 24}) as app:
         yield app
 
 

@@ -71,7 +71,7 @@ def test_keep_updates_the_weights_under_a_running_call_and_its_span_says_which_t
     synced while they run, not after them, and no choice is cut; the one the update landed in is recorded with both
     versions, each choice's tokens covered by its version spans."""
     new_state = {k: v * 1.05 if k == "lm_head.weight" else v for k, v in old_model.state_dict().items()}
-    with policy_app(MODEL, drain="keep") as deployed:
+    with policy_app(serve={"drain": "keep"}) as deployed:
         frames, spans, synced, ended = stream_while_publishing(deployed, new_state, 4)
     assert "data: [DONE]" in frames and not any('"error"' in f for f in frames), frames[-3:]
     assert synced < ended, (synced, ended)  # the update did not wait for the call
@@ -90,7 +90,7 @@ def test_keep_updates_the_weights_under_a_running_call_and_its_span_says_which_t
 def test_abort_ends_the_calls_in_flight_at_once(policy_app, old_model):
     """The stream ends with a 503-style error frame the client can retry, the update goes through at once (not at the
     60 s drain deadline), and what was generated is recorded as an errored call: never trained."""
-    with policy_app(MODEL, drain="abort") as deployed:
+    with policy_app(serve={"drain": "abort"}) as deployed:
         frames, spans, synced, _ = stream_while_publishing(deployed, old_model.state_dict(), 8)
     errors = [json.loads(f[6:])["error"] for f in frames if f.startswith("data: {") and '"error"' in f]
     assert errors and errors[0]["code"] == "weight_update", frames[-3:]

@@ -32,7 +32,7 @@ def base_state(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def app(policy_app):
-    with policy_app(MODEL) as deployed:
+    with policy_app() as deployed:
         yield deployed
 
 
@@ -145,7 +145,7 @@ def recording_registry(refs: list):
 
 def test_a_replica_that_starts_during_a_publish_starts_on_it(policy_app, base_state):
     registry = recording_registry([ray.put(version_of(base_state, 1))])
-    with policy_app(MODEL, registry=registry) as deployed:
+    with policy_app(registry) as deployed:
         calls = ray.get(registry.log.remote())
         # Registered before looking, so the version published in between is seen and loaded before serving.
         assert calls[:2] == ["register", "look 1"], calls
@@ -154,7 +154,7 @@ def test_a_replica_that_starts_during_a_publish_starts_on_it(policy_app, base_st
 
 
 def test_a_weight_update_ends_generations_past_the_drain_deadline(policy_app, base_state):
-    with policy_app(MODEL, drain_timeout_s=0.5) as deployed:
+    with policy_app(serve={"drain_timeout_s": 0.5}) as deployed:
         body = {**BODY, "max_tokens": 480, "ignore_eos": True, "n": 8, "stream": True}
         frames, first = [], threading.Event()
 
@@ -182,7 +182,7 @@ def test_a_sleeping_engine_serves_nothing_until_the_next_version_wakes_it(policy
     """engine.sleep_while_training (placement=colocated): the trainer's sleep request is acknowledged once serving is
     paused and the engine's memory freed (on CPUs nothing to free: the HF engine keeps its weights); a request in
     the meantime waits, and is answered by the version whose load woke the engine, never by the old one."""
-    with policy_app(MODEL, sleep_while_training=True) as deployed:
+    with policy_app(engine={"sleep_while_training": True}) as deployed:
         registry, url = deployed["registry"], deployed["url"]
         epoch = ray.get(registry.request_sleep.remote())
         ray.get(registry.wait_asleep.remote(epoch, 30.0))

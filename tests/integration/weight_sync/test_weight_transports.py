@@ -13,6 +13,8 @@ import pytest
 import ray
 import torch
 
+from helpers import small
+
 from lightning_ray.config import LoraConfig
 from lightning_ray.serving.app import deploy_policy
 from lightning_ray.weight_sync import buckets as bk
@@ -99,10 +101,10 @@ def greedy_logprobs(url: str) -> list[float]:
     return [t["logprob"] for t in r.json()["choices"][0]["logprobs"]["content"]]
 
 
-def test_collective_brings_every_replica_to_the_new_version(policy_app, tiny_model_path, serve_port):
+def test_collective_brings_every_replica_to_the_new_version(policy_app, tiny_model_path, serve_port, tmp_path):
     registry = WeightRegistry.remote()
     learner = learner_actor(registry, str(tiny_model_path))
-    with policy_app(MODEL, registry=registry, sync_timeout_s=30) as app:
+    with policy_app(registry, serve={"sync_timeout_s": 30}) as app:
         url, before = app["url"], greedy_logprobs(app["url"])
         ray.get(learner.publish.remote(1))
         ray.get(registry.wait_synced.remote(1, 60))
@@ -110,8 +112,9 @@ def test_collective_brings_every_replica_to_the_new_version(policy_app, tiny_mod
         assert greedy_logprobs(url) != before
 
         # A second replica, started after the publish, fetches version 1 before Serve routes it anything.
-        deploy_policy(str(tiny_model_path), MODEL, app["store"], registry, port=serve_port, num_replicas=2,
-                      sync_timeout_s=30)
+        deploy_policy(small({"run_dir": str(tmp_path), "model": {"name": MODEL},
+                             "serve": {"port": serve_port, "num_replicas": 2, "sync_timeout_s": 30}}),
+                      str(tiny_model_path), app["store"], registry)
         served = ray.get(registry.served_versions.remote())
         assert len(served) >= 2 and all(v == 1 for v in served.values()), served
 
@@ -129,7 +132,7 @@ def test_collective_brings_every_replica_to_the_new_version(policy_app, tiny_mod
 def test_a_learner_that_dies_mid_transfer_fails_the_barrier_not_hangs_it(policy_app, tiny_model_path):
     registry = WeightRegistry.remote()
     dying = learner_actor(registry, str(tiny_model_path), die_after_bucket=2)
-    with policy_app(MODEL, registry=registry, sync_timeout_s=20) as app:
+    with policy_app(registry, serve={"sync_timeout_s": 20}) as app:
         ray.get(dying.publish.remote(1))
         start = time.time()
         # the reason, from the replica: gloo's "Connection reset by peer" (measured: raised 0.05 s after the call)
@@ -173,7 +176,7 @@ def _sync_and_compare(app, registry, learner, version: int) -> None:
 def test_cuda_ipc_into_the_hf_engine_on_the_learners_gpu(policy_app, tiny_model_path):
     registry = WeightRegistry.remote()
     learner = learner_actor(registry, str(tiny_model_path), "cuda_ipc", device="cuda", num_gpus=0.5)
-    with policy_app(MODEL, registry=registry, resources={"CPU": 1, "GPU": 0.5}) as app:
+    with policy_app(registry, serve={"resources": {"CPU": 1, "GPU": 0.5}}) as app:
         _sync_and_compare(app, registry, learner, 1)
 
 
@@ -182,7 +185,7 @@ def test_cuda_ipc_into_the_hf_engine_on_the_learners_gpu(policy_app, tiny_model_
 def test_nccl_into_the_hf_engine_on_another_gpu(policy_app, tiny_model_path):
     registry = WeightRegistry.remote()
     learner = learner_actor(registry, str(tiny_model_path), "collective", device="cuda", num_gpus=1)
-    with policy_app(MODEL, registry=registry, resources={"CPU": 1, "GPU": 1}) as app:
+    with policy_app(registry, serve={"resources": {"CPU": 1, "GPU": 1}}) as app:
         _sync_and_compare(app, registry, learner, 1)
 
 
@@ -202,6 +205,6 @@ def test_vllm_receives_through_its_weight_transfer_api(policy_app, tiny_model_pa
         pytest.skip("needs CUDA (two devices)")
     registry = WeightRegistry.remote()
     learner = learner_actor(registry, str(tiny_model_path), kind, device="cuda", num_gpus=gpus)
-    with policy_app(MODEL, registry=registry, engine="vllm", weight_sync=kind, resources={"CPU": 1, "GPU": gpus},
-                    engine_options={"gpu_memory_utilization": 0.3, "dtype": "float32"}) as app:
+    with policy_app(registry, engine={"kind": "vllm", "gpu_memory_utilization": 0.3, "dtype": "float32"},
+                    trainer={"weight_sync": kind}, serve={"resources": {"CPU": 1, "GPU": gpus}}) as app:
         _sync_and_compare(app, registry, learner, 1)
