@@ -151,11 +151,11 @@ def main() -> None:
     torch.set_num_threads(1)  # as in the serve replica
     model = str(resolve_model_path(ModelConfig(path=SMOLLM2 if args.model == "smollm2" else None)))
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    store = StoreClient.start(tempfile.mkdtemp())
     # the endpoint's settings as a run's (temperature 1.0: the direct side's default too)
     cfg = validate({"run_dir": tempfile.mkdtemp(), "model": {"name": MODEL_NAME},
                     "engine": {"kind": args.engine, "max_model_len": 512}, "serve": {"port": 8123},
                     "rollout": {"temperature": 1.0}})
+    store = StoreClient.start(cfg.run_path)
     url = deploy_policy(cfg, model, store, WeightRegistry.remote())
 
     async def run():  # the in-process engine lives on this loop (vLLM's AsyncLLM binds to its first loop)

@@ -83,8 +83,8 @@ class Services:
         self.registry = WeightRegistry.options(name=f"weight-registry@{label}", **ON_HEAD).remote(
             resume.state.policy_version if resume else 0)
         if learner:  # ~5 s sooner ready than one after the other, on 2 cores
-            from lightning_ray.learner.driver import Learner  # here: torch and Ray Train are ~2 CPU-s to import,
-            # which `eval` and `serve` need not pay
+            # imported here: torch and Ray Train take ~2 CPU-s, which `eval` and `serve` need not pay
+            from lightning_ray.learner.driver import Learner
             self.phase = "the learner"
             self.learner = Learner(cfg, self.model_path, self.registry, resume)
         # The rollout workers and both apps start at once, their processes booting while the policy's replica loads;

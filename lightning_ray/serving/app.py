@@ -28,7 +28,7 @@ from lightning_ray.serving import http
 from lightning_ray.serving.chat import create_chat_completion
 from lightning_ray.serving.completions import create_completion
 from lightning_ray.serving.decoding import ChoiceDelta, choice_jobs, collect, generate_choices
-from lightning_ray.serving.engines import SamplingParams, make_engine
+from lightning_ray.serving.engines import SamplingParams, engine_options, make_engine
 from lightning_ray.serving.http import ApiError, CallTrace, trace_ids
 from lightning_ray.serving.gate import DrainTimeout, Gate
 from lightning_ray.serving.responses import ResponsesRequest, create_response
@@ -43,7 +43,7 @@ from lightning_ray import weight_sync
 from lightning_ray.weight_sync import Receiver, engine_weight_transfer
 
 if TYPE_CHECKING:  # the replicas need none of the config's imports (Hydra)
-    from lightning_ray.config import EngineConfig, TrainConfig
+    from lightning_ray.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="lightning_ray policy")
@@ -386,14 +386,6 @@ def policy_app(cfg: TrainConfig, model_path: str, store, registry, adapter: Path
         drain_timeout_s=s.drain_timeout_s, drain=s.drain, weight_sync=transport, sync_timeout_s=s.sync_timeout_s,
         sleep_while_training=cfg.engine.sleep_while_training,
         teacher={**cfg.teacher.model_dump(), "task": cfg.task.name} if cfg.teacher.kind != "none" else None)
-
-
-def engine_options(e: EngineConfig) -> dict:
-    """What make_engine takes: the settings both engines read, vLLM's own, then engine.options as they are."""
-    vllm = {"tensor_parallel_size": e.tensor_parallel_size, "enable_prefix_caching": e.prefix_caching,
-            "sleep_mode": e.sleep_while_training}
-    return {"dtype": e.dtype, "gpu_memory_utilization": e.gpu_memory_utilization,
-            **(vllm if e.kind == "vllm" else {}), **e.options}
 
 
 def policy_target(cfg: TrainConfig, model_path: str, store, registry, adapter: Path | None = None) -> serve.RunTarget:

@@ -20,6 +20,10 @@ from lightning_ray.store.trace_store import TraceStore
 OPERATIONS = [name for name, f in vars(RolloutStore).items() if inspect.isfunction(f) and not name.startswith("_")]
 
 
+def parameters(f) -> set[str]:
+    return set(inspect.signature(f).parameters) - {"self"}
+
+
 def mismatches(impl, spec) -> list[str]:
     """How a call written against `spec` could fail on `impl`: a parameter `spec` passes by position that `impl` has
     elsewhere, one passed by name that `impl` lacks, one optional in `spec` that `impl` requires, or one `impl`
@@ -70,7 +74,7 @@ def test_the_http_api_has_a_route_per_operation_taking_its_parameters():
     routes = {route.endpoint.__name__: route for route in http.api.routes if hasattr(route, "endpoint")}
     assert set(OPERATIONS) <= set(routes), set(OPERATIONS) - set(routes)
     for op in OPERATIONS:
-        wanted = set(inspect.signature(getattr(RolloutStore, op)).parameters) - {"self"}
+        wanted = parameters(getattr(RolloutStore, op))
         # query_spans' rollout ids are a repeated query parameter: ?rollout_id=a&rollout_id=b
         taken = {"rollout_ids" if n == "rollout_id" and op == "query_spans" else n
                  for n in route_parameters(routes[op])}
@@ -93,6 +97,5 @@ def test_the_shard_and_its_backend_offer_each_operation_by_its_parameters(layer)
         assert f is not None, f"{layer.__name__} has no {op}"
         if layer is not SQLiteBackend:  # the actor's calls are awaited; the backend's run on its SQLite thread
             assert inspect.iscoroutinefunction(f), f"{layer.__name__}.{op} is not async"
-        wanted = set(inspect.signature(getattr(RolloutStore, op)).parameters) - ENCODED.get(op, set())
-        missing = wanted - set(inspect.signature(f).parameters)
+        missing = parameters(getattr(RolloutStore, op)) - ENCODED.get(op, set()) - parameters(f)
         assert not missing, f"{layer.__name__}.{op}: no {missing}"

@@ -1,4 +1,11 @@
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from lightning_ray.serving.engines.base import Engine, Generation, SamplingParams, TokenDelta, generate
+
+if TYPE_CHECKING:
+    from lightning_ray.config import EngineConfig
 
 
 def make_engine(kind: str, model_path: str, max_model_len: int | None = None, **options) -> Engine:
@@ -20,4 +27,12 @@ def make_engine(kind: str, model_path: str, max_model_len: int | None = None, **
     raise ValueError(f"unknown engine {kind!r}: expected 'hf' or 'vllm'")
 
 
-__all__ = ["Engine", "Generation", "SamplingParams", "TokenDelta", "generate", "make_engine"]
+def engine_options(e: EngineConfig) -> dict:
+    """What make_engine takes: the settings both engines read, vLLM's own, then engine.options as they are."""
+    vllm = {"tensor_parallel_size": e.tensor_parallel_size, "enable_prefix_caching": e.prefix_caching,
+            "sleep_mode": e.sleep_while_training}
+    return {"dtype": e.dtype, "gpu_memory_utilization": e.gpu_memory_utilization,
+            **(vllm if e.kind == "vllm" else {}), **e.options}
+
+
+__all__ = ["Engine", "Generation", "SamplingParams", "TokenDelta", "engine_options", "generate", "make_engine"]
