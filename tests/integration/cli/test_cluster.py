@@ -34,8 +34,11 @@ def cluster(tmp_path_factory):
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(tmp / "token"),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}")  # `python` in a job: the venv's
     gcs, dashboard, client, *agents = free_ports(6)
-    ray_tmp = tempfile.mkdtemp(prefix="lr-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
-    common = ["--block", "--disable-usage-stats", f"--temp-dir={ray_tmp}"]
+    # A temporary directory per node, as on machines of their own: each node's runtime-env agent unpacks the job's
+    # working directory afresh (it overwrites), and in one directory shared by all three it deleted the files under
+    # the running driver (a module it imported late was not found). Short: Ray's socket paths must fit in 107 bytes.
+    ray_tmp = Path(tempfile.mkdtemp(prefix="lr-", dir="/tmp"))
+    common = ["--block", "--disable-usage-stats"]
     nodes = [
         ["--head", f"--port={gcs}", f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1",
          f"--ray-client-server-port={client}", "--num-cpus=2", f"--dashboard-agent-listen-port={agents[0]}"],
@@ -49,8 +52,8 @@ def cluster(tmp_path_factory):
         for i, args in enumerate(nodes):  # one at a time: a node that is not up in 30 s gives up
             log = tmp / f"node-{i}.log"  # `ray start`'s own output; Ray's logs are in its temp dir
             with open(log, "w") as out:
-                procs.append(subprocess.Popen([RAY, "start", *common, *args], env=env, stdout=out,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
+                procs.append(subprocess.Popen([RAY, "start", *common, f"--temp-dir={ray_tmp / str(i)}", *args],
+                                              env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
 
             def up(p=procs[-1], n=i + 1, log=log) -> bool:
                 if p.poll() is not None:
@@ -58,7 +61,7 @@ def cluster(tmp_path_factory):
                 return len(alive_nodes(env, dashboard)) == n
             wait_for(up, f"node {i}")
         yield {"env": env, "address": f"http://127.0.0.1:{dashboard}", "dashboard": dashboard, "tmp": tmp,
-               "ray_tmp": Path(ray_tmp)}
+               "ray_tmp": ray_tmp}
     finally:
         # each node's processes SIGKILLed (its session): nothing of the cluster outlives the tests, and terminating
         # the nodes took ~30 s of the suite
@@ -121,7 +124,7 @@ def why_it_failed(job) -> str:
     for memory, a crash): what CI's log needs to tell a failure of ours from the machine's."""
     out = job["result"].stdout + job["result"].stderr
     first = out.find("Traceback")
-    died = [f"{log.name}: {line}" for log in sorted(job["ray_tmp"].glob("session_*/logs/raylet*.out"))
+    died = [f"{log.name}: {line}" for log in sorted(job["ray_tmp"].glob("*/session_*/logs/raylet*.out"))
             for line in log.read_text(errors="replace").splitlines()
             if any(word in line for word in ("SIGSEGV", "SIGKILL", "OOM", "memory monitor", "Check failed",
                                              "exited unexpectedly", "died"))]
