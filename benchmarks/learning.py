@@ -44,7 +44,7 @@ def trained(cfg: TrainConfig) -> dict:
             phases[k] = round(phases.get(k, 0.0) + v, 1)
     return {"model": cfg.model.path, "dataset": cfg.task.dataset, "protocol": cfg.task.protocol,
             "held_out": cfg.task.eval_size, "iterations": len(history),
-            "batch": f"{cfg.rollout.tasks_per_iteration}x{cfg.rollout.group_size}", "lr": cfg.trainer.lr,
+            "batch": f"{cfg.rollout.tasks_per_iteration}x{cfg.rollout.group_size}", "lr": cfg.learner.lr,
             "accuracy": [(e["after"], round(e["accuracy"], 3)) for e in evals],
             "reward_mean": [round(h["reward_mean"], 3) for h in history],
             "wall_minutes": round(minutes, 1), "seconds_by_phase": phases,

@@ -1,13 +1,13 @@
 """LoRA against full fine-tuning on the same work: the main job (SmolLM2-135M on the calc task) trained for the same
-iterations twice, once with every weight and once with adapters (trainer.lora), side by side in one run: held-out
+iterations twice, once with every weight and once with adapters (learner.lora), side by side in one run: held-out
 accuracy before and after, the learner's seconds per update, the sync's seconds and bytes, rank 0's peak memory.
 
     python benchmarks/lora.py [--iterations 8] [--lora-lr 2e-4] [key=value ...]   # Hydra overrides, both runs
 
-What LoRA ships is trainer.lora.sync's (auto: merged weights on CPUs, the adapter on GPUs):
+What LoRA ships is learner.lora.sync's (auto: merged weights on CPUs, the adapter on GPUs):
 `--lora '{sync: adapter}'` measures the adapter-only sync on CPUs.
 
-LoRA wants a larger step than full fine-tuning (only the adapters move): --lora-lr (full: trainer.lr, 2e-5 by
+LoRA wants a larger step than full fine-tuning (only the adapters move): --lora-lr (full: learner.lr, 2e-5 by
 default). Not part of CI (~25 min on 2 cores). Prints one JSON line per run and one of ratios, and writes
 lora.json in runs/lora-<time>/.
 """
@@ -29,13 +29,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--lora-lr", type=float, default=2e-4)
-    parser.add_argument("--lora", default="{}", help="trainer.lora's value (default: rank 16, alpha 32, all linears)")
+    parser.add_argument("--lora", default="{}", help="learner.lora's value (default: rank 16, alpha 32, all linears)")
     args, overrides = parser.parse_known_args()
     root = Path(__file__).resolve().parents[1] / "runs" / time.strftime("lora-%Y-%m-%d_%H-%M-%S")
     every = [f"trainer.iterations={args.iterations}", f"trainer.eval_every={args.iterations}", "task.eval_size=100",
              *overrides]
     runs = {}
-    for name, extra in (("full", []), ("lora", [f"trainer.lora={args.lora}", f"trainer.lr={args.lora_lr}"])):
+    for name, extra in (("full", []), ("lora", [f"learner.lora={args.lora}", f"learner.lr={args.lora_lr}"])):
         cfg = compose([*every, *extra, f"run_dir={root / name}"])
         result = trained(cfg)
         records = [json.loads(line) for line in (cfg.run_path / "metrics.jsonl").read_text().splitlines()]

@@ -54,7 +54,7 @@ RECOVERED_BY = {
                       "the calls it was answering end in a server error, the platform's failure, and are retried",
     "trace store": "Ray restarts the actor on the head from its SQLite files; Ray retries the calls it was sent "
                    "(max_task_retries=-1)",
-    "learner rank": "Ray Train restarts every rank (trainer.max_restarts); they load the latest checkpoint, rank 0 "
+    "learner rank": "Ray Train restarts every rank (learner.max_restarts); they load the latest checkpoint, rank 0 "
                     "republishes its weights as the next version, the command in flight is sent again",
     "policy node": "a node joins in its place; Serve starts the replicas there (each on the latest version), as for a "
                    "replica, and the rollout workers it held restart, as for a rollout worker",
@@ -158,9 +158,9 @@ def main() -> None:
     root = Path(__file__).resolve().parents[1] / "runs" / time.strftime("soak-%Y-%m-%d_%H-%M-%S")
     cfg = compose([
         f"model.path={resolve_model_path(ModelConfig())}", "engine=hf", "serve.num_replicas=2",
-        "+serve.resources.policy_gpu=1", "+trainer.resources_per_worker.trainer_gpu=1",
+        "+serve.resources.policy_gpu=1", "+learner.resources_per_worker.trainer_gpu=1",
         "trainer.iterations=100000", f"trainer.max_minutes={args.minutes}", "trainer.eval_every=0",
-        "trainer.checkpoint_every=1", "trainer.max_restarts=1000", "task.eval_size=16",
+        "trainer.checkpoint_every=1", "learner.max_restarts=1000", "task.eval_size=16",
         "rollout.num_workers=2", "rollout.agents_per_worker=8", "rollout.tasks_per_iteration=16",
         "rollout.group_size=4", "rollout.max_attempts=3", "rollout.unresponsive_seconds=10",
         "store.keep_iterations=null",  # every span kept: the read-once check counts them all

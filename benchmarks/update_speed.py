@@ -106,7 +106,7 @@ def learner_steps(model_path, batch, steps: int, token_budget: int, workers: int
                   stage: str | int) -> tuple[list[float], dict]:
     """Step times, and rank 0's split of the last step (compute, optimizer, publish, digest) in seconds, with the
     ZeRO stage it ran."""
-    cfg = validate({"run_dir": tempfile.mkdtemp(), "trainer": {
+    cfg = validate({"run_dir": tempfile.mkdtemp(), "learner": {
         "num_workers": workers, "threads_per_worker": threads, "micro_batch_tokens": token_budget, "lr": 1e-6,
         "zero_stage": stage, "resources_per_worker": {"CPU": 1, "GPU": 1} if torch.cuda.is_available() else {"CPU": 1},
         # on a GPU, publish as placement=colocated does (CUDA IPC handles); on CPUs through the object store
@@ -122,7 +122,7 @@ def learner_steps(model_path, batch, steps: int, token_budget: int, workers: int
             times.append(time.perf_counter() - start)
     finally:
         learner.close()
-    return times, {"zero_stage": zero_stage(cfg.trainer),
+    return times, {"zero_stage": zero_stage(cfg.learner),
                    **{k: round(v, 2) for k, v in replies[0].items() if k.endswith("_s")}}
 
 

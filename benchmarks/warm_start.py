@@ -5,7 +5,7 @@ phase's wall minutes; `rl_gain` is what RL added over the warm start alone.
 
     python benchmarks/warm_start.py --imitation-minutes 20 --rl-minutes 40 task=sql \\
         'algorithm.select.agents=[writer,rewriter]' \\
-        --imitation trainer.lr=5e-5 --rl rollout.tasks_per_iteration=8   # Hydra overrides: both phases, or one
+        --imitation learner.lr=5e-5 --rl rollout.tasks_per_iteration=8   # Hydra overrides: both phases, or one
 
 Each phase ends after the iteration running when its minutes run out (trainer.max_minutes); held-out evaluation
 (task.eval_size, 100 by default here) before and after each. Not part of CI. Prints one JSON line and writes

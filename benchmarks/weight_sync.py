@@ -104,7 +104,7 @@ def run(model: str, path: Path, kind: str, cuda: bool, replicas: int, versions: 
     learner = learner_actor(registry, str(path), kind, "cuda" if cuda else "cpu", dtype, gpus)
     cfg = validate({"run_dir": tempfile.mkdtemp(), "model": {"name": "bench"},
                     "engine": {"kind": "hf", "dtype": str(dtype).removeprefix("torch.")},
-                    "trainer": {"weight_sync": kind},
+                    "learner": {"weight_sync": kind},
                     "serve": {"port": port, "num_replicas": replicas, "sync_timeout_s": 300,
                               "resources": {"CPU": 1, **({"GPU": gpus} if cuda else {})}}})
     deploy_policy(cfg, str(path), store, registry)

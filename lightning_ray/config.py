@@ -241,7 +241,7 @@ class AlgorithmConfig(_Strict):
     # PPO's critic (estimator ppo): a value head on the policy's last hidden state, GAE over each call's tokens
     gae_lambda: float = Field(0.95, ge=0, le=1)
     value_coef: float = Field(0.5, gt=0)  # the value loss's weight against the policy loss
-    value_lr: float | None = Field(1e-4, gt=0)  # the freshly initialized head learns faster; null: trainer.lr
+    value_lr: float | None = Field(1e-4, gt=0)  # the freshly initialized head learns faster; null: learner.lr
     # truncated importance sampling: each token's gradient weighted by min(π_learner / π_sampler, tis_cap), for
     # samples from an older policy version or an engine whose numerics differ from the learner's; null: off (2 under
     # rollout.mode=async)
@@ -331,10 +331,27 @@ class LoraConfig(_Strict):
 
 
 class TrainerConfig(_Strict):
+    """The RL loop (lightning_ray/trainer): how long it runs, when it evaluates and checkpoints."""
     iterations: int = Field(8, gt=0)
     # training minutes, counted after the evaluation before training; the iteration running when they run out is
     # the last
     max_minutes: float | None = Field(None, gt=0)
+    eval_every: int = Field(4, ge=0)  # held-out evaluation before training, every N iterations and at the end; 0: none
+    # the policy, optimizer state and loop state (what resume=<run_dir> goes on from), and after the last iteration
+    checkpoint_every: int = Field(4, gt=0)
+    keep_checkpoints: int = Field(1, gt=0)  # the last N checkpoints stay (each holds the optimizer state too)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _learner_keys_moved(cls, data):
+        if isinstance(data, dict) and (moved := [k for k in data if k in LearnerConfig.model_fields]):
+            raise ValueError(moved_to_learner(moved))
+        return data
+
+
+class LearnerConfig(_Strict):
+    """The learner (lightning_ray/learner): its Ray Train ranks, DeepSpeed, the optimizer, how weights reach the
+    engines."""
     num_workers: int = Field(1, gt=0)  # Ray Train workers (DeepSpeed data-parallel ranks)
     threads_per_worker: int = Field(2, gt=0)  # torch threads in each: workers × threads ≈ the cores to train on
     micro_batch_tokens: int = Field(2048, gt=0)  # padded tokens per forward/backward: bounds the memory
@@ -352,10 +369,6 @@ class TrainerConfig(_Strict):
     lr: float = Field(2e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
-    eval_every: int = Field(4, ge=0)  # held-out evaluation before training, every N iterations and at the end; 0: none
-    # the policy, optimizer state and loop state (what resume=<run_dir> goes on from), and after the last iteration
-    checkpoint_every: int = Field(4, gt=0)
-    keep_checkpoints: int = Field(1, gt=0)  # the last N checkpoints stay (each holds the optimizer state too)
     step_timeout_s: float = Field(900.0, gt=0)  # for one step or save, a restart of the ranks included
     # Ray Train restarts the ranks when one's process dies (FailureConfig.max_failures), at most this often in a run:
     # they go on from the latest checkpoint (learner/driver.py). An error raised in a rank fails the run at once.
@@ -371,17 +384,23 @@ class TrainerConfig(_Strict):
     # How new weights reach the engines (lightning_ray/weight_sync); auto: object_store unless the learner and the
     # replicas have GPUs, then cuda_ipc where they share one (fractional GPUs on both), else collective (NCCL)
     weight_sync: Literal["auto", "object_store", "cuda_ipc", "collective"] = "auto"
-    lora: LoraConfig | None = None  # null: full fine-tuning; trainer.lora={} (or {rank:8,...}): LoRA adapters
+    lora: LoraConfig | None = None  # null: full fine-tuning; learner.lora={} (or {rank:8,...}): LoRA adapters
 
     @model_validator(mode="after")
     def _zero_stage_fits(self):
         if self.offload_optimizer and self.zero_stage == 0:
-            raise ValueError("trainer.offload_optimizer moves ZeRO's optimizer partitions to the host: it needs "
-                             "trainer.zero_stage 1, 2 or 3 (or auto, which then picks 2)")
+            raise ValueError("learner.offload_optimizer moves ZeRO's optimizer partitions to the host: it needs "
+                             "learner.zero_stage 1, 2 or 3 (or auto, which then picks 2)")
         if self.dtype == "bfloat16" and self.zero_stage == 0:
-            raise ValueError("trainer.dtype=bfloat16 with trainer.zero_stage=0 would step the bf16 weights with no "
+            raise ValueError("learner.dtype=bfloat16 with learner.zero_stage=0 would step the bf16 weights with no "
                              "fp32 master copy: zero_stage 1 (one rank: nothing partitioned) or auto")
         return self
+
+
+def moved_to_learner(keys: list[str]) -> str:
+    """The message for keys of the learner given under trainer.*, where they were before the learner had its own."""
+    return (", ".join(f"trainer.{k} is now learner.{k}" for k in keys) +
+            " (trainer.* holds the RL loop's settings, learner.* the learner's)")
 
 
 class EvalConfig(_Strict):
@@ -410,6 +429,7 @@ class TrainConfig(_Strict):
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
+    learner: LearnerConfig = LearnerConfig()
     eval: EvalConfig = EvalConfig()
     teacher: TeacherConfig = TeacherConfig()
     ray: RayConfig = RayConfig()
@@ -587,6 +607,20 @@ def dicts_replace(overrides: list[str]) -> list[str]:
     return out
 
 
+def refuse_moved(overrides: list[str]) -> list[str]:
+    """The overrides, or a ConfigError naming the new key of each that sets a learner key under trainer.* (Hydra's
+    own error would only say the key is not there)."""
+    keys = [arg.split("=", 1)[0].lstrip("+~") for arg in overrides if "=" in arg and not arg.startswith("-")]
+    moved = [k.removeprefix("trainer.") for k in keys
+             if k.startswith("trainer.") and k.removeprefix("trainer.").split(".")[0] in LearnerConfig.model_fields]
+    groups = [arg for arg in overrides if arg.split("=", 1)[0].lstrip("+~") == "trainer"
+              and (CONFIGS / "learner" / f"{arg.split('=', 1)[1]}.yaml").exists()]
+    if moved or groups:
+        raise ConfigError("; ".join([*(f"{g} is now {g.replace('trainer', 'learner', 1)}" for g in groups),
+                                     *([moved_to_learner(moved)] if moved else [])]))
+    return overrides
+
+
 def job(config_name: str, schema: type[TrainConfig] = TrainConfig):
     """A job's entry point: Hydra's main on configs/<config_name>.yaml (command-line overrides, --cfg, --help),
     dict overrides replacing (dicts_replace), and the body called with the validated config."""
@@ -602,7 +636,10 @@ def job(config_name: str, schema: type[TrainConfig] = TrainConfig):
 
         @functools.wraps(body)
         def run() -> None:
-            sys.argv[1:] = dicts_replace(sys.argv[1:])
+            try:
+                sys.argv[1:] = dicts_replace(refuse_moved(sys.argv[1:]))
+            except ConfigError as e:
+                raise SystemExit(str(e)) from None
             main()
         return run
     return wrap
@@ -618,7 +655,8 @@ def compose(overrides: list[str] = (), config_name: str = "train",
 
     _register()
     with initialize_config_dir(str(CONFIGS), version_base=None):
-        raw = hydra_compose(config_name, overrides=dicts_replace(list(overrides)), return_hydra_config=True)
+        raw = hydra_compose(config_name, overrides=dicts_replace(refuse_moved(list(overrides))),
+                          return_hydra_config=True)
     HydraConfig.instance().set_config(raw)  # as a job's start does: ${hydra:run.dir} resolves
     with open_dict(raw):
         del raw["hydra"]

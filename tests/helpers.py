@@ -78,7 +78,7 @@ TINY = [*(f"++task.generator.{key}={json.dumps(value)}" for key, value in EASY.i
         "model=tiny", "engine=hf",
         "ray.num_cpus=4", "rollout.num_workers=1", "rollout.agents_per_worker=8", "rollout.tasks_per_iteration=8",
         "rollout.group_size=4", "rollout.temperature=1.0", "task.eval_size=4",
-        "trainer.iterations=1", "trainer.eval_every=1", "trainer.threads_per_worker=1"]
+        "trainer.iterations=1", "trainer.eval_every=1", "learner.threads_per_worker=1"]
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -93,7 +93,8 @@ SMALL = {
     "engine": {"kind": "hf", "max_model_len": 512},
     "rollout": {"tasks_per_iteration": 4, "num_workers": 1, "agents_per_worker": 8, "temperature": 1.0},
     "algorithm": {"level": "transition"},
-    "trainer": {"iterations": 2, "lr": 1e-5, "checkpoint_every": 1, "step_timeout_s": 600},
+    "trainer": {"iterations": 2, "checkpoint_every": 1},
+    "learner": {"lr": 1e-5, "step_timeout_s": 600},
 }
 
 
@@ -214,7 +215,7 @@ def check_kept_generation(engine, old_model, run) -> None:
 
 def random_transitions(vocab: int, n: int = 8) -> list[Transition]:
     """n transitions of random tokens (24 of prompt, 8 of response), rewards and advantages alternating ±1, in
-    groups of 4: a batch a learner can step on (its made-up served logprobs want trainer.max_logprob_gap=None)."""
+    groups of 4: a batch a learner can step on (its made-up served logprobs want learner.max_logprob_gap=None)."""
     rng = random.Random(0)
     return [Transition(rollout_id=f"r{i}", group_id=f"g{i // 4}", span_id=f"s{i}",
                        prompt_ids=[rng.randrange(vocab) for _ in range(24)],

@@ -2,7 +2,7 @@
 batches through Ray queues.
 
 A rank whose process dies (its node lost, killed, out of host memory) is restarted by Ray Train with every other rank
-(trainer.max_restarts, Ray Train's FailureConfig); the new ranks load the run's latest checkpoint and take the
+(learner.max_restarts, Ray Train's FailureConfig); the new ranks load the run's latest checkpoint and take the
 command that was in flight again, and the run goes on. Updates since that checkpoint are lost (none with
 trainer.checkpoint_every=1): rank 0 publishes the weights the ranks went back to as the next version, so the replicas
 serve what the learner holds; the versions only go up."""
@@ -22,7 +22,7 @@ from ray.util.queue import Empty, Queue
 
 from lightning_ray.algorithm.advantages import has_signal
 from lightning_ray.algorithm.loss import token_weights
-from lightning_ray.config import AlgorithmConfig, TrainConfig, TrainerConfig
+from lightning_ray.config import AlgorithmConfig, LearnerConfig, TrainConfig
 from lightning_ray.learner.checkpoint import Checkpoint
 from lightning_ray.learner.worker import MicroBatch, train_loop_per_worker
 from lightning_ray.metrics import count_error
@@ -34,7 +34,7 @@ from lightning_ray import weight_sync
 class Learner:
     def __init__(self, cfg: TrainConfig, model_path: Path, registry, resume_from: Checkpoint | None = None):
         """`model_path`: the initial policy; `resume_from`: the checkpoint whose learner state the ranks load."""
-        t = cfg.trainer
+        t = cfg.learner
         self.n, self.timeout_s, self.token_budget = t.num_workers, t.step_timeout_s, t.micro_batch_tokens
         self.algorithm, self.max_tokens = cfg.algorithm, cfg.rollout.max_tokens
         self.version = resume_from.state.policy_version if resume_from else 0
@@ -57,12 +57,12 @@ class Learner:
                 "model_path": str(model_path), "inboxes": self.inboxes, "outbox": self.outbox, "registry": registry,
                 "weight_sync": {"kind": weight_sync.of_run(cfg),
                                 "timeout_s": cfg.serve.sync_timeout_s},
-                "trainer": resolved(t), "algorithm": cfg.algorithm,
+                "learner": resolved(t), "algorithm": cfg.algorithm,
                 "extensions_dir": str(Path("~/.cache/lightning_ray/torch_extensions").expanduser()),
             },
-            # trainer.resources_per_worker is one logical CPU by default, whatever the threads: phases alternate, so
+            # learner.resources_per_worker is one logical CPU by default, whatever the threads: phases alternate, so
             # the learner's threads use the cores the rollouts leave idle while it trains. Ray Train reserves the
-            # workers' resources as one placement group, spread over nodes by trainer.placement_strategy.
+            # workers' resources as one placement group, spread over nodes by learner.placement_strategy.
             scaling_config=ScalingConfig(num_workers=self.n, use_gpu=t.resources_per_worker.get("GPU", 0) > 0,
                                          resources_per_worker=t.resources_per_worker,
                                          placement_strategy=t.placement_strategy),
@@ -96,7 +96,8 @@ class Learner:
                 if not self.thread.is_alive():
                     raise RuntimeError("the training run stopped") from self.error
                 if waited > self.timeout_s:
-                    raise TimeoutError(f"no reply from the training workers in trainer.step_timeout_s={self.timeout_s}s")
+                    raise TimeoutError(
+                        f"no reply from the training workers in learner.step_timeout_s={self.timeout_s}s")
                 continue
             if "error" not in msg:
                 return msg
@@ -158,7 +159,7 @@ class Learner:
                 count_error("learner", "ranks_restarted")  # the dashboard's errors panel
                 since = f"{self.checkpoint.path.name} (policy v{self.checkpoint.state.policy_version})" \
                     if self.checkpoint else "the initial policy"
-                print(f"the learner's ranks were restarted ({self.restarts} of trainer.max_restarts="
+                print(f"the learner's ranks were restarted ({self.restarts} of learner.max_restarts="
                       f"{self.max_restarts}): going on from {since}; the updates after it are lost", flush=True)
 
     def _gather(self) -> list[dict]:
@@ -205,19 +206,19 @@ class Learner:
         self.thread.join(timeout=60)
 
 
-def resolved(t: TrainerConfig) -> TrainerConfig:
+def resolved(t: LearnerConfig) -> LearnerConfig:
     """The learner's settings as its ranks use them: `auto` dtype and ZeRO stage decided for this run."""
     return t.model_copy(update={"dtype": learner_dtype(t), "zero_stage": zero_stage(t)})
 
 
-def learner_dtype(t: TrainerConfig) -> str:
-    """trainer.dtype, `auto` resolved: bfloat16 when the ranks get GPUs, float32 on CPUs."""
+def learner_dtype(t: LearnerConfig) -> str:
+    """learner.dtype, `auto` resolved: bfloat16 when the ranks get GPUs, float32 on CPUs."""
     if t.dtype != "auto":
         return t.dtype
     return "bfloat16" if t.resources_per_worker.get("GPU", 0) > 0 else "float32"
 
 
-def zero_stage(t: TrainerConfig) -> int:
+def zero_stage(t: LearnerConfig) -> int:
     """ZeRO partitions across ranks: one rank has nothing to partition, and stage 2's gradient copies cost ~7% of
     a step there (benchmarks/update_speed.py). In bf16, one rank takes stage 1 all the same: without a ZeRO
     optimizer DeepSpeed would step the bf16 weights themselves, with no fp32 master copy."""

@@ -1,4 +1,4 @@
-"""LoRA in the learner (trainer.lora): low-rank adapters on a frozen base (peft), the base itself as the KL reference
+"""LoRA in the learner (learner.lora): low-rank adapters on a frozen base (peft), the base itself as the KL reference
 (the adapter switched off: no second model in memory), and the policy as the engines serve it — the adapter merged
 into the base's weights, under the base model's own parameter names."""
 

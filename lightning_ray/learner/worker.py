@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from lightning_ray.algorithm.loss import kl_to_reference, policy_loss, truncated_is_weights
 from lightning_ray.algorithm.ppo import gae, token_rewards, value_loss, whiten
-from lightning_ray.config import AlgorithmConfig, TrainerConfig
+from lightning_ray.config import AlgorithmConfig, LearnerConfig
 from lightning_ray.learner import lora
 from lightning_ray.types import Transition
 
@@ -31,7 +31,7 @@ from lightning_ray.types import Transition
 MicroBatch = list[tuple[Transition, float | np.ndarray]]
 
 
-def deepspeed_config(t: TrainerConfig, on_cuda: bool) -> dict:
+def deepspeed_config(t: LearnerConfig, on_cuda: bool) -> dict:
     """`t`: the learner's settings with `auto` resolved (learner.resolved)."""
     zero: dict = {"stage": t.zero_stage}
     if t.offload_optimizer:  # DeepSpeed's CPU Adam then steps on the host (compiled once, ~1 min)
@@ -56,7 +56,7 @@ def deepspeed_config(t: TrainerConfig, on_cuda: bool) -> dict:
     }
 
 
-def deepspeed_engine(model: torch.nn.Module, parameters: list[dict], t: TrainerConfig, on_cuda: bool):
+def deepspeed_engine(model: torch.nn.Module, parameters: list[dict], t: LearnerConfig, on_cuda: bool):
     """DeepSpeed's engine for `model`, on the rank's process group (Ray Train's)."""
     import deepspeed
 
@@ -97,14 +97,14 @@ def train_loop_per_worker(cfg: dict) -> None:
 
 
 def learn(cfg: dict, nonce: str) -> None:
-    """`cfg`: the learner's settings (`trainer`, `auto` resolved) and the algorithm's, typed, beside the run's model
+    """`cfg`: the learner's settings (`learner`, `auto` resolved) and the algorithm's, typed, beside the run's model
     path (the initial policy: the KL reference), queues, registry and weight transport (learner/driver.py).
 
     Ray Train may run this more than once on a rank: when a rank's process dies it restarts every rank
-    (trainer.max_restarts). So each start announces itself with a nonce and takes no command before the driver
+    (learner.max_restarts). So each start announces itself with a nonce and takes no command before the driver
     attaches it (naming the checkpoint to load): commands queued for the process before it, and its replies once
     another has replaced it, are told apart by the nonce."""
-    t, alg = cfg["trainer"], cfg["algorithm"]
+    t, alg = cfg["learner"], cfg["algorithm"]
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", cfg["extensions_dir"])  # CPU Adam (offload_optimizer) builds once
     clear_stale_build_locks(os.environ["TORCH_EXTENSIONS_DIR"])
     import transformers
@@ -246,7 +246,7 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
     The batch is on-policy (sampled by exactly these weights), so the behaviour policy's logprobs are the ones
     computed here before the first update: the ratio starts at 1, as PPO's first step does, and moves from the
     second step on, where the clip acts. Where the sampler differed after all (an older version, the engine's
-    numerics), tis_cap reweighs each token. max_logprob_gap (trainer's, on the first batch): fail before any update
+    numerics), tis_cap reweighs each token. max_logprob_gap (learner's, on the first batch): fail before any update
     if the learner's logprobs are further than that from the server's."""
     steps = [[to_device(collate(mb, pad_id), engine.device) for mb in mini] for mini in mini_batches]
     batches = [b for mini in steps for b in mini]
@@ -327,9 +327,9 @@ def check_logprob_gap(gap: torch.Tensor, max_gap: float, world_size: int) -> Non
     mean = gap[0].item() / max(gap[1].item(), 1)
     if mean > max_gap:
         raise ValueError(f"the learner's logprobs of the sampled tokens differ from the server's by {mean:.3g} per "
-                         f"token on average, above trainer.max_logprob_gap={max_gap}: the two do not compute the same "
+                         f"token on average, above learner.max_logprob_gap={max_gap}: the two do not compute the same "
                          "policy (another model or revision, tokenizer or chat template, dtype, logit processing). "
-                         "Training on them would weigh every token wrongly; raise trainer.max_logprob_gap, or null "
+                         "Training on them would weigh every token wrongly; raise learner.max_logprob_gap, or null "
                          "to train anyway")
 
 

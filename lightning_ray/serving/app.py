@@ -375,7 +375,7 @@ def policy_app(cfg: TrainConfig, model_path: str, store, registry, adapter: Path
                    max_queued_requests=s.max_queued_requests)
     if cfg.engine.env:  # the replicas' environment: engines read settings from it when they start (vLLM-CPU's binding)
         options["ray_actor_options"]["runtime_env"] = {"env_vars": cfg.engine.env}
-    lora = {"lora_rank": cfg.trainer.lora.rank, "adapter": str(adapter) if adapter else None} \
+    lora = {"lora_rank": cfg.learner.lora.rank, "adapter": str(adapter) if adapter else None} \
         if transport == "adapter" else {}
     return PolicyServer.options(**options).bind(
         model_path, cfg.model.name, store, registry, engine=cfg.engine.kind,

@@ -72,7 +72,7 @@ class IterationRecord(BaseModel):
     clip_frac: float | None = described("share of clipped tokens, averaged over the steps", optional=True)
     logprob_abs_diff: float | None = described(
         "mean \\|learner logprob − served logprob\\| on the same tokens before the update (≈1e-5 with "
-        "vLLM: `benchmarks/results/lora_first_run.json`, `imitation_sql_pilot.json`; `trainer.max_logprob_gap` "
+        "vLLM: `benchmarks/results/lora_first_run.json`, `imitation_sql_pilot.json`; `learner.max_logprob_gap` "
         "bounds it on the first step)", optional=True)
     entropy: float | None = described(
         "mean entropy of the sampling distribution over the trained tokens", optional=True)

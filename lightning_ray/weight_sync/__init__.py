@@ -10,7 +10,7 @@ was superseded before it could be fetched (the newer one follows).
 - object_store: a host copy through Ray's object store (the CPU default).
 - cuda_ipc: colocated on one GPU; the replica copies straight from the learner's GPU memory.
 - collective: separate GPUs or nodes; a broadcast from learner rank 0 to the replica that asks (NCCL; gloo on CPU).
-- adapter (trainer.lora.sync): a LoRA adapter alone, through the object store; the engines apply it on their base.
+- adapter (learner.lora.sync): a LoRA adapter alone, through the object store; the engines apply it on their base.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Publisher(Protocol):
 def resolve(kind: str, learner_resources: dict, replica_resources: dict, lora: LoraConfig | None = None) -> str:
     """`auto`: the object store unless the learner and the replicas both have GPUs; then CUDA IPC where they share
     one (Ray lets two actors share a GPU only if each asks for a fraction of it), else a collective broadcast.
-    With LoRA, `adapter` where trainer.lora.sync says so (auto: where the replicas have GPUs); merged weights take
+    With LoRA, `adapter` where learner.lora.sync says so (auto: where the replicas have GPUs); merged weights take
     the run's transport."""
     learner_gpu, replica_gpu = learner_resources.get("GPU", 0), replica_resources.get("GPU", 0)
     if lora and (lora.sync == "adapter" or lora.sync == "auto" and replica_gpu):
@@ -48,7 +48,7 @@ def resolve(kind: str, learner_resources: dict, replica_resources: dict, lora: L
 
 def of_run(cfg: TrainConfig) -> str:
     """A run's transport, resolved from its config: what the learner publishes by and the replicas expect."""
-    t = cfg.trainer
+    t = cfg.learner
     return resolve(t.weight_sync, t.resources_per_worker, cfg.serve.resources, t.lora)
 
 
@@ -70,7 +70,7 @@ def make_publisher(options: dict, registry, device: torch.device) -> Publisher:
         from lightning_ray.weight_sync.cuda_ipc import CudaIpcPublisher
 
         if torch.device(device).type != "cuda":
-            raise ValueError("trainer.weight_sync=cuda_ipc needs a CUDA learner")
+            raise ValueError("learner.weight_sync=cuda_ipc needs a CUDA learner")
         return CudaIpcPublisher(torch.device(device), bucket_bytes)
     if kind == "collective":
         from lightning_ray.weight_sync.collective import CollectivePublisher

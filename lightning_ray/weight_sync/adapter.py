@@ -1,4 +1,4 @@
-"""LoRA's weight sync (trainer.lora): the adapter alone goes to the engines — a few MB where the merged weights are
+"""LoRA's weight sync (learner.lora): the adapter alone goes to the engines — a few MB where the merged weights are
 the whole model — and they apply it on the base they loaded (peft in the HF engine, vLLM's LoRA support). It travels
 as peft saves it, so both engines read their usual format; through the object store, whatever the transport: it is
 small enough on any hardware."""
@@ -58,7 +58,7 @@ class Adapter:
 
 
 class AdapterPublisher:
-    """Rank 0's publisher under trainer.lora: `policy` is the learner's lora.Merged view of the adapted model."""
+    """Rank 0's publisher under learner.lora: `policy` is the learner's lora.Merged view of the adapted model."""
 
     def publish(self, version: int, policy) -> list:
         return [ray.put(Adapter.of(policy.model))]

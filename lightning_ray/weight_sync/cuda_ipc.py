@@ -68,7 +68,7 @@ def _open(offer: IpcOffer, device: torch.device) -> list[tuple[torch.Tensor, dic
 
     if offer.gpu_uuid != gpu_uuid(device):
         raise ValueError(f"cuda_ipc needs the engine on the learner's GPU ({offer.gpu_uuid}); this replica is on "
-                         f"{gpu_uuid(device)}: colocate them, or use trainer.weight_sync=collective")
+                         f"{gpu_uuid(device)}: colocate them, or use learner.weight_sync=collective")
     opened = []
     for update in offer.updates:
         args = list(update["ipc_handles"][offer.gpu_uuid])

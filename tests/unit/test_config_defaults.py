@@ -4,13 +4,14 @@ file states."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 from pydantic import BaseModel
 
-from lightning_ray.config import CONFIGS, APOJobConfig, TrainConfig, code_defaults, compose
+from lightning_ray.config import CONFIGS, APOJobConfig, ConfigError, TrainConfig, code_defaults, compose, validate
 
 YAMLS = sorted(CONFIGS.rglob("*.yaml"))
 
@@ -76,3 +77,18 @@ def test_a_derived_default_follows_the_composed_config(overrides, drain, tis_cap
     partial rollouts (it once got `wait`: the derived value had been composed in as if a file had set it)."""
     cfg = compose(["run_dir=x", *overrides])
     assert (cfg.serve.drain, cfg.algorithm.tis_cap) == (drain, tis_cap)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["trainer.lr=1e-3"], "trainer.lr is now learner.lr"),
+    (["+trainer.lora={}", "trainer.iterations=2"], "trainer.lora is now learner.lora"),
+    (["trainer=two_ranks"], "trainer=two_ranks is now learner=two_ranks"),
+])
+def test_a_learner_key_where_it_was_names_its_new_place(overrides, says):
+    """The learner's keys moved from trainer.* (the RL loop's) to learner.*: an old name is refused with the new one,
+    on the command line (where Hydra alone would say only that the key is not there) and in a preset or dict."""
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        compose(["run_dir=x", *overrides])
+    with pytest.raises(ConfigError, match=re.escape("trainer.zero_stage is now learner.zero_stage")):
+        validate({"run_dir": "x", "trainer": {"iterations": 2, "zero_stage": 3}})
+    assert compose(["run_dir=x", "learner=two_ranks", "trainer.iterations=2"]).learner.num_workers == 2

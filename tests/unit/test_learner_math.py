@@ -16,7 +16,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, GraniteConfig, Granit
 
 from lightning_ray.algorithm.lightningrl import merge_calls
 from lightning_ray.algorithm.loss import policy_loss, token_weights
-from lightning_ray.config import AlgorithmConfig, TrainerConfig
+from lightning_ray.config import AlgorithmConfig, LearnerConfig
 from lightning_ray.learner.driver import batch_plan, micro_batches
 from lightning_ray.learner.worker import collate, deepspeed_engine, parameter_digest, score, train_step
 from lightning_ray.types import Transition
@@ -116,7 +116,7 @@ def test_a_merged_episode_gets_the_gradient_of_its_separate_calls(model, aggrega
 
 
 def test_activation_checkpointing_gives_the_same_gradient(model):
-    """The GPU default (trainer.gradient_checkpointing: auto) recomputes activations in backward: same numbers."""
+    """The GPU default (learner.gradient_checkpointing: auto) recomputes activations in backward: same numbers."""
     transitions = batch_of(5, seed=2)
     batch = collate([(t, 1.0) for t in transitions], pad_id=0)
 
@@ -187,7 +187,7 @@ def one_rank():
 
 
 def engine_for(model: torch.nn.Module, stage: int = 0, lr: float = 1e-2):
-    t = TrainerConfig(zero_stage=stage, lr=lr, weight_decay=0.0, grad_clip=1.0, dtype="float32")
+    t = LearnerConfig(zero_stage=stage, lr=lr, weight_decay=0.0, grad_clip=1.0, dtype="float32")
     return deepspeed_engine(model, [{"params": list(model.parameters())}], t, on_cuda=False)
 
 
@@ -290,7 +290,7 @@ def test_a_first_step_far_from_the_servers_logprobs_fails_before_any_update(one_
     transitions = batch_of(4, seed=7)  # served logprobs of -1: nothing like this model's
     engine = engine_for(fresh())
     before = parameter_digest(engine.module)
-    with pytest.raises(ValueError, match="trainer.max_logprob_gap=0.1"):
+    with pytest.raises(ValueError, match="learner.max_logprob_gap=0.1"):
         step(engine, transitions, max_logprob_gap=0.1)
     assert parameter_digest(engine.module) == before
     with torch.no_grad():  # what a server running these weights reports

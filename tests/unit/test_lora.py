@@ -66,8 +66,8 @@ def test_the_adapter_switched_off_is_the_base(base):
 
 
 def test_lora_is_off_by_default_and_its_settings_are_checked():
-    assert compose([]).trainer.lora is None
-    assert compose(["trainer.lora={}"]).trainer.lora == LoraConfig()
-    assert compose(["trainer.lora={rank:4,target_modules:[q_proj]}"]).trainer.lora.target_modules == ["q_proj"]
-    with pytest.raises(ConfigError, match=r"trainer\.lora\.rank"):
-        compose(["trainer.lora={rank:0}"])
+    assert compose([]).learner.lora is None
+    assert compose(["learner.lora={}"]).learner.lora == LoraConfig()
+    assert compose(["learner.lora={rank:4,target_modules:[q_proj]}"]).learner.lora.target_modules == ["q_proj"]
+    with pytest.raises(ConfigError, match=r"learner\.lora\.rank"):
+        compose(["learner.lora={rank:0}"])

@@ -49,7 +49,7 @@ class HFEngine(WeightLoading):
         self.policy_version = 0
         self._shapes = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
         self._staged: dict | Adapter | None = None
-        self._adapter_shapes: dict[str, tuple[int, ...]] | None = None  # trainer.lora: the served adapter's tensors
+        self._adapter_shapes: dict[str, tuple[int, ...]] | None = None  # learner.lora: the served adapter's tensors
         if adapter:
             self._apply(Adapter.read(adapter))
 
@@ -121,7 +121,7 @@ class HFEngine(WeightLoading):
                 inputs = torch.tensor([[token]], device=self.device)
 
     async def stage_weights(self, weights: dict | Adapter) -> None:
-        """A whole state dict, or (trainer.lora) an adapter, checked against the one served once there is one."""
+        """A whole state dict, or (learner.lora) an adapter, checked against the one served once there is one."""
         if isinstance(weights, Adapter):
             if self._adapter_shapes:
                 check_weights(weights.tensors(), self._adapter_shapes)

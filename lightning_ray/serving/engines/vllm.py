@@ -60,7 +60,7 @@ class VLLMEngine(WeightLoading):
         collective transports; without it weights are reloaded from a local safetensors file. sleep_mode: vLLM's,
         for engine.sleep_while_training (CUDA only: vLLM-CPU has none, and a CPU engine holds no GPU memory).
         drain: serve.drain; under `keep` a weight load pauses the requests in flight instead of waiting for them.
-        lora_rank: trainer.lora's rank: vLLM's LoRA support on, every request served with the latest adapter (the
+        lora_rank: learner.lora's rank: vLLM's LoRA support on, every request served with the latest adapter (the
         first from `adapter`, a directory, in a resumed run)."""
         self.drain = drain
         self.sleep_mode = sleep_mode and torch.cuda.is_available()
@@ -70,7 +70,7 @@ class VLLMEngine(WeightLoading):
             backend="xgrammar", disable_any_whitespace=not grammar.ANY_WHITESPACE))
         if lora_rank:  # one adapter at a time, replaced in place by each version; vLLM sizes its buffers by the rank
             if not (max_rank := next((r for r in get_args(MaxLoRARanks) if r >= lora_rank), None)):
-                raise ValueError(f"trainer.lora.rank={lora_rank}: vLLM serves adapters of rank 512 at most")
+                raise ValueError(f"learner.lora.rank={lora_rank}: vLLM serves adapters of rank 512 at most")
             engine_args.update(enable_lora=True, max_loras=1, max_lora_rank=max_rank)
         self._lora = LoRARequest("policy", 1, adapter) if adapter else None
         self._adapters, self._staged_adapter = 0, None  # adapters staged so far, each in a directory of its own

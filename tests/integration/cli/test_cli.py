@@ -51,9 +51,11 @@ def test_bad_input_is_one_line_and_exit_code_2(args, named):
     assert r.stderr.count("\n") == 1 and named in r.stderr and "Traceback" not in r.stderr
 
 
-def test_train_passes_config_errors_through_by_key(tmp_path):
-    r = cli("train", "rollout.group_size=0", f"hydra.run.dir={tmp_path}")
-    assert r.returncode != 0 and "rollout.group_size" in r.stderr and "Traceback" not in r.stderr
+@pytest.mark.parametrize("override, named", [("rollout.group_size=0", "rollout.group_size"),
+                                             ("trainer.lr=1e-3", "trainer.lr is now learner.lr")])  # a moved key
+def test_train_passes_config_errors_through_by_key(tmp_path, override, named):
+    r = cli("train", override, f"hydra.run.dir={tmp_path}")
+    assert r.returncode != 0 and named in r.stderr and "Traceback" not in r.stderr
 
 
 def test_train_prints_the_resolved_config_with_hydra_flags():

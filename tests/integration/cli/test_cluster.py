@@ -109,7 +109,7 @@ def job(cluster, tiny_model_path, tmp_path_factory):
         "+task.generator.allow_negation=false", "rollout.temperature=1.0", "rollout.tasks_per_iteration=8",
         "rollout.group_size=4", "rollout.num_workers=1", "rollout.agents_per_worker=8",
         # the replicas need the node with the policy's "GPU", the trainer's workers the node with the trainer's
-        "+serve.resources.policy_gpu=1", "+trainer.resources_per_worker.trainer_gpu=1",
+        "+serve.resources.policy_gpu=1", "+learner.resources_per_worker.trainer_gpu=1",
     ]
     started = time.time()
     r = subprocess.run([RAY, "job", "submit", f"--address={cluster['address']}", "--working-dir", ".",

@@ -154,7 +154,7 @@ def test_every_documented_override_works_as_written(job, overrides, tmp_path):
     ("engine.options=[1]", "engine.options"),
     ("model.path=runs/<run>/checkpoint", "model.path=runs/<run>/checkpoint"),  # not Hydra's grammar: shown where
     ("+serve.resources.policy_gpu=-1", "serve.resources.policy_gpu"),
-    ("trainer.placement_strategy=CLOSE", "trainer.placement_strategy"),
+    ("learner.placement_strategy=CLOSE", "learner.placement_strategy"),
     ("serve.host=0.0.0.0", "serve.api_key"),  # exposed without a key: refused, the key it needs named
     ("rollout.timeout_seconds=null", "rollout.timeout_seconds"),  # every rollout has a deadline
 ])
@@ -178,11 +178,11 @@ def test_a_host_beyond_loopback_needs_an_api_key(host, tmp_path):
 
 def test_cfg_job_prints_the_resolved_config_and_runs_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    r = run_job("--cfg", "job", "--resolve", "task=sql", "engine=hf", "trainer.zero_stage=3",
+    r = run_job("--cfg", "job", "--resolve", "task=sql", "engine=hf", "learner.zero_stage=3",
                 "engine.options={}", f"hydra.run.dir={run_dir}")
     assert r.returncode == 0, r.stderr
     cfg = validate(yaml.safe_load(r.stdout))
-    assert (cfg.task.name, cfg.engine.kind, cfg.trainer.zero_stage, cfg.run_dir) == ("sql", "hf", 3, str(run_dir))
+    assert (cfg.task.name, cfg.engine.kind, cfg.learner.zero_stage, cfg.run_dir) == ("sql", "hf", 3, str(run_dir))
     assert not run_dir.exists()
     r = run_job("--cfg", "job", "--resolve", "apo.beam=2", "engine.options={max_num_seqs: 4}", job="apo")
     cfg = validate(yaml.safe_load(r.stdout), APOJobConfig)
@@ -201,7 +201,7 @@ def test_no_secret_reaches_the_run_directory(tmp_path):
     assert r.returncode != 0 and (tmp_path / "recorded" / ".hydra" / "overrides.yaml").exists()
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and b"plain-secret" in p.read_bytes()]
 
-    cfg = compose([f"run_dir={tmp_path}", "serve.api_key=sk-secret-1", "trainer.lr=3e-4", "+engine.env.HF_TOKEN=abc",
+    cfg = compose([f"run_dir={tmp_path}", "serve.api_key=sk-secret-1", "learner.lr=3e-4", "+engine.env.HF_TOKEN=abc",
                    "task.runtime_env={env_vars: {OPENAI_API_KEY: xyz, WANDB_MODE: offline}}",
                    "task.generator={note: ghp_0123456789abcdef}"])
     cfg.save(tmp_path / "config.yaml")
@@ -211,7 +211,7 @@ def test_no_secret_reaches_the_run_directory(tmp_path):
     data = yaml.safe_load(saved)
     assert data["serve"]["api_key"] == data["engine"]["env"]["HF_TOKEN"] == "***"
     assert data["task"]["runtime_env"]["env_vars"] == {"OPENAI_API_KEY": "***", "WANDB_MODE": "offline"}
-    assert validate(data).trainer == cfg.trainer  # everything else as the run resolved it
+    assert validate(data).learner == cfg.learner  # everything else as the run resolved it
     assert data["run_dir"] == str(tmp_path)
 
 

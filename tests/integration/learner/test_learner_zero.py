@@ -62,7 +62,7 @@ def test_zero3_publishes_whole_weights_and_a_resumed_or_restarted_learner_takes_
     the next version (the replicas served the lost update, from a payload the dead rank 0 owned), then the step is
     taken again, to the same weights, and published as the version after."""
     def config(run_dir):  # a run's learner queues are named after its directory
-        return small({"run_dir": str(run_dir), "algorithm": PPO, "trainer": {
+        return small({"run_dir": str(run_dir), "algorithm": PPO, "learner": {
             "num_workers": 2, "threads_per_worker": 1, "zero_stage": 3, "lr": 1e-3, "micro_batch_tokens": 96,
             "max_logprob_gap": None}})
 
@@ -130,7 +130,7 @@ def test_two_ranks_train_like_one(ray_cluster, tiny_model_path, tmp_path):
     runs = []
     for ranks in (1, 2):
         cfg = small({"run_dir": str(tmp_path / str(ranks)), "algorithm": {**PPO, "ppo_epochs": 2, "mini_batches": 2},
-                     "trainer": {"num_workers": ranks, "threads_per_worker": 1, "zero_stage": 1, "lr": 1e-3,
+                     "learner": {"num_workers": ranks, "threads_per_worker": 1, "zero_stage": 1, "lr": 1e-3,
                                  "micro_batch_tokens": 96, "max_logprob_gap": None}})  # made-up served logprobs
         registry = WeightRegistry.remote()
         learner = Learner(cfg, tiny_model_path, registry)
@@ -170,7 +170,7 @@ def test_the_gpu_learner_settings_train_on_cpu_too(ray_cluster, tiny_model_path,
     the bf16 policy, whole, and the checkpoint is it. A batch whose loss is not finite then changes nothing: its step
     is skipped (DeepSpeed's bf16 optimizer finds the gradient not finite), and no version is published. A batch the
     rank raises on (a token outside the vocabulary) fails the step at once with the rank's error, not retried."""
-    cfg = small({"run_dir": str(tmp_path), "trainer": {
+    cfg = small({"run_dir": str(tmp_path), "learner": {
         "num_workers": 1, "threads_per_worker": 1, "dtype": "bfloat16", "gradient_checkpointing": True, "lr": 1e-2,
         "micro_batch_tokens": 96, "max_logprob_gap": None}})
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_path)

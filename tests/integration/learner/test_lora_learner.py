@@ -1,4 +1,4 @@
-"""trainer.lora through the whole stack (the tiny model, the HF engine, Ray Train + DeepSpeed): only the adapter
+"""learner.lora through the whole stack (the tiny model, the HF engine, Ray Train + DeepSpeed): only the adapter
 trains, the KL reference is the base (the adapter off), and both syncs serve exactly what the learner computes: on
 CPUs (sync=auto) the merged weights, and a run resumed with sync=adapter the base plus its checkpoint's adapter, then
 the adapters it ships. The checkpoint holds the merged policy a server loads strictly and the adapter, which peft
@@ -26,8 +26,8 @@ def test_lora_serves_what_the_learner_computes_merged_then_as_an_adapter_after_a
             "task": {"generator": EASY, "eval_size": 4},
             # PPO: its value head gives every transition a signal, so each iteration updates; a KL loss to the base
             "algorithm": {"estimator": "ppo", "kl_coef": 0.5, "kl_penalty": "loss"},
-            "trainer": {"iterations": iterations, "eval_every": 0, "lr": 1e-2, "checkpoint_every": 2,
-                        "lora": {"rank": 4, "alpha": 8.0, "sync": sync}}, "resume": resume}))
+            "trainer": {"iterations": iterations, "eval_every": 0, "checkpoint_every": 2},
+            "learner": {"lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0, "sync": sync}}, "resume": resume}))
 
     history = run(2)  # sync=auto: merged weights on CPUs
     first, second = history

@@ -70,7 +70,7 @@ def test_autogen_calc_trains_from_its_own_runtime_env(ray_cluster, tiny_model_pa
     cfg = small({"run_dir": str(tmp_path), "model": {"path": str(tiny_model_path)}, "task": task,
                  "serve": {"port": serve_port, "chat_template": "hermes"},
                  "rollout": {"tasks_per_iteration": 4, "group_size": 4, "agents_per_worker": 4},
-                 "trainer": {"iterations": 2, "eval_every": 0, "lr": 1e-3}})
+                 "trainer": {"iterations": 2, "eval_every": 0}, "learner": {"lr": 1e-3}})
     history = train(cfg)
     for h in history:  # every rollout ran AutoGen in its own environment, and its calls became transitions
         assert h["rollouts"] == 16 and h["failed_rollouts"] == 0 and h["transitions"] == h["llm_spans"] > 0

@@ -39,8 +39,8 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
                              "agents_per_worker": 2},
                  # one sample per selected call, so transitions count the solver's calls
                  "algorithm": {"select": {"agents": ["solver"]}, "level": "transition"},
-                 "trainer": {"iterations": 2, "num_workers": 1, "threads_per_worker": 1, "eval_every": 0,
-                             "lr": 1e-3}})
+                 "trainer": {"iterations": 2, "eval_every": 0},
+                 "learner": {"num_workers": 1, "threads_per_worker": 1, "lr": 1e-3}})
     history = train(cfg)
     spans = [Span(span_id=r[0], trace_id=r[1], parent_id=r[2], rollout_id=r[3], attempt_id=r[4], name=r[5],
                   start_time=r[6], attributes=json.loads(r[7]), origin=r[8])

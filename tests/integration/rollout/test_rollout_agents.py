@@ -143,7 +143,7 @@ def node_agent() -> list[str]:
 def test_a_javascript_agent_trains_like_any_other(node_agent, ray_cluster, tiny_model_path, serve_port, tmp_path):
     cfg = small(config(tmp_path, serve_port, tiny_model_path, task={"command": node_agent},
                        rollout={"tasks_per_iteration": 8, "group_size": 4, "agents_per_worker": 4},
-                       trainer={"iterations": 1, "eval_every": 0, "lr": 1e-3}))
+                       trainer={"iterations": 1, "eval_every": 0}, learner={"lr": 1e-3}))
     [h] = train(cfg)  # its calls were recorded by the server and became transitions; no rollout failed
     assert h["rollouts"] == 32 and h["failed_rollouts"] == 0 and h["transitions"] == h["llm_spans"] > 0
     assert h["reward_mean"] > 0  # the tiny model solves some of these through the JS agent's calculator

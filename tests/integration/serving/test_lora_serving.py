@@ -1,4 +1,4 @@
-"""Both engines serve the base plus a LoRA adapter (trainer.lora's weight sync ships the adapter alone): sampled
+"""Both engines serve the base plus a LoRA adapter (learner.lora's weight sync ships the adapter alone): sampled
 tokens are scored as the adapted model scores them, each new adapter replaces the last, one that does not fit is
 refused with the served one untouched, and an engine started with a checkpoint's adapter serves it from the start.
 The learner's own adapter through the HF engine: tests/integration/learner/test_lora_learner.py."""

@@ -93,7 +93,8 @@ def run(ray_cluster, rag_model_path, serve_port, tmp_path_factory):
         # ~12%, and most rollouts end at max_tokens mid-call (the SDK raises: failed): a run could see no search
         "rollout": {"tasks_per_iteration": 4, "group_size": 4, "agents_per_worker": 4, "temperature": 0.7},
         # one iteration: the plumbing is all in it; a second (measured) can find every group alike after the update
-        "trainer": {"iterations": 1, "eval_every": 0, "lr": 1e-3},
+        "trainer": {"iterations": 1, "eval_every": 0},
+        "learner": {"lr": 1e-3},
         # Final rewards are nearly all 0 from this model, so AIR gives the signal: +0.1 for each search the SDK
         # ran (the agent's tool span), -0.1 for a <tool_call> block nobody could parse, each credited to its call
         "task": {**task, "air": {"tool_ok": 0.1, "malformed_tool_call": -0.1}},

@@ -35,8 +35,8 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
         "rollout": {"tasks_per_iteration": 4, "group_size": 2, "max_tokens": 24, "agents_per_worker": 4},
         # one sample per selected call, so transitions count the writer's and the rewriter's calls
         "algorithm": {"select": {"agents": ["writer", "rewriter"]}, "level": "transition"},
-        "trainer": {"iterations": 2, "num_workers": 1, "threads_per_worker": 1, "eval_every": 0,
-                    "micro_batch_tokens": 4096},
+        "trainer": {"iterations": 2, "eval_every": 0},
+        "learner": {"num_workers": 1, "threads_per_worker": 1, "micro_batch_tokens": 4096},
     })
     history = train(cfg)
     db = sqlite3.connect(run_dir / "traces-spans.sqlite")

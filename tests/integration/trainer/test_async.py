@@ -25,7 +25,8 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("async")
     cfg = small({
         "run_dir": str(run_dir), "model": {"path": str(tiny_model_path)}, "serve": {"port": serve_port},
-        "trainer": {"iterations": 3, "eval_every": 0, "lr": 1e-3, "checkpoint_every": 3},
+        "trainer": {"iterations": 3, "eval_every": 0, "checkpoint_every": 3},
+        "learner": {"lr": 1e-3},
         "task": {"generator": EASY, "eval_size": 4},
         # PPO: its value head gives every transition a signal, so each iteration updates and versions advance by one
         "algorithm": {"estimator": "ppo", "overlong_filter": True},

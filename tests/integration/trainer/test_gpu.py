@@ -49,5 +49,5 @@ def test_two_iterations_of_the_tiny_model_on_one_gpu(ray_cluster, tiny_model_pat
         assert r["logprob_abs_diff"] < 0.05
     if history[-1]["updated"]:  # the last iteration saves the checkpoint
         saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")  # the link to the latest policy
-        assert saved.dtype == torch.bfloat16  # the learner trained in bf16 (trainer.dtype auto on CUDA)
+        assert saved.dtype == torch.bfloat16  # the learner trained in bf16 (learner.dtype auto on CUDA)
         assert parameter_digest(saved) == history[-1]["worker_digests"][0]

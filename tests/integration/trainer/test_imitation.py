@@ -25,7 +25,8 @@ from lightning_ray.trainer import train
 def config(run_dir, model_path, serve_port, **raw):
     return small({"run_dir": str(run_dir), "model": {"path": str(model_path)}, "serve": {"port": serve_port},
                   "task": {"generator": EASY, "eval_size": 4},
-                  "trainer": {"iterations": 1, "eval_every": 1, "lr": 1e-3}, **raw})
+                  "trainer": {"iterations": 1, "eval_every": 1}, "learner": {"lr": 1e-3},
+                  **raw})
 
 
 def calls(run_dir):
@@ -44,11 +45,11 @@ def runs(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     # a time budget spent within the first of 50 iterations, which is then the last: evaluated (with pass@2 besides)
     # and checkpointed as the last of `iterations` would be, though eval_every and checkpoint_every are 40
     rl = train(config(reinforced, imitated / "checkpoint", serve_port, rollout={"group_size": 4}, eval={"pass_k": 2},
-                      trainer={"iterations": 50, "max_minutes": 1e-3, "eval_every": 40, "checkpoint_every": 40,
-                               "lr": 1e-3}))
+                      trainer={"iterations": 50, "max_minutes": 1e-3, "eval_every": 40, "checkpoint_every": 40}))
     teacher = {"kind": "model", "path": str(tiny_model_path), "temperature": 1.0, "max_tokens": 32}
     erring = train(config(sampled, tiny_model_path, serve_port, teacher=teacher, algorithm={"objective": "sft"},
-                          rollout={"tasks_per_iteration": 8, "group_size": 2}, trainer={"iterations": 1, "eval_every": 0}))
+                          rollout={"tasks_per_iteration": 8, "group_size": 2},
+                          trainer={"iterations": 1, "eval_every": 0}))
     return {"imitation": imitation, "rl": rl, "erring": erring, "imitated": imitated, "reinforced": reinforced,
             "sampled": sampled}
 

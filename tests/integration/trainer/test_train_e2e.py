@@ -28,8 +28,8 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
         "model": {"path": str(tiny_model_path)},
         "serve": {"port": serve_port},
         # two ranks of one thread; a small token budget, so each rank accumulates over several micro-batches
-        "trainer": {"iterations": 2, "num_workers": 2, "threads_per_worker": 1, "zero_stage": 2,
-                    "micro_batch_tokens": 512, "eval_every": 2, "lr": 1e-3},
+        "trainer": {"iterations": 2, "eval_every": 2},
+        "learner": {"num_workers": 2, "threads_per_worker": 1, "zero_stage": 2, "micro_batch_tokens": 512, "lr": 1e-3},
         "task": {"generator": EASY, "eval_size": 8},
         # the reference-model, entropy-bonus and importance-weight paths of the loss, small enough not to change
         # what is learned; dynamic sampling: a second round of new tasks for the groups the first left without signal

@@ -206,5 +206,5 @@ def test_vllm_receives_through_its_weight_transfer_api(policy_app, tiny_model_pa
     registry = WeightRegistry.remote()
     learner = learner_actor(registry, str(tiny_model_path), kind, device="cuda", num_gpus=gpus)
     with policy_app(registry, engine={"kind": "vllm", "gpu_memory_utilization": 0.3, "dtype": "float32"},
-                    trainer={"weight_sync": kind}, serve={"resources": {"CPU": 1, "GPU": gpus}}) as app:
+                    learner={"weight_sync": kind}, serve={"resources": {"CPU": 1, "GPU": gpus}}) as app:
         _sync_and_compare(app, registry, learner, 1)
