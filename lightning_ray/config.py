@@ -397,6 +397,14 @@ class LearnerConfig(_Strict):
         return self
 
 
+def as_recorded_today(data: dict) -> dict:
+    """A config.yaml a run wrote, with today's keys: one recorded before the learner had its own keys holds them
+    under trainer.* (a record is read as it was written; only new configs are refused for the old names)."""
+    trainer = dict(data.get("trainer") or {})
+    moved = {k: trainer.pop(k) for k in list(trainer) if k in LearnerConfig.model_fields}
+    return {**data, "trainer": trainer, "learner": {**moved, **(data.get("learner") or {})}} if moved else data
+
+
 def moved_to_learner(keys: list[str]) -> str:
     """The message for keys of the learner given under trainer.*, where they were before the learner had its own."""
     return (", ".join(f"trainer.{k} is now learner.{k}" for k in keys) +

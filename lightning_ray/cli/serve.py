@@ -55,8 +55,9 @@ def app(args: dict):
     from lightning_ray.weight_sync.registry import WeightRegistry
 
     cfg = compose(args.get("overrides", []))
+    model_path = str(resolve_model_path(cfg.model))  # before the detached actors: a bad path leaves none behind
     cfg.run_path.mkdir(parents=True, exist_ok=True)
     cfg.save(cfg.run_path / "config.yaml")
     store = StoreClient.start(cfg.run_path, cfg.store.num_shards, actor_options={**ON_HEAD, "lifetime": "detached"})
     registry = WeightRegistry.options(lifetime="detached").remote()
-    return policy_app(cfg, str(resolve_model_path(cfg.model)), store, registry)
+    return policy_app(cfg, model_path, store, registry)

@@ -15,7 +15,7 @@ import yaml
 
 from lightning_ray.algorithm.lightningrl import adapt
 from lightning_ray.algorithm.select import Selection
-from lightning_ray.config import TrainConfig, validate
+from lightning_ray.config import TrainConfig, as_recorded_today, validate
 from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.types import FINISHED, Rollout, Span
 
@@ -36,7 +36,7 @@ def shard_files(run_dir: Path) -> list[Path]:
 def run_config(run_dir: Path) -> TrainConfig:
     """The config the run recorded (config.yaml); the defaults where it has none."""
     path = run_dir / "config.yaml"
-    return validate(yaml.safe_load(path.read_text()) if path.exists() else {"run_dir": str(run_dir)})
+    return validate(as_recorded_today(yaml.safe_load(path.read_text())) if path.exists() else {"run_dir": str(run_dir)})
 
 
 def records(run_dir: Path, what: str) -> Iterator[dict]:

@@ -92,3 +92,16 @@ def test_a_learner_key_where_it_was_names_its_new_place(overrides, says):
     with pytest.raises(ConfigError, match=re.escape("trainer.zero_stage is now learner.zero_stage")):
         validate({"run_dir": "x", "trainer": {"iterations": 2, "zero_stage": 3}})
     assert compose(["run_dir=x", "learner=two_ranks", "trainer.iterations=2"]).learner.num_workers == 2
+
+
+def test_a_run_recorded_before_the_learner_had_its_keys_reads_as_it_was_written(tmp_path):
+    """`store inspect`/`export` read a run's config.yaml: one written with the learner's keys under trainer.* still
+    reads, as the same settings."""
+    from lightning_ray.store.files import run_config
+
+    cfg = compose([f"run_dir={tmp_path}", "learner.lr=3e-4", "learner.num_workers=2", "trainer.iterations=5"])
+    recorded = cfg.model_dump(mode="json")
+    recorded["trainer"].update(recorded.pop("learner"))  # as a run wrote it before
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(recorded))
+    read = run_config(tmp_path)
+    assert (read.trainer, read.learner) == (cfg.trainer, cfg.learner) and read.learner.lr == 3e-4
