@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -28,7 +29,8 @@ from openai import AsyncOpenAI
 
 from lightning_ray.config import ModelConfig, validate
 from lightning_ray.models import SMOLLM2, resolve_model_path
-from lightning_ray.serving.app import deploy_policy
+from lightning_ray.serving.app import APP_NAME, deploy_policy
+from lightning_ray.serving.routing import DIRECT_INGRESS, ReplicaRoutes
 from lightning_ray.serving.engines import SamplingParams, generate, make_engine
 from lightning_ray.store.client import StoreClient
 from lightning_ray.tasks import calc
@@ -126,7 +128,8 @@ async def measure(args, engine, url: str) -> None:
         endpoint_ms = per_request_ms(mid, end, args.requests, ROLES)
         print(json.dumps({
             "benchmark": "serve_overhead", "engine": args.engine, "model": args.model,
-            "vllm_all_cores": args.vllm_all_cores, "concurrency": c, "requests": args.requests,
+            "vllm_all_cores": args.vllm_all_cores, "direct_ingress": args.direct_ingress, "concurrency": c,
+            "requests": args.requests,
             "max_tokens": args.max_tokens, "direct_rps": round(args.requests / d_s, 2),
             "endpoint_rps": round(args.requests / e_s, 2), "direct_tok_s": round(d_tok / d_s, 1),
             "endpoint_tok_s": round(e_tok / e_s, 1), "same_tokens": d_tok == e_tok,
@@ -144,12 +147,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     parser.add_argument("--vllm-all-cores", action="store_true")
+    parser.add_argument("--direct-ingress", action="store_true",
+                        help="Serve's direct ingress: the endpoint side calls the replica's own HTTP server")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the JSON lines
     if args.vllm_all_cores:
         os.environ.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     torch.set_num_threads(1)  # as in the serve replica
     model = str(resolve_model_path(ModelConfig(path=SMOLLM2 if args.model == "smollm2" else None)))
+    if args.direct_ingress:
+        os.environ.update(DIRECT_INGRESS)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     # the endpoint's settings as a run's (temperature 1.0: the direct side's default too)
     cfg = validate({"run_dir": tempfile.mkdtemp(), "model": {"name": MODEL_NAME},
@@ -157,6 +164,9 @@ def main() -> None:
                     "rollout": {"temperature": 1.0}})
     store = StoreClient.start(cfg.run_path)
     url = deploy_policy(cfg, model, store, WeightRegistry.remote())
+    if args.direct_ingress:  # as a rollout worker finds it
+        url = ReplicaRoutes(url, APP_NAME)("rollout")
+        print(f"direct ingress: {url}", file=sys.stderr)
 
     async def run():  # the in-process engine lives on this loop (vLLM's AsyncLLM binds to its first loop)
         engine = make_engine(args.engine, model, max_model_len=512)

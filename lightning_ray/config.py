@@ -131,7 +131,7 @@ class EngineConfig(_Strict):
         return self
 
 
-def _loopback(host: str) -> bool:
+def loopback(host: str) -> bool:
     """Whether only this machine reaches `host`: a loopback address or `localhost` (any other name may resolve to
     an interface others reach)."""
     try:
@@ -165,10 +165,14 @@ class ServeConfig(_Strict):
     # limit of 256 ran at 0.44x the rollouts/s, 1% timed out: docs/13-scale.md)
     max_ongoing_requests: int | None = Field(None, gt=0)
     max_queued_requests: int = Field(-1, ge=-1)
+    # Rollout workers send their agents straight to a replica's own HTTP server, skipping Serve's Python proxy
+    # (serving/routing.py; Serve's direct ingress, which a local cluster of the run turns on; on a cluster of your
+    # own, set RAY_SERVE_ENABLE_DIRECT_INGRESS=1 in its nodes' environment). Clients outside the run use serve.port.
+    direct_ingress: bool = True
 
     @model_validator(mode="after")
     def _exposed_only_with_a_key(self):
-        if not self.api_key and not _loopback(self.host):  # else anyone who reaches it queues, scores, reads tasks
+        if not self.api_key and not loopback(self.host):  # else anyone who reaches it queues, scores, reads tasks
             raise ValueError(f"serve.host={self.host} opens the policy and the store API beyond this machine, and "
                              "serve.api_key is not set: set serve.api_key, or serve.host=127.0.0.1")
         return self

@@ -5,6 +5,7 @@ run a set of rollouts to their end."""
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from lightning_ray.models import resolve_model_path
 from lightning_ray.placement import ON_HEAD, actor_options
 from lightning_ray.rollout.dispatch import run_to_end
 from lightning_ray.rollout.worker import RolloutWorker
-from lightning_ray.serving.app import policy_target
+from lightning_ray.serving.app import APP_NAME, policy_target
+from lightning_ray.serving.routing import DIRECT_INGRESS
 from lightning_ray.store.client import StoreClient
 from lightning_ray.store.http import ROUTE_PREFIX as STORE_PREFIX
 from lightning_ray.store.http import store_api_target
@@ -53,6 +55,8 @@ class Services:
 
     def _start_ray(self, cfg: TrainConfig) -> None:
         local = cfg.ray.address is None
+        if local and cfg.serve.direct_ingress:  # read by Serve's controller and replicas as they start
+            os.environ.update(DIRECT_INGRESS)
         # A run starts ~12 worker processes at once (store, registry, rollout workers, Serve's controller, proxy
         # and replicas, Ray Train's controller and ranks): Ray expects one per CPU, and its warning would say so
         # on every small machine.
@@ -98,7 +102,8 @@ class Services:
                 name=f"rollout-worker-{i}@{label}", max_concurrency=cfg.rollout.agents_per_worker, max_restarts=-1,
                 runtime_env=cfg.task.runtime_env, **actor_options(cfg.rollout.resources),
             ).remote(cfg.task, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing,
-                     cfg.rollout.timeout_seconds, cfg.rollout.max_abandoned_agents, self.queue))
+                     cfg.rollout.timeout_seconds, cfg.rollout.max_abandoned_agents, self.queue,
+                     APP_NAME if cfg.serve.direct_ingress else None))
         # a resumed run serves its checkpoint's policy; when LoRA ships adapters, the base and the checkpoint's
         # adapter on it (the versions after it are adapters: the engines must keep the base)
         served, adapter = ((self.model_path, resume.path / "adapter") if weight_sync.of_run(cfg) == "adapter"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -11,6 +12,7 @@ import ray
 
 from lightning_ray.config import ModelConfig
 from lightning_ray.models import resolve_model_path
+from lightning_ray.serving.routing import DIRECT_INGRESS
 
 from helpers import free_port, small
 
@@ -43,6 +45,7 @@ _tiny_build: subprocess.Popen | None = None
 
 @pytest.fixture(scope="session")
 def ray_cluster():
+    os.environ.update(DIRECT_INGRESS)  # as a run's local cluster has it: rollout workers call replicas directly
     ray.init(num_cpus=4, namespace="lightning_ray_tests", include_dashboard=False)
     yield
     ray.shutdown()

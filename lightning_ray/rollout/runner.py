@@ -41,15 +41,17 @@ def abandoned_agents() -> int:
     return len(ABANDONED)
 
 
-def work(store: RolloutStore, agent: Callable, reward: Callable, policy_url: str, model: str,
+def work(store: RolloutStore, agent: Callable, reward: Callable, policy_url: str | Callable[[str], str], model: str,
          api_key: str | None = None, worker_id: str | None = None, tracing_backend: str = "embedded",
          max_abandoned: int | None = None, queue: str = "default") -> int:
     """Run rollouts from `queue` until it is empty, or until `max_abandoned` agent threads left behind at timeouts
-    still run here (the process is then due a restart); return how many this worker ran."""
+    still run here (the process is then due a restart); return how many this worker ran. `policy_url`: the policy
+    server's, or where a rollout's calls go, by its id (serving/routing.py ReplicaRoutes)."""
     done = 0
     while (max_abandoned is None or abandoned_agents() < max_abandoned) and \
             (rollout := _dequeue(store, worker_id, queue)) is not None:
-        run_attempt(store, rollout, agent, reward, policy_url, model, api_key, tracing_backend)
+        url = policy_url if isinstance(policy_url, str) else policy_url(rollout.rollout_id)
+        run_attempt(store, rollout, agent, reward, url, model, api_key, tracing_backend)
         done += 1
     return done
 

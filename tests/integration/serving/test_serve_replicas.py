@@ -14,6 +14,7 @@ import torch
 
 from lightning_ray.serving.app import APP_NAME
 from lightning_ray.serving.http import REPLICA_HEADER
+from lightning_ray.serving.routing import ReplicaRoutes, replica_urls
 
 MODEL = "tiny-calc"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 3}
@@ -101,6 +102,31 @@ def test_each_rollout_sticks_to_one_replica_until_it_dies(app):
     after = asyncio.run(rollout_calls(app["url"], moved, 3))
     # Every call is answered (a call routed to the dead replica is retried on a live one), none by the victim.
     assert all(not v.startswith("HTTP") and v != victim for calls in after.values() for v in calls), after
+
+
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url + "/-/healthz", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_rollout_workers_send_each_rollout_to_one_replicas_own_server(app):
+    """Serve's direct ingress (on in the tests' cluster, as in a run's): the URL a rollout worker gives a rollout's
+    agent is one replica's own HTTP server, not the proxy, the same for every call of the rollout, and the
+    rollouts spread over the replicas; the proxy's URL when the app has no replica to reach."""
+    routes = ReplicaRoutes(app["url"], APP_NAME)
+    deadline = time.time() + 120  # Serve's controller notices the previous test's killed replica, starts another
+    while len(urls := replica_urls(APP_NAME, "127.0.0.1")) < 2 or not all(map(answers, urls)):
+        assert time.time() < deadline, urls
+        time.sleep(0.5)
+    rollouts = [app["new_rollout"]() for _ in range(16)]
+    sent = {r: routes(r) for r in rollouts}
+    assert set(sent.values()) <= set(urls) and app["url"] not in urls
+    served = {r: asyncio.run(rollout_calls(url, [r], 3))[r] for r, url in sent.items()}
+    assert all(len(set(v)) == 1 and not v[0].startswith("HTTP") for v in served.values()), served
+    assert len({v[0] for v in served.values()}) == 2, served  # spread (all on one replica: p = 2**-15)
+    assert ReplicaRoutes(app["url"], "no-such-app")(rollouts[0]) == app["url"]
 
 
 
