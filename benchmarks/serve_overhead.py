@@ -30,7 +30,8 @@ from openai import AsyncOpenAI
 from lightning_ray.config import ModelConfig, validate
 from lightning_ray.models import SMOLLM2, resolve_model_path
 from lightning_ray.serving.app import APP_NAME, deploy_policy
-from lightning_ray.serving.routing import DIRECT_INGRESS, ReplicaRoutes
+from lightning_ray.rollout.routes import ReplicaRoutes
+from lightning_ray.serving.routing import DIRECT_INGRESS
 from lightning_ray.serving.engines import SamplingParams, generate, make_engine
 from lightning_ray.store.client import StoreClient
 from lightning_ray.tasks import calc
@@ -163,9 +164,10 @@ def main() -> None:
                     "engine": {"kind": args.engine, "max_model_len": 512}, "serve": {"port": 8123},
                     "rollout": {"temperature": 1.0}})
     store = StoreClient.start(cfg.run_path)
-    url = deploy_policy(cfg, model, store, WeightRegistry.remote())
+    registry = WeightRegistry.remote()
+    url = deploy_policy(cfg, model, store, registry)
     if args.direct_ingress:  # as a rollout worker finds it
-        url = ReplicaRoutes(url, APP_NAME)("rollout")
+        url = ReplicaRoutes(url, APP_NAME, registry)("rollout")
         print(f"direct ingress: {url}", file=sys.stderr)
 
     async def run():  # the in-process engine lives on this loop (vLLM's AsyncLLM binds to its first loop)

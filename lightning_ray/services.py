@@ -103,7 +103,7 @@ class Services:
                 runtime_env=cfg.task.runtime_env, **actor_options(cfg.rollout.resources),
             ).remote(cfg.task, self.server_url, cfg.model.name, cfg.serve.api_key, cfg.rollout.tracing,
                      cfg.rollout.timeout_seconds, cfg.rollout.max_abandoned_agents, self.queue,
-                     APP_NAME if cfg.serve.direct_ingress else None))
+                     (APP_NAME, f"weight-registry@{label}") if cfg.serve.direct_ingress else None))
         # a resumed run serves its checkpoint's policy; when LoRA ships adapters, the base and the checkpoint's
         # adapter on it (the versions after it are adapters: the engines must keep the base)
         served, adapter = ((self.model_path, resume.path / "adapter") if weight_sync.of_run(cfg) == "adapter"

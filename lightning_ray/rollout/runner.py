@@ -46,7 +46,7 @@ def work(store: RolloutStore, agent: Callable, reward: Callable, policy_url: str
          max_abandoned: int | None = None, queue: str = "default") -> int:
     """Run rollouts from `queue` until it is empty, or until `max_abandoned` agent threads left behind at timeouts
     still run here (the process is then due a restart); return how many this worker ran. `policy_url`: the policy
-    server's, or where a rollout's calls go, by its id (serving/routing.py ReplicaRoutes)."""
+    server's, or where a rollout's calls go, by its id (rollout/routes.py)."""
     done = 0
     while (max_abandoned is None or abandoned_agents() < max_abandoned) and \
             (rollout := _dequeue(store, worker_id, queue)) is not None:

@@ -10,7 +10,7 @@ from lightning_ray.config import TaskConfig
 from lightning_ray.rollout.agents import resolve_agent
 from lightning_ray.rollout.batching import BatchedStore
 from lightning_ray.rollout.runner import abandoned_agents, work
-from lightning_ray.serving.routing import ReplicaRoutes
+from lightning_ray.rollout.routes import ReplicaRoutes
 from lightning_ray.tasks import load_task
 
 
@@ -21,12 +21,12 @@ class RolloutWorker:
 
     def __init__(self, task: TaskConfig, server_url: str, model_name: str, api_key: str | None = None,
                  tracing_backend: str = "embedded", timeout_seconds: float | None = None,
-                 max_abandoned: int | None = None, queue: str = "default", app_name: str | None = None):
-        """`app_name`: the policy app's, to send agents straight to its replicas where Serve's direct ingress is on
-        (serving/routing.py ReplicaRoutes); None: to `server_url`."""
+                 max_abandoned: int | None = None, queue: str = "default", direct: tuple[str, str] | None = None):
+        """`direct`: the policy app's name and the run's weight registry's, to send agents straight to the app's
+        replicas where Serve's direct ingress is on (rollout/routes.py); None: to `server_url`."""
         self.agent, self.reward = resolve_agent(task, timeout_seconds), load_task(task.name).reward
         self.max_abandoned, self.queue = max_abandoned, queue  # the run's own queue: its rollouts only
-        self.server_url = ReplicaRoutes(server_url, app_name) if app_name else server_url
+        self.server_url = ReplicaRoutes(server_url, *direct) if direct else server_url
         self.model_name = model_name
         self.api_key, self.tracing_backend = api_key, tracing_backend  # the operator's: its agents get their own
         self.worker_id = ray.get_runtime_context().get_actor_id()

@@ -9,29 +9,24 @@ only the keys it gains or loses. Serve's routing loop then takes the first ranke
 together. Requests without a key get Serve's default policy: the less loaded of two random replicas.
 
 Where Serve's direct ingress is on (RAY_SERVE_ENABLE_DIRECT_INGRESS=1: a local cluster of a run turns it on), each
-replica also answers HTTP on a port of its own, and a rollout worker sends its agents there (`ReplicaRoutes`): the
-same rendezvous ranking, made by the worker, with no proxy in the way (Serve's Python proxy costs more CPU per call
+replica also answers HTTP on a port of its own, and a rollout worker sends its agents there (rollout/routes.py): the
+same ranking (`rank`), made by the worker, with no proxy in the way (Serve's Python proxy costs more CPU per call
 than the engine on a small model: benchmarks/README.md).
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import pickle
 import random
-import threading
-import time
-import urllib.parse
 
 import ray
 
 from ray.serve.request_router import LocalityMixin, PendingRequest, RequestRouter, RunningReplica
 
 from lightning_ray.config import loopback
+from lightning_ray.rollout.routes import rank
 from lightning_ray.serving.http import rollout_of
 
-logger = logging.getLogger(__name__)
 # Serve's direct ingress, as the environment of every Ray process: replicas serve HTTP on ports of their own; no
 # 30 s drain when a replica stops (Serve's default, for an outside load balancer to notice: the workers ask anew)
 DIRECT_INGRESS = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
@@ -52,14 +47,6 @@ def routing_key(request: PendingRequest | None) -> str | None:
     return None
 
 
-def rank(key: str, replica_ids: list[str]) -> list[str]:
-    """Replica ids, most preferred first, for this key (highest random weight; stable across processes)."""
-    def weight(rid: str) -> bytes:
-        return hashlib.blake2b(f"{key}\0{rid}".encode(), digest_size=8).digest()
-
-    return sorted(replica_ids, key=weight, reverse=True)
-
-
 class RolloutAffinityRouter(LocalityMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -72,44 +59,16 @@ class RolloutAffinityRouter(LocalityMixin, RequestRouter):
         return [[by_id[i]] for i in rank(key, list(by_id))]
 
 
-def replica_urls(app_name: str, host: str) -> list[str]:
+async def replica_urls(app_name: str, host: str, node_ip: str) -> list[str]:
     """The base URLs (without /v1) of the app's replicas' own HTTP servers, from Serve's controller: none unless
-    direct ingress is on. A replica binds serve.host: a loopback host reaches this node's replicas only."""
+    direct ingress is on. A replica binds serve.host: a loopback host reaches `node_ip`'s replicas only."""
     from ray.serve._private.common import RequestProtocol
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    groups = ray.get(controller.get_target_groups.remote(app_name), timeout=30)
+    groups = await controller.get_target_groups.remote(app_name)
     targets = [t for g in groups if g.protocol == RequestProtocol.HTTP and g.app_name == app_name  # not the proxies'
                for t in g.targets]
     if loopback(host):
-        here = ray.util.get_node_ip_address()
-        return [f"http://{host}:{t.port}" for t in targets if t.ip == here]
+        return [f"http://{host}:{t.port}" for t in targets if t.ip == node_ip]
     return [f"http://{host if host not in ('0.0.0.0', '::') else t.ip}:{t.port}" for t in targets]
-
-
-class ReplicaRoutes:
-    """Where a rollout's calls go: the replica's own HTTP server that rendezvous hashing ranks first for the
-    rollout, else (no direct ingress, or no replica reachable from here) the proxy's URL. The replicas are asked
-    of Serve's controller at most every `refresh_s`: a replica gone meanwhile fails its calls as the platform's
-    failure (the attempt is retried, not scored), and the next list leaves it out."""
-
-    def __init__(self, proxy_url: str, app_name: str, refresh_s: float = 2.0):
-        self.proxy_url, self.app_name, self.refresh_s = proxy_url, app_name, refresh_s
-        self.host = urllib.parse.urlsplit(proxy_url).hostname
-        self._urls: list[str] = []
-        self._asked = -float("inf")
-        self._lock = threading.Lock()
-
-    def __call__(self, rollout_id: str) -> str:
-        with self._lock:
-            if time.monotonic() - self._asked > self.refresh_s:
-                try:
-                    self._urls = replica_urls(self.app_name, self.host)
-                except Exception:  # the controller busy or restarting: the proxy routes meanwhile
-                    logger.warning("could not list the policy's replicas; calls go through Serve's proxy",
-                                   exc_info=True)
-                    self._urls = []
-                self._asked = time.monotonic()
-            urls = self._urls
-        return rank(rollout_id, urls)[0] if urls else self.proxy_url

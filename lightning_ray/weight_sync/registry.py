@@ -172,3 +172,10 @@ class WeightRegistry:
 
     async def served_versions(self) -> dict[str, int]:
         return dict(self.acked)
+
+    async def replica_urls(self, app_name: str, host: str, node_ip: str) -> list[str]:
+        """The replicas' own HTTP servers under Serve's direct ingress (serving/routing.py), for rollout workers that
+        may not import Serve (rollout/routes.py)."""
+        from lightning_ray.serving.routing import replica_urls
+
+        return await replica_urls(app_name, host, node_ip)

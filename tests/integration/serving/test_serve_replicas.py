@@ -14,7 +14,7 @@ import torch
 
 from lightning_ray.serving.app import APP_NAME
 from lightning_ray.serving.http import REPLICA_HEADER
-from lightning_ray.serving.routing import ReplicaRoutes, replica_urls
+from lightning_ray.rollout.routes import ReplicaRoutes
 
 MODEL = "tiny-calc"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 3}
@@ -115,9 +115,11 @@ def test_rollout_workers_send_each_rollout_to_one_replicas_own_server(app):
     """Serve's direct ingress (on in the tests' cluster, as in a run's): the URL a rollout worker gives a rollout's
     agent is one replica's own HTTP server, not the proxy, the same for every call of the rollout, and the
     rollouts spread over the replicas; the proxy's URL when the app has no replica to reach."""
-    routes = ReplicaRoutes(app["url"], APP_NAME)
+    routes = ReplicaRoutes(app["url"], APP_NAME, app["registry"])
+    here = ray.util.get_node_ip_address()
     deadline = time.time() + 120  # Serve's controller notices the previous test's killed replica, starts another
-    while len(urls := replica_urls(APP_NAME, "127.0.0.1")) < 2 or not all(map(answers, urls)):
+    while len(urls := ray.get(app["registry"].replica_urls.remote(APP_NAME, "127.0.0.1", here))) < 2 \
+            or not all(map(answers, urls)):
         assert time.time() < deadline, urls
         time.sleep(0.5)
     rollouts = [app["new_rollout"]() for _ in range(16)]
@@ -126,7 +128,7 @@ def test_rollout_workers_send_each_rollout_to_one_replicas_own_server(app):
     served = {r: asyncio.run(rollout_calls(url, [r], 3))[r] for r, url in sent.items()}
     assert all(len(set(v)) == 1 and not v[0].startswith("HTTP") for v in served.values()), served
     assert len({v[0] for v in served.values()}) == 2, served  # spread (all on one replica: p = 2**-15)
-    assert ReplicaRoutes(app["url"], "no-such-app")(rollouts[0]) == app["url"]
+    assert ReplicaRoutes(app["url"], "no-such-app", app["registry"])(rollouts[0]) == app["url"]
 
 
 
