@@ -9,10 +9,10 @@ started from and for the checkpoint it ended with. That probability is the rewar
 rollouts' noise: the rollouts only have to train, not to measure. Measured here with four iterations, twice: 0.164 →
 0.270 and → 0.241 (up on 86% and 97% of the problems; rises of 13 and 12 standard errors, against the 3 asserted);
 with three: 0.127 → 0.182 (up on 86%, a rise of 9 standard errors), but one fresh-clone CI run of three iterations
-rose 0.171 → 0.199 (up on 75%, 2.5 standard errors: one update set some problems back by up to 0.27), so four. The per-iteration
-rewards are printed, not asserted: with 128 rollouts an iteration their noise (~0.03) is as large as one iteration's
-rise. (Ten iterations of 256 rollouts took 286 s here to show a 3-standard-error rise in the sampled rewards; four of
-128, 157 s.)
+rose 0.171 → 0.199 (up on 75%, 2.5 standard errors: one update set some problems back by up to 0.27), so four.
+The per-iteration rewards are printed, not asserted: with 128 rollouts an iteration their noise (~0.03) is as large
+as one iteration's rise. (Ten iterations of 256 rollouts took 286 s here to show a 3-standard-error rise in the
+sampled rewards; four of 128, 157 s.)
 
 PPO, so the value head and GAE are trained too, with four optimizer steps per batch (two epochs of two mini-batches:
 the clip acts from the second). GRPO's group baseline is checked by the estimator tests and measured by
