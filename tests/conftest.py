@@ -45,8 +45,12 @@ _tiny_build: subprocess.Popen | None = None
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    os.environ.update(DIRECT_INGRESS)  # as a run's local cluster has it: rollout workers call replicas directly
+    # as a run's local cluster has it (rollout workers call replicas directly): for this cluster's processes only,
+    # not for the clusters tests start with `ray start` (test_cluster.py: several nodes, where it would need a host)
+    os.environ.update(DIRECT_INGRESS)
     ray.init(num_cpus=4, namespace="lightning_ray_tests", include_dashboard=False)
+    for key in DIRECT_INGRESS:
+        del os.environ[key]
     yield
     ray.shutdown()
 
