@@ -34,7 +34,8 @@ def record_iteration(run: Run, batch: Batch, update: Update, idle: dict[str, flo
 
 def log(run: Run, record: dict) -> None:
     metrics().reward_mean.set(record["reward_mean"])
-    metrics().transitions.inc(record["transitions"])
+    if record["transitions"]:  # a Ray counter refuses 0 (every rollout failed, or no call was selected)
+        metrics().transitions.inc(record["transitions"])
     metrics().policy_version.set(record["policy_version"], tags={"role": "trained"})
     with open(run.cfg.run_path / "metrics.jsonl", "a") as f:
         f.write(json.dumps(line(record)) + "\n")  # its fields are docs/01-training.md's table
