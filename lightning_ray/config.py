@@ -46,6 +46,18 @@ def _regex(pattern: str) -> str:
 Regex = Annotated[str, AfterValidator(_regex)]  # a string that compiles as a Python regex
 
 
+def _not_peft_default(name: str) -> str:
+    if name == "default":
+        raise ValueError("`default` is peft's name for learner.lora's one adapter: name an agent's adapter otherwise")
+    if name in "lora_":  # peft finds its adapters' parameters by name: one inside its own prefix would be confused
+        raise ValueError(f"{name!r} is part of peft's parameter prefix `lora_`: name the adapter otherwise")
+    return name
+
+
+# algorithm.adapters' names: served as the model `<model.name>/<adapter>` (peft's own adapter is `default`)
+AdapterName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"), AfterValidator(_not_peft_default)]
+
+
 class AIRConfig(_Strict):
     """Automatic intermediate rewards (algorithm/air.py): the reward each runtime signal gives the policy call it
     follows; 0 turns a rule off (all off by default). They reach training through algorithm.credit per_step or
@@ -265,6 +277,11 @@ class AlgorithmConfig(_Strict):
     # best rollout(s) if they earned at least sft_min_reward (algorithm/advantages.py: best_rollouts)
     objective: Literal["rl", "sft"] = "rl"
     sft_min_reward: float = 1.0
+    # An adapter per agent (needs learner.lora): adapter name -> agent-name regexes, matched as select.agents
+    # matches. Each selected call is served, and trained, with the adapter its agent maps to (the first that
+    # matches), under its own advantages; calls of agents no adapter names are served by the base. null: one
+    # adapter for every call (learner.lora alone).
+    adapters: dict[AdapterName, list[Regex]] | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _options_fit_together(self):
@@ -473,6 +490,16 @@ class TrainConfig(_Strict):
         if self.teacher.kind != "none" and self.algorithm.objective != "sft":
             raise ValueError(f"teacher.kind={self.teacher.kind} answers the training rollouts: imitation data, which "
                              "only algorithm.objective=sft trains on (algorithm=sft; jobs/imitate.py sets it)")
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_are_lora(self):
+        if self.algorithm.adapters and not self.learner.lora:
+            raise ValueError("algorithm.adapters trains a LoRA adapter per agent: it needs learner.lora "
+                             "(learner.lora={} for the defaults)")
+        if self.algorithm.adapters and self.learner.lora.sync == "merged":
+            raise ValueError("algorithm.adapters serves each agent's adapter on one base: learner.lora.sync=merged "
+                             "would publish one merged model; use adapter (or auto)")
         return self
 
     @model_validator(mode="after")

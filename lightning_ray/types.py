@@ -202,6 +202,9 @@ class Transition(ArrayModel):
     # Trajectory level: the action tokens of each merged call, in order, so the loss weighs each call as it would
     # weigh it alone (algorithm/loss.py token_weights). None: one call.
     call_tokens: list[int] | None = None
+    # The LoRA adapter that served the call, which trains on it (algorithm.adapters); None: the base, or learner.lora's
+    # one adapter
+    adapter: str | None = None
 
     @model_validator(mode="after")
     def _one_logprob_per_response_token(self) -> Transition:

@@ -69,6 +69,7 @@ def _transitions(rollout: Rollout, spans: list[Span], policy_model: str, agent_r
             finish_reason=s.attributes[semconv.FINISH_REASONS][0],
             policy_version=s.attributes[semconv.POLICY_VERSION],
             temperature=_temperature(s),
+            adapter=s.attributes.get(semconv.ADAPTER),
         )
         for i, s in enumerate(calls)
     ], len(selected) - len(calls)
@@ -141,7 +142,8 @@ def merge_calls(transitions: list[Transition]) -> tuple[list[Transition], int]:
     breaks = 0
     for t in transitions:
         last = runs[-1][-1] if runs and runs[-1][-1].rollout_id == t.rollout_id else None
-        if last is not None and last.temperature == t.temperature and last.policy_version == t.policy_version:
+        if last is not None and (last.temperature, last.policy_version, last.adapter) == \
+                (t.temperature, t.policy_version, t.adapter):
             if _extends(t, last):
                 runs[-1].append(t)
                 continue
@@ -181,7 +183,8 @@ def scored_faithfully(span: Span) -> bool:
     softmax at the call's temperature, so greedy, top-p-truncated and grammar-constrained calls are approximations
     (scored at temperature 1, or without the truncation / the grammar's mask). The trainer reports how many."""
     sampling = span.attributes.get(semconv.SAMPLING, {})
-    return sampling.get("temperature", 1.0) > 0 and sampling.get("top_p", 1.0) >= 1.0 and not sampling.get("constrained")
+    return (sampling.get("temperature", 1.0) > 0 and sampling.get("top_p", 1.0) >= 1.0
+            and not sampling.get("constrained"))
 
 
 def _temperature(span: Span) -> float:

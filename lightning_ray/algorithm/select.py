@@ -9,11 +9,11 @@ a call made without one has no agent.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from lightning_ray.tracing import semconv
-from lightning_ray.types import Span
+from lightning_ray.types import Span, Transition
 
 # OpenLLMetry's agent spans before it wrote gen_ai.agent.name (CrewAI's "<role>.agent"): named by kind and entity.
 _TRACELOOP_KIND, _TRACELOOP_ENTITY = "traceloop.span.kind", "traceloop.entity.name"
@@ -38,6 +38,14 @@ class Selection:
         return [c for c in calls if (agent := agent_of(c, by_id)) is not None and self.agents.fullmatch(agent)]
 
 
+def by_adapter(transitions: list[Transition]) -> dict[str | None, list[Transition]]:
+    """Transitions by the adapter that served them, which trains on them (algorithm.adapters)."""
+    pools: dict[str | None, list[Transition]] = {}
+    for t in transitions:
+        pools.setdefault(t.adapter, []).append(t)
+    return pools
+
+
 def any_of(patterns: list[str]) -> re.Pattern[str]:
     return re.compile("|".join(f"(?:{p})" for p in patterns))
 
@@ -45,11 +53,16 @@ def any_of(patterns: list[str]) -> re.Pattern[str]:
 def agent_name(span: Span) -> str | None:
     """The agent a span names: OpenTelemetry GenAI's gen_ai.agent.name (AutoGen; OpenLLMetry's LangGraph and CrewAI;
     OpenInference's and Pydantic AI's aliases, mapped to it on ingest), else an older OpenLLMetry agent span's."""
-    a = span.attributes
-    if name := a.get(semconv.AGENT_NAME):
-        return str(name)
-    if a.get(_TRACELOOP_KIND) == "agent":
-        return str(a.get(_TRACELOOP_ENTITY) or span.name.removesuffix(".agent"))
+    return agent_named(span.name, span.attributes)
+
+
+def agent_named(name: str, attributes: Mapping) -> str | None:
+    """agent_name of a span's name and attributes (an OpenTelemetry span's too: its aliases not mapped yet)."""
+    if agent := next((attributes[k] for k in (semconv.AGENT_NAME, *semconv.AGENT_NAME_ALIASES) if attributes.get(k)),
+                     None):
+        return str(agent)
+    if attributes.get(_TRACELOOP_KIND) == "agent":
+        return str(attributes.get(_TRACELOOP_ENTITY) or name.removesuffix(".agent"))
     return None
 
 

@@ -22,6 +22,7 @@ from ray.util.queue import Empty, Queue
 
 from lightning_ray.algorithm.advantages import has_signal
 from lightning_ray.algorithm.loss import token_weights
+from lightning_ray.algorithm.select import by_adapter
 from lightning_ray.config import AlgorithmConfig, LearnerConfig, TrainConfig
 from lightning_ray.learner.checkpoint import Checkpoint
 from lightning_ray.learner.worker import MicroBatch, train_loop_per_worker
@@ -180,8 +181,10 @@ class Learner:
         were. The caller skips batches without any signal: an empty step would still move the weights (Adam's
         momentum) and bump the version for nothing."""
         plan = batch_plan(transitions, self.algorithm, self.max_tokens, self.token_budget, self.n)
-        replies = self._command([{"kind": "step", "version": self.version + 1, "mini_batches": mini_batches}
-                                 for mini_batches in plan])
+        # the adapters each mini-batch trains, over every rank's share (algorithm.adapters): the others do not move
+        trained = [sorted({t.adapter for rank in plan for mb in rank[m] for t, _ in mb}) for m in range(len(plan[0]))]
+        replies = self._command([{"kind": "step", "version": self.version + 1, "mini_batches": mini_batches,
+                                  "adapters": trained} for mini_batches in plan])
         if replies[0]["updated"]:  # else every rank skipped the same steps
             self.version = replies[0]["version"]
         return replies
@@ -242,7 +245,10 @@ def batch_plan(transitions: list[Transition], alg: AlgorithmConfig, max_tokens: 
     n = min(alg.mini_batches, len(batch))
     plan: list[list[list[MicroBatch]]] = [[] for _ in range(ranks)]
     for mini in (batch[i::n] for i in range(n)):
-        packed = micro_batches(list(zip(mini, token_weights(mini, alg.loss_aggregation, max_tokens))), token_budget)
+        # an adapter per agent: each micro-batch one adapter's, each adapter's loss normalized over its own tokens
+        pools = by_adapter(mini).values() if alg.adapters else [mini]
+        packed = [mb for pool in pools for mb in
+                  micro_batches(list(zip(pool, token_weights(pool, alg.loss_aggregation, max_tokens))), token_budget)]
         rounds = -(-len(packed) // ranks)
         for rank, mini_batches in enumerate(plan):
             mine = packed[rank::ranks]

@@ -1,25 +1,55 @@
 """LoRA in the learner (learner.lora): low-rank adapters on a frozen base (peft), the base itself as the KL reference
 (the adapter switched off: no second model in memory), and the policy as the engines serve it — the adapter merged
-into the base's weights, under the base model's own parameter names."""
+into the base's weights, under the base model's own parameter names. With an adapter per agent (algorithm.adapters)
+the model holds them all, each micro-batch runs with its calls' one, and each has its own parameter group."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Iterable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from lightning_ray.config import LoraConfig
+from lightning_ray.weight_sync.adapter import DEFAULT
 
 
-def with_adapter(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
-    """`model` with a fresh adapter on its linear layers: only the adapter trains. Its B starts at zero, so the
-    policy starts exactly as the base."""
+def with_adapter(model: torch.nn.Module, lora: LoraConfig, names: Sequence[str] = (DEFAULT,)) -> torch.nn.Module:
+    """`model` with a fresh adapter of each name on its linear layers: only they train. Their B starts at zero, so
+    the policy starts exactly as the base."""
     import peft
 
-    return peft.get_peft_model(model, peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
-                                                      target_modules=lora.target_modules))
+    def config():
+        return peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=lora.target_modules)
+
+    model = peft.get_peft_model(model, config(), adapter_name=names[0])
+    for name in names[1:]:
+        model.add_adapter(name, config())
+    trainable(model)
+    return model
+
+
+def adapter_parameters(model: torch.nn.Module, name: str) -> list[torch.nn.Parameter]:
+    """One adapter's parameters (peft names them `...q_proj.lora_A.<adapter>.weight`)."""
+    own = re.compile(rf"\.lora_[A-Za-z_]+\.{re.escape(name)}\.")
+    return [p for n, p in model.named_parameters() if own.search(n)]
+
+
+def use_adapter(model: torch.nn.Module, name: str) -> None:
+    """The forward passes from now on run with this adapter. peft would also freeze the others: they stay
+    trainable, each training on the micro-batches of its own calls."""
+    if model.active_adapter != name:
+        model.set_adapter(name)
+        trainable(model)
+
+
+def trainable(model: torch.nn.Module) -> None:
+    """Every adapter trains (peft's add_adapter and set_adapter leave only the active one trainable)."""
+    for name in model.peft_config:
+        for p in adapter_parameters(model, name):
+            p.requires_grad_(True)
 
 
 def is_adapted(model: torch.nn.Module) -> bool:
@@ -46,13 +76,15 @@ class AdapterOff:
 class Merged:
     """The adapted policy as one plain model: each adapted weight W + (alpha / rank)·B·A, every other weight as
     it is, under the base model's names (a checkpoint's policy/). Nothing is merged in place: the base stays
-    bit-for-bit frozen. Offers what the digest and a save read (and `model`, the adapted one, whose adapter alone
-    is published); the merged weights are computed once per view."""
+    bit-for-bit frozen. Offers what a save reads (and `model`, the adapted one, whose adapters alone are
+    published); the merged weights are computed once per view. With an adapter per agent there is no one policy to
+    merge: the view is the base (each adapter is saved, and served, on its own)."""
 
     def __init__(self, model: torch.nn.Module):
         from peft.tuners.lora import LoraLayer
 
-        self.model, self.base, self.adapter = model, model.get_base_model(), model.active_adapter
+        self.model, self.base = model, model.get_base_model()
+        self.adapter = model.active_adapter if len(model.peft_config) == 1 else None
         self.layers = {name: m for name, m in self.base.named_modules()
                        if isinstance(m, LoraLayer) and self.adapter in m.lora_A}
 

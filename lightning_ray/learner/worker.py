@@ -26,6 +26,7 @@ from lightning_ray.algorithm.ppo import gae, token_rewards, value_loss, whiten
 from lightning_ray.config import AlgorithmConfig, LearnerConfig
 from lightning_ray.learner import lora
 from lightning_ray.types import Transition
+from lightning_ray.weight_sync.adapter import DEFAULT
 
 # transitions with the weights of their action tokens in the loss (one for all, or one each: loss.token_weights)
 MicroBatch = list[tuple[Transition, float | np.ndarray]]
@@ -135,13 +136,15 @@ def learn(cfg: dict, nonce: str) -> None:
     # the frozen initial policy, kept only when the loss pulls towards it, on the rank's device in its dtype (with
     # LoRA the base itself, the adapter off)
     reference = None
+    # LoRA: one adapter, or one per agent (algorithm.adapters), each its own parameter group (learning rate)
+    adapters = list(alg.adapters or [DEFAULT]) if t.lora else []
     if t.lora:
-        model = lora.with_adapter(model, t.lora)
+        model = lora.with_adapter(model, t.lora, adapters)
         reference = lora.AdapterOff(model) if alg.kl_coef > 0 else None
     elif alg.kl_coef > 0:
         reference = AutoModelForCausalLM.from_pretrained(cfg["model_path"], **load).to(device).eval()
         reference.requires_grad_(False)
-    parameters = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    parameters = parameter_groups(model, adapters)
     if alg.estimator == "ppo":  # a critic: the value head
         model = WithValueHead(model)
         parameters.append({"params": list(model.value_head.parameters()), "lr": alg.value_lr or t.lr})
@@ -182,7 +185,7 @@ def learn(cfg: dict, nonce: str) -> None:
             continue
         started = time.perf_counter()
         stats = train_step(engine, msg["mini_batches"], pad_id, alg, world, reference,
-                           t.max_logprob_gap if first else None)
+                           t.max_logprob_gap if first else None, msg["adapters"] if alg.adapters else None)
         first = False
         trained = time.perf_counter()
         with whole_weights(engine) as module:
@@ -192,12 +195,20 @@ def learn(cfg: dict, nonce: str) -> None:
             if rank == 0 and stats["updated"]:
                 publish(registry, publisher, msg["version"], policy)
             published = time.perf_counter()
-            digest = parameter_digest(policy)
+            # an adapter per agent: the base and every adapter (the served view is the base alone)
+            digest = parameter_digest(module if alg.adapters else policy)
         if on_cuda:  # activations and gradients' cached blocks back to the GPU, for a colocated engine to wake into
             torch.cuda.empty_cache()
         stats.update(compute_s=trained - started, publish_s=published - trained,
                      digest_s=time.perf_counter() - published, peak_mib=peak_mib(device))
         outbox.put({"rank": rank, "nonce": nonce, "version": msg["version"], "digest": digest, **stats})
+
+
+def parameter_groups(model: torch.nn.Module, adapters: list[str]) -> list[dict]:
+    """The optimizer's parameter groups: one per LoRA adapter, in `adapters`' order (trained_only sets each one's
+    learning rate), else every trainable parameter."""
+    return [{"params": lora.adapter_parameters(model, name)} for name in adapters] or \
+        [{"params": [p for p in model.parameters() if p.requires_grad]}]
 
 
 def publish(registry, publisher, version: int, policy: torch.nn.Module) -> None:
@@ -238,7 +249,8 @@ def whole_weights(engine):
 
 
 def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: AlgorithmConfig, world_size: int,
-               reference: torch.nn.Module | None = None, max_logprob_gap: float | None = None) -> dict:
+               reference: torch.nn.Module | None = None, max_logprob_gap: float | None = None,
+               adapters: list[list[str]] | None = None) -> dict:
     """This rank's share of a batch: one optimizer step per mini-batch, gradients accumulated over its
     micro-batches, and all of it algorithm.ppo_epochs times. Every rank gets the same number of mini-batches, and of
     micro-batches in each (some may be empty): ZeRO reduces gradients inside backward, and all ranks must join.
@@ -247,7 +259,10 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
     computed here before the first update: the ratio starts at 1, as PPO's first step does, and moves from the
     second step on, where the clip acts. Where the sampler differed after all (an older version, the engine's
     numerics), tis_cap reweighs each token. max_logprob_gap (learner's, on the first batch): fail before any update
-    if the learner's logprobs are further than that from the server's."""
+    if the learner's logprobs are further than that from the server's. adapters (algorithm.adapters): those each
+    mini-batch trains; each micro-batch runs with its calls' adapter (`score`; learner/driver.py packs them apart), an
+    adapter with no call in a step keeps its weights (its group's learning rate 0 for the step: Adam would move it
+    by its momentum; its moments still decay, as under a zero gradient)."""
     steps = [[to_device(collate(mb, pad_id), engine.device) for mb in mini] for mini in mini_batches]
     batches = [b for mini in steps for b in mini]
     tokens = sum(len(b["served_logprobs"]) for b in batches)
@@ -305,6 +320,8 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
                 if max_logprob_gap is not None:
                     check_logprob_gap(gap, max_logprob_gap, world_size)
             stepped = time.perf_counter()
+            if adapters:
+                trained_only(engine, list(alg.adapters), adapters[m])
             norms.append(optimizer_step(engine, world_size))
             optimizer_s += time.perf_counter() - stepped
     skipped = sum(not applied for _, applied in norms)
@@ -317,6 +334,14 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
             "clip_frac": totals["clip_frac"] / updates, "entropy": totals["entropy"] / updates,
             "kl_ref": critic_kl / per_token + totals["kl_ref"] / updates,
             "logprob_abs_diff": totals["logprob_abs_diff"] / per_token, "tis_capped": totals["tis_capped"] / per_token}
+
+
+def trained_only(engine, names: list[str], trained: list[str]) -> None:
+    """The next step moves only the adapters in `trained`: the parameter groups follow `names` (the value head's,
+    if any, after them), and the others' learning rate is 0 for it."""
+    for group, name in zip(engine.optimizer.param_groups, names):
+        group.setdefault("trained_lr", group["lr"])
+        group["lr"] = group["trained_lr"] if name in trained else 0.0
 
 
 def check_logprob_gap(gap: torch.Tensor, max_gap: float, world_size: int) -> None:
@@ -403,6 +428,8 @@ def score(module: torch.nn.Module, batch: dict[str, torch.Tensor], entropy_grad:
     [rows, width, vocabulary] logits of the whole micro-batch never exist; they do go through the model's own
     forward after the decoder, whatever it does to the logits (Gemma-2's soft-capping, Granite's scaling, ...)."""
     model = policy_of(module)
+    if batch.get("adapter") is not None and lora.is_adapted(model):  # the calls' adapter (an empty batch: any)
+        lora.use_adapter(model, batch["adapter"])
     predicts = batch["mask"].bool()
     kept = {}
 
@@ -456,7 +483,7 @@ def collate(micro_batch: MicroBatch, pad_id: int) -> dict[str, torch.Tensor]:
             "mask": torch.from_numpy(mask), "temperature": torch.tensor([t.temperature for t, _ in rows] or [1.0]),
             "advantages": per_action([t.advantage for t, _ in rows]), "weights": torch.from_numpy(weights),
             "served_logprobs": torch.from_numpy(served), "row_tokens": tokens,
-            "sample_returns": [t.returns for t, _ in rows]}
+            "sample_returns": [t.returns for t, _ in rows], "adapter": rows[0][0].adapter if rows else None}
 
 
 def peak_mib(device: torch.device) -> float:

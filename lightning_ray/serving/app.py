@@ -25,6 +25,7 @@ from ray import serve
 from lightning_ray.metrics import count_error, metrics
 from lightning_ray.placement import actor_options
 from lightning_ray.serving import http
+from lightning_ray.serving.adapters import AdapterRoutes
 from lightning_ray.serving.chat import create_chat_completion
 from lightning_ray.serving.completions import create_completion
 from lightning_ray.serving.decoding import ChoiceDelta, choice_jobs, collect, generate_choices
@@ -64,7 +65,8 @@ class PolicyServer:
     async def __init__(self, model_path: str, model_name: str, store, registry, *, engine: str, engine_options: dict,
                        max_model_len: int, defaults: dict, api_key: str | None, seed: int, chat_template: str | None,
                        drain_timeout_s: float, drain: str, weight_sync: str, sync_timeout_s: float,
-                       sleep_while_training: bool, teacher: dict | None, max_request_bytes: int = 8 << 20):
+                       sleep_while_training: bool, teacher: dict | None, adapters: AdapterRoutes | None = None,
+                       max_request_bytes: int = 8 << 20):
         """The settings are policy_app's, from the run's config (one source of defaults)."""
         import torch
 
@@ -83,6 +85,7 @@ class PolicyServer:
         if chat_template:  # the template text (serving/templates.py), in place of the model's own
             self.tokenizer.chat_template = chat_template
         self.model_name, self.store, self.registry = model_name, store, registry
+        self.adapters = adapters or AdapterRoutes(model_name, lora=False)  # which adapter serves a call
         self.max_model_len, self.defaults = max_model_len, defaults
         api.state.api_key, api.state.max_request_bytes = api_key, max_request_bytes
         self.gate = Gate(drain_timeout_s, drain)
@@ -111,8 +114,8 @@ class PolicyServer:
     # ---- routes ----------------------------------------------------------------------------------------------
     @api.get("/v1/models")
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "lightning_ray"}]}
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "lightning_ray"}
+                                           for model in self.adapters.models]}
 
     @api.get("/health")
     async def health(self):
@@ -140,9 +143,7 @@ class PolicyServer:
     async def check_request(self, body, schema: JsonSchemaFormat | None = None, schema_param: str = "") -> None:
         """Before anything is encoded: the model is the one served, no sampling option that would change the
         policy's distribution, a response schema (if any) that can be enforced."""
-        if body.model != self.model_name:
-            raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
-                           param="model", code="model_not_found")
+        self.adapters.check(body.model)
         for field in ("presence_penalty", "frequency_penalty"):
             if getattr(body, field, None):
                 raise ApiError(422, f"{field} is not supported (a penalty would change the policy's "
@@ -222,7 +223,7 @@ class PolicyServer:
             top_p=d.get("top_p", 1.0) if body.top_p is None else body.top_p,
             seed=getattr(body, "seed", None), top_logprobs=top_logprobs, ignore_eos=getattr(body, "ignore_eos", False),
             incremental=bool(body.stream or getattr(body, "stop", None)),
-            json_schema=fmt.constraint if fmt else None)
+            json_schema=fmt.constraint if fmt else None, adapter=self.adapters.adapter(body.model, trace.agent))
 
     def fingerprint(self, version: int) -> str:
         return f"lightning_ray-policy-v{version}"
@@ -283,6 +284,7 @@ class PolicyServer:
                 metrics().generated_tokens.inc(generated)
             # a call that ended in an error was never answered: recorded as such, never trained (lightningrl.answered)
             failed = {semconv.ERROR_TYPE: error_type} if error else {}
+            adapter = {semconv.ADAPTER: params.adapter} if params.adapter else {}  # the base's calls: none
             spans = [Span(span_id=c.span_id, rollout_id=trace.rollout_id, attempt_id=trace.attempt_id,
                           trace_id=trace.trace_id, parent_id=trace.parent_id, name=semconv.LLM_CALL, start_time=start,
                           end_time=time.time(), status="error" if error else "unset", status_message=error,
@@ -303,7 +305,7 @@ class PolicyServer:
                               "lightning_ray.choice_index": i,
                               semconv.CALL_ERROR: error,
                               "lightning_ray.replica": self.replica_id,
-                              **failed,
+                              **failed, **adapter,
                           }) for i, c in sorted(choices.items())]
             if spans:
                 # recorded before the answer completes; "server": the only spans training data is made of
@@ -375,7 +377,8 @@ def policy_app(cfg: TrainConfig, model_path: str, store, registry, adapter: Path
                    max_queued_requests=s.max_queued_requests)
     if cfg.engine.env:  # the replicas' environment: engines read settings from it when they start (vLLM-CPU's binding)
         options["ray_actor_options"]["runtime_env"] = {"env_vars": cfg.engine.env}
-    lora = {"lora_rank": cfg.learner.lora.rank, "adapter": str(adapter) if adapter else None} \
+    lora = {"lora_rank": cfg.learner.lora.rank, "adapter": str(adapter) if adapter else None,
+            **({"max_loras": len(cfg.algorithm.adapters or {}) or 1} if cfg.engine.kind == "vllm" else {})} \
         if transport == "adapter" else {}
     return PolicyServer.options(**options).bind(
         model_path, cfg.model.name, store, registry, engine=cfg.engine.kind,
@@ -385,6 +388,7 @@ def policy_app(cfg: TrainConfig, model_path: str, store, registry, adapter: Path
         api_key=s.api_key, seed=cfg.seed, chat_template=resolve_chat_template(s.chat_template),
         drain_timeout_s=s.drain_timeout_s, drain=s.drain, weight_sync=transport, sync_timeout_s=s.sync_timeout_s,
         sleep_while_training=cfg.engine.sleep_while_training,
+        adapters=AdapterRoutes(cfg.model.name, transport == "adapter", cfg.algorithm.adapters),
         teacher={**cfg.teacher.model_dump(), "task": cfg.task.name} if cfg.teacher.kind != "none" else None)
 
 

@@ -22,6 +22,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lightning_ray import auth
+from lightning_ray.tracing import semconv
 
 logger = logging.getLogger(__name__)
 
@@ -50,19 +51,22 @@ _W3C = TraceContextTextMapPropagator()
 
 
 class CallTrace(NamedTuple):
-    """Where a call belongs: its rollout and attempt, and the client's trace and span it was made under."""
+    """Where a call belongs: its rollout and attempt, the client's trace and span it was made under, and the agent
+    it names (serving/adapters.py)."""
 
     rollout_id: str | None
     attempt_id: str | None
     trace_id: str | None = None
     parent_id: str | None = None
+    agent: str | None = None
 
 
 def trace_ids(request: Request) -> CallTrace:
     # OpenTelemetry's own W3C parser: a malformed traceparent gives an invalid context, ignored as W3C asks
     parent = get_current_span(_W3C.extract(request.headers)).get_span_context()
     trace_id, parent_id = (f"{parent.trace_id:032x}", f"{parent.span_id:016x}") if parent.is_valid else (None, None)
-    return CallTrace(request.headers.get(ROLLOUT_HEADER), request.headers.get(ATTEMPT_HEADER), trace_id, parent_id)
+    return CallTrace(request.headers.get(ROLLOUT_HEADER), request.headers.get(ATTEMPT_HEADER), trace_id, parent_id,
+                     request.headers.get(semconv.AGENT_HEADER))
 
 
 def rollout_of(scope: dict) -> str | None:

@@ -142,9 +142,10 @@ def _http_client() -> DefaultHttpxClient:
     return DefaultHttpxClient()
 
 
-def agent(task: dict, base_url: str, model: str, api_key: str = "EMPTY") -> str | None:
-    """Ask the model, run its calculator calls, and return its final answer (None if it never gives one)."""
-    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=_http_client())
+def agent(task: dict, base_url: str, model: str, api_key: str = "EMPTY", http_client=None) -> str | None:
+    """Ask the model, run its calculator calls, and return its final answer (None if it never gives one).
+    `http_client`: an httpx client of the caller's (one OpenTelemetry instruments, to send the trace context)."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=http_client or _http_client())
     tools = {"tools": [CALCULATOR_TOOL]} if task["protocol"] == "tools" else {}
     messages = [*opening(task), {"role": "user", "content": task["question"]}]
     for _ in range(MAX_TURNS):

@@ -13,8 +13,9 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.context import Context
+from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace import Span as SdkSpan
@@ -22,6 +23,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.trace import Status, StatusCode
 
 from lightning_ray.tracing import semconv
+from lightning_ray.tracing.agent_header import AgentHeader, AgentSpans
 from lightning_ray.tracing.context import Sink, current_attempt, live_attempts
 from lightning_ray.tracing.spans import ResourceInfo, clean_attributes, make_span
 from lightning_ray.types import Span, SpanEvent
@@ -153,5 +155,9 @@ def setup_otel(sink: Sink | None = None, provider: TracerProvider | None = None)
                     trace.set_tracer_provider(provider)
             fallback = BatchSpanProcessor(SinkSpanExporter(sink)) if sink is not None else None
             provider.add_span_processor(AttemptSpanProcessor(fallback))
+            # each request made under an agent span names the agent (serving/adapters.py: its adapter serves it)
+            agents = AgentSpans()
+            provider.add_span_processor(agents)
+            propagate.set_global_textmap(CompositePropagator([propagate.get_global_textmap(), AgentHeader(agents)]))
             _provider = provider
         return _provider

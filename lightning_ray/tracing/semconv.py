@@ -28,6 +28,7 @@ SAMPLING = "lightning_ray.sampling"  # {temperature, top_p, seed, constrained}: 
 FINISH_REASONS = "gen_ai.response.finish_reasons"
 RESPONSE_TEXT = "lightning_ray.response"  # the text the client was sent
 CALL_ERROR = "lightning_ray.error"  # why a call ended without an answer (an engine error, an abort): never trained
+ADAPTER = "lightning_ray.adapter"  # the LoRA adapter that served the call (serving/adapters.py); none: the base
 TEACHER = "lightning_ray.teacher"  # the teacher that answered the call (serving/teacher.py): imitation data, never RL
 
 # Rewards: REWARD_VALUE is the scalar LightningRL optimises; a multi-dimensional reward also carries each named
@@ -61,6 +62,8 @@ EXCEPTION_ESCAPED = "exception.escaped"
 
 # Keys other instrumentations use for exactly what GenAI calls gen_ai.agent.name (OpenInference; Pydantic AI).
 AGENT_NAME_ALIASES = ("agent.name", "agent_name")
+# The HTTP header naming the agent a request was made under (tracing/agent_header.py; serving/adapters.py)
+AGENT_HEADER = "x-lightning-ray-agent"
 
 # Resource attributes copied onto each span (a Span has no resource of its own): who produced it.
 SERVICE_NAME = "service.name"

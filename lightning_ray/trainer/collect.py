@@ -11,6 +11,7 @@ from lightning_ray.algorithm.advantages import best_rollouts, compute_advantages
 from lightning_ray.algorithm.air import air_spans
 from lightning_ray.algorithm.dynamic_sampling import sample_groups
 from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, spans_read
+from lightning_ray.algorithm.select import by_adapter
 from lightning_ray.serving.teacher import TAUGHT
 from lightning_ray.trainer.run import PhaseTimer, Run
 from lightning_ray.types import Rollout, Span, Task, Transition
@@ -60,8 +61,15 @@ def collect(run: Run, iteration: int, tasks: list[Task]) -> Batch:
                 found += air
             transitions, counts = adapt(done, found, cfg.model.name, alg.level, cfg.task.agent_rewards, run.select,
                                         imitation=alg.objective == "sft")
-            transitions = (best_rollouts(transitions, alg.sft_min_reward) if alg.objective == "sft" else
-                           compute_advantages(transitions, alg.estimator, alg.credit, alg.gamma, alg.baseline))
+            if alg.adapters:  # the base's calls (of agents no adapter names) train nothing: it is frozen
+                served = [tr for tr in transitions if tr.adapter in alg.adapters]
+                counts["base_calls"] = sum(len(tr.call_tokens or [0]) for tr in transitions
+                                           if tr.adapter not in alg.adapters)
+                transitions = served
+            # each adapter's calls under advantages of their own (algorithm.adapters; else one pool for all)
+            transitions = [tr for pool in by_adapter(transitions).values() for tr in (
+                best_rollouts(pool, alg.sft_min_reward) if alg.objective == "sft" else
+                compute_advantages(pool, alg.estimator, alg.credit, alg.gamma, alg.baseline))]
             if alg.overlong_filter:  # a cut-off answer's reward says little about it: left out of the loss
                 transitions = [tr for tr in transitions if tr.finish_reason != "length"]
         batch.rollouts += done
@@ -75,3 +83,4 @@ def collect(run: Run, iteration: int, tasks: list[Task]) -> Batch:
     batch.transitions, batch.sampling = sample_groups(tasks, cfg.rollout.tasks_per_iteration, sampling_rounds(run),
                                                       rollout_round, alg.estimator)
     return batch
+

@@ -1,6 +1,6 @@
 """One line of <run_dir>/metrics.jsonl: what an iteration did. Each field's description is its row of the table in
-docs/01-training.md (`python -m lightning_ray.trainer.record` prints the table; tests/unit/test_record.py keeps the two the
-same)."""
+docs/01-training.md (`python -m lightning_ray.trainer.record` prints the table; tests/unit/test_record.py keeps the
+two the same)."""
 
 from __future__ import annotations
 
@@ -98,8 +98,15 @@ class IterationRecord(BaseModel):
         "rank 0's peak memory so far, MiB: the GPU's allocated (CUDA), else the process's resident set", optional=True)
     served_policy_version: int | None = described("the version the endpoint serves after the sync", optional=True)
     probe_logprob_before: float | None = described(
-        "greedy logprob of a fixed prompt through the API, before the sync", optional=True)
+        "greedy logprob of a fixed prompt through the API, before the sync (`algorithm.adapters`: the first "
+        "adapter's)", optional=True)
     probe_logprob_after: float | None = described("the same, after the sync", optional=True)
+    adapters: dict[str, dict[str, float]] | None = described(
+        "`algorithm.adapters`: per adapter, the `transitions` it trains on, those `with_signal` (a nonzero "
+        "advantage), the mean final `reward` of the rollouts they come from", optional=True)
+    base_calls: int | None = described(
+        "`algorithm.adapters`: the selected calls the base served (an agent no adapter names), left out",
+        optional=True)
     eval_before: dict[str, Any] | None = described(
         "held-out evaluation before training (on iteration 0's line)", optional=True)
     eval: dict[str, Any] | None = described(
@@ -149,7 +156,20 @@ def iteration_record(iteration, rollouts, spans, transitions, adapted, sampling,
                                                                      "digest_s")},
             "learner_peak_mib": round(results[0]["peak_mib"], 1),
         })
+    if "base_calls" in adapted:  # an adapter per agent
+        record.update(adapters=per_adapter(transitions), base_calls=adapted["base_calls"])
     return record
+
+
+def per_adapter(transitions) -> dict[str, dict[str, float]]:
+    out: dict[str, dict] = {}
+    for tr in transitions:
+        a = out.setdefault(tr.adapter, {"transitions": 0, "with_signal": 0, "rewards": {}})
+        a["transitions"] += 1
+        a["with_signal"] += tr.advantage != 0
+        a["rewards"][tr.rollout_id] = tr.reward
+    return {name: {"transitions": a["transitions"], "with_signal": a["with_signal"],
+                   "reward": sum(a["rewards"].values()) / len(a["rewards"])} for name, a in sorted(out.items())}
 
 
 def line(record: dict) -> dict:

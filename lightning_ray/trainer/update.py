@@ -64,7 +64,8 @@ def save_checkpoint(run: Run, iteration: int) -> None:
 def probe(server_url: str, cfg: TrainConfig) -> dict:
     """Greedy-decode a fixed prompt through the real API: its logprobs move when the served weights do."""
     client = OpenAI(base_url=f"{server_url}/v1", api_key=cfg.serve.api_key or "EMPTY", max_retries=0)
-    out = client.chat.completions.create(model=cfg.model.name, messages=PROBE, temperature=0, max_tokens=8,
-                                         logprobs=True)
+    # an adapter per agent: the first adapter's policy (the base, which a call naming none gets, never moves)
+    model = f"{cfg.model.name}/{next(iter(cfg.algorithm.adapters))}" if cfg.algorithm.adapters else cfg.model.name
+    out = client.chat.completions.create(model=model, messages=PROBE, temperature=0, max_tokens=8, logprobs=True)
     lps = [c.logprob for c in out.choices[0].logprobs.content]
     return {"version": int(out.system_fingerprint.rsplit("v", 1)[1]), "logprob_mean": sum(lps) / max(len(lps), 1)}

@@ -1,7 +1,8 @@
 """LoRA's weight sync (learner.lora): the adapter alone goes to the engines — a few MB where the merged weights are
 the whole model — and they apply it on the base they loaded (peft in the HF engine, vLLM's LoRA support). It travels
 as peft saves it, so both engines read their usual format; through the object store, whatever the transport: it is
-small enough on any hardware."""
+small enough on any hardware. With an adapter per agent (algorithm.adapters) every one of them travels, each under
+its name (peft's own adapter is `default`), and the engines serve each call with the one it names."""
 
 from __future__ import annotations
 
@@ -13,25 +14,27 @@ from pathlib import Path
 import ray
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+DEFAULT = "default"  # peft's name for a model's only adapter: learner.lora without algorithm.adapters
 
 
 @dataclass(frozen=True)
 class Adapter:
-    """peft's two files of a LoRA adapter, in memory."""
+    """peft's two files of a LoRA adapter, in memory, and the adapter's name."""
 
     files: dict[str, bytes]
+    name: str = DEFAULT
 
     @classmethod
-    def of(cls, model) -> Adapter:
-        """A peft model's active adapter (inside ZeRO-3's gather: its parameters whole)."""
+    def of(cls, model, name: str = DEFAULT) -> Adapter:
+        """One of a peft model's adapters (inside ZeRO-3's gather: its parameters whole)."""
         with tempfile.TemporaryDirectory() as tmp:
-            model.save_pretrained(tmp)
-            return cls.read(tmp)
+            model.save_pretrained(tmp, selected_adapters=[name])
+            return cls.read(Path(tmp) / ("" if name == DEFAULT else name), name)
 
     @classmethod
-    def read(cls, path: str | Path) -> Adapter:
-        """From a directory peft saved (a checkpoint's adapter/)."""
-        return cls({name: (Path(path) / name).read_bytes() for name in (CONFIG, WEIGHTS)})
+    def read(cls, path: str | Path, name: str = DEFAULT) -> Adapter:
+        """From a directory peft saved one adapter in."""
+        return cls({file: (Path(path) / file).read_bytes() for file in (CONFIG, WEIGHTS)}, name)
 
     def write(self, path: str | Path) -> Path:
         path = Path(path)
@@ -57,11 +60,20 @@ class Adapter:
         return {name: tuple(t.shape) for name, t in self.tensors().items()}
 
 
+def read_all(path: str | Path) -> tuple[Adapter, ...]:
+    """Every adapter of a directory peft saved a model's adapters in (a checkpoint's adapter/): `default` at its
+    root, the others in subdirectories named after them."""
+    path = Path(path)
+    named = [Adapter.read(d, d.name) for d in sorted(path.iterdir()) if (d / CONFIG).is_file()]
+    return ((Adapter.read(path),) if (path / CONFIG).is_file() else ()) + tuple(named)
+
+
 class AdapterPublisher:
-    """Rank 0's publisher under learner.lora: `policy` is the learner's lora.Merged view of the adapted model."""
+    """Rank 0's publisher under learner.lora: `policy` is the learner's lora.Merged view of the adapted model; every
+    adapter it holds is published."""
 
     def publish(self, version: int, policy) -> list:
-        return [ray.put(Adapter.of(policy.model))]
+        return [ray.put(tuple(Adapter.of(policy.model, name) for name in policy.model.peft_config))]
 
     def close(self) -> None:
         pass

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import ray
+import torch.distributed as dist
+from helpers import free_port
 from transformers import AutoTokenizer
 
 from lightning_ray.models.tiny import build_tokenizer
@@ -29,3 +31,15 @@ def tokenizer(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-tokenizer")
     build_tokenizer().save_pretrained(path)
     return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def one_rank():
+    """A process group of one rank in this process, as Ray Train gives each worker: DeepSpeed needs one (one for
+    the session: DeepSpeed keeps the first it is given)."""
+    with pytest.MonkeyPatch.context() as env:
+        for k, v in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
+            env.setenv(k, v)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
+        yield
+        dist.destroy_process_group()

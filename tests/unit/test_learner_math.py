@@ -9,8 +9,6 @@ import random
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import free_port
 from transformers import (Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                           LlamaForCausalLM)
 
@@ -173,17 +171,6 @@ def test_score_applies_the_models_own_logit_processing(model_class, config):
 
 # ---- train_step: the steps a batch takes, through a real DeepSpeed engine ----------------------------------------
 
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A process group of one rank in this process, as Ray Train gives each worker: DeepSpeed needs one."""
-    with pytest.MonkeyPatch.context() as env:
-        for k, v in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
-            env.setenv(k, v)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
-        yield
-        dist.destroy_process_group()
 
 
 def engine_for(model: torch.nn.Module, stage: int = 0, lr: float = 1e-2):

@@ -14,6 +14,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
+from lightning_ray.serving.adapters import AdapterRoutes
 from lightning_ray.serving.app import PolicyServer
 from lightning_ray.serving.decoding import ChoiceDelta
 from lightning_ray.serving.engines import SamplingParams
@@ -344,7 +345,7 @@ def policy(tokenizer, fail_after: int | None = None):
     without Serve or an engine: only `run`, which generates, is scripted to answer COMPLETION."""
     server = object.__new__(POLICY_SERVER)  # its __init__ starts an engine inside a Serve replica
     server.model_name, server.tokenizer, server.max_model_len = "tiny", tokenizer, 512
-    server.defaults, server.rollout_sampling = {"temperature": 0.7}, {}
+    server.defaults, server.rollout_sampling, server.adapters = {"temperature": 0.7}, {}, AdapterRoutes("tiny", False)
     server.run = partial(scripted_run, tokenizer, COMPLETION, fail_after)
     return server
 

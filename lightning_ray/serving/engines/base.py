@@ -29,6 +29,9 @@ class SamplingParams(BaseModel):
     # under the served policy, exactly as if sampled: a teacher's answer in the policy's own tokens
     # (serving/teacher.py), recorded and scored like the policy's samples.
     forced_token_ids: list[int] | None = Field(None, min_length=1)
+    # The LoRA adapter to generate with (learner.lora: `default`; algorithm.adapters: the call's agent's); None: the
+    # base model. One the engine has not loaded yet is the base (an adapter starts as the base).
+    adapter: str | None = None
 
     @model_validator(mode="after")
     def _json_needs_eos(self):

@@ -22,14 +22,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from lightning_ray.serving.engines.base import SamplingParams, TokenDelta, WeightLoading, check_weights
 from lightning_ray.serving.engines.grammar import JsonGrammars, apply_bitmask
-from lightning_ray.weight_sync.adapter import Adapter
+from lightning_ray.weight_sync.adapter import Adapter, read_all
 
 
 class HFEngine(WeightLoading):
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, gpu_memory_utilization: float = 0.9,
                  adapter: str | None = None, lora_rank: int | None = None):
-        """adapter: a LoRA adapter's directory (peft's), served on the model from the start (a resumed LoRA run);
-        lora_rank: the rank LoRA runs train (vLLM's setting: the HF engine takes any)."""
+        """adapter: a directory of LoRA adapters (peft's), served on the model from the start (a resumed LoRA run);
+        lora_rank: the rank LoRA runs train (vLLM's setting: the HF engine takes any). Each request is served with
+        the adapter it names (SamplingParams.adapter), or by the base; one not loaded yet is the base too (an
+        adapter starts as the base: its B is zero)."""
         transformers.logging.disable_progress_bar()
         torch.manual_seed(seed)  # requests without a seed of their own draw from the process's generator
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -48,10 +50,11 @@ class HFEngine(WeightLoading):
         self.lock = threading.Lock()  # the weights: held for one decoding step, or for a load
         self.policy_version = 0
         self._shapes = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
-        self._staged: dict | Adapter | None = None
-        self._adapter_shapes: dict[str, tuple[int, ...]] | None = None  # learner.lora: the served adapter's tensors
+        self._staged: dict | tuple[Adapter, ...] | None = None
+        self._adapter_shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # learner.lora: each adapter's tensors
+        self._active: str | None = None  # the adapter the model runs with (None: the base)
         if adapter:
-            self._apply(Adapter.read(adapter))
+            self._apply(read_all(adapter))
 
     @cached_property
     def grammars(self) -> JsonGrammars:
@@ -87,6 +90,7 @@ class HFEngine(WeightLoading):
         if params.json_schema is not None:  # compiled (or found in the cache) before taking the model
             matcher, bitmask = self.grammars.matcher(params.json_schema, stop), self.grammars.bitmask()
         with self.turn:
+            self._use_adapter(params.adapter)
             context, version = list(prompt_ids), None
             steps = min(params.max_tokens, len(params.forced_token_ids or ()) or params.max_tokens)
             for step in range(steps):
@@ -120,11 +124,13 @@ class HFEngine(WeightLoading):
                 context.append(token)
                 inputs = torch.tensor([[token]], device=self.device)
 
-    async def stage_weights(self, weights: dict | Adapter) -> None:
-        """A whole state dict, or (learner.lora) an adapter, checked against the one served once there is one."""
-        if isinstance(weights, Adapter):
-            if self._adapter_shapes:
-                check_weights(weights.tensors(), self._adapter_shapes)
+    async def stage_weights(self, weights: dict | tuple[Adapter, ...]) -> None:
+        """A whole state dict, or (learner.lora) adapters, each checked against the one served under its name once
+        there is one."""
+        if isinstance(weights, tuple):
+            for adapter in weights:
+                if shapes := self._adapter_shapes.get(adapter.name):
+                    check_weights(adapter.tensors(), shapes)
         else:
             check_weights(weights, self._shapes)
         self._staged = weights
@@ -141,19 +147,39 @@ class HFEngine(WeightLoading):
 
         await asyncio.to_thread(swap)
 
-    def _apply(self, weights: dict | Adapter) -> None:
-        if not isinstance(weights, Adapter):
+    def _apply(self, weights: dict | tuple[Adapter, ...]) -> None:
+        if not isinstance(weights, tuple):
             self.model.load_state_dict(weights)
             return
         import peft
 
-        if not isinstance(self.model, peft.PeftModel):  # the first adapter: its layers on the base, which stays
-            self.model = peft.get_peft_model(self.model, weights.config()).eval()
-        tensors = weights.tensors()
-        loaded = peft.set_peft_model_state_dict(self.model, tensors)  # a shape that differs raises
-        if loaded.unexpected_keys:
-            raise ValueError(f"the adapter does not fit the served model: {loaded.unexpected_keys[:5]}")
-        self._adapter_shapes = {n: tuple(t.shape) for n, t in tensors.items()}  # what every later adapter must be
+        for adapter in weights:  # a new one's layers go on the base, which stays
+            if not isinstance(self.model, peft.PeftModel):
+                self.model = peft.get_peft_model(self.model, adapter.config(), adapter_name=adapter.name).eval()
+                self._active = adapter.name
+            elif adapter.name not in self.model.peft_config:
+                self.model.add_adapter(adapter.name, adapter.config())
+            tensors = adapter.tensors()
+            # a tensor whose shape differs raises; one the model has no place for is named
+            loaded = peft.set_peft_model_state_dict(self.model, tensors, adapter_name=adapter.name)
+            if extra := loaded.unexpected_keys:
+                raise ValueError(f"adapter {adapter.name!r} does not fit the served model: {extra[:5]}")
+            self._adapter_shapes[adapter.name] = {n: tuple(t.shape) for n, t in tensors.items()}  # later ones: the same
+
+    def _use_adapter(self, name: str | None) -> None:
+        """The model runs with this adapter from now on (None, or one not loaded: the base); one generation at a
+        time, so it holds for the whole of one."""
+        if not self._adapter_shapes:
+            return
+        name = name if name in self._adapter_shapes else None
+        if name != self._active:
+            with self.lock:
+                if name is None:
+                    self.model.base_model.disable_adapter_layers()
+                else:
+                    self.model.base_model.enable_adapter_layers()
+                    self.model.base_model.set_adapter(name)
+                self._active = name
 
     # ---- sleep while a colocated learner trains (engine.sleep_while_training) --------------------------------
     async def sleep(self) -> None:

@@ -47,7 +47,7 @@ from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 
 from lightning_ray.serving.engines import grammar  # noqa: E402
 from lightning_ray.serving.engines.base import SamplingParams, TokenDelta, WeightLoading, check_weights  # noqa: E402
-from lightning_ray.weight_sync.adapter import Adapter  # noqa: E402
+from lightning_ray.weight_sync.adapter import DEFAULT, Adapter, read_all  # noqa: E402
 
 WEIGHTS_DIR_PREFIX = "lightning-ray-vllm-weights-"  # + the owner's pid: a dead owner's directory is swept
 
@@ -55,26 +55,31 @@ WEIGHTS_DIR_PREFIX = "lightning-ray-vllm-weights-"  # + the owner's pid: a dead 
 class VLLMEngine(WeightLoading):
     def __init__(self, model_path: str, dtype: str = "float32", gpu_memory_utilization: float = 0.1,
                  seed: int = 0, weight_transfer: str | None = None, sleep_mode: bool = False, drain: str = "wait",
-                 lora_rank: int | None = None, adapter: str | None = None, **engine_args):
+                 lora_rank: int | None = None, adapter: str | None = None, max_loras: int = 1, **engine_args):
         """weight_transfer: vLLM's weight-transfer backend ("ipc", "nccl"; CUDA only) for weight_sync's cuda_ipc and
         collective transports; without it weights are reloaded from a local safetensors file. sleep_mode: vLLM's,
         for engine.sleep_while_training (CUDA only: vLLM-CPU has none, and a CPU engine holds no GPU memory).
         drain: serve.drain; under `keep` a weight load pauses the requests in flight instead of waiting for them.
-        lora_rank: learner.lora's rank: vLLM's LoRA support on, every request served with the latest adapter (the
-        first from `adapter`, a directory, in a resumed run)."""
+        lora_rank: learner.lora's rank: vLLM's LoRA support on, each request served with the adapter it names
+        (SamplingParams.adapter), each replaced in place by every version (the first from `adapter`, a directory of
+        them, in a resumed run); max_loras: how many adapters the run serves (algorithm.adapters)."""
         self.drain = drain
         self.sleep_mode = sleep_mode and torch.cuda.is_available()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # JSON constraints compiled as engines.grammar compiles them for the HF engine: xgrammar, compact JSON.
         engine_args.setdefault("structured_outputs_config", StructuredOutputsConfig(
             backend="xgrammar", disable_any_whitespace=not grammar.ANY_WHITESPACE))
-        if lora_rank:  # one adapter at a time, replaced in place by each version; vLLM sizes its buffers by the rank
+        if lora_rank:  # vLLM sizes its buffers by the rank, and by how many adapters one batch may mix
             if not (max_rank := next((r for r in get_args(MaxLoRARanks) if r >= lora_rank), None)):
                 raise ValueError(f"learner.lora.rank={lora_rank}: vLLM serves adapters of rank 512 at most")
-            engine_args.update(enable_lora=True, max_loras=1, max_lora_rank=max_rank)
-        self._lora = LoRARequest("policy", 1, adapter) if adapter else None
-        self._adapters, self._staged_adapter = 0, None  # adapters staged so far, each in a directory of its own
-        self._adapter_shapes = Adapter.read(adapter).shapes() if adapter else None
+            engine_args.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_rank)
+        resumed = read_all(adapter) if adapter else ()
+        # name -> the request that serves it (vLLM's int id: its order of arrival, fixed for the run)
+        self._loras = {a.name: LoRARequest(a.name, i + 1, str(Path(adapter) / ("" if a.name == DEFAULT else a.name)))
+                       for i, a in enumerate(resumed)}
+        self._staged_adapters: list | None = None  # each staged adapter's name, directory and tensor shapes
+        self._adapters = 0  # adapters staged so far, each written to a directory of its own
+        self._adapter_shapes = {a.name: a.shapes() for a in resumed}
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
             logprobs_mode="raw_logprobs",  # untempered, as the interface requires (and vLLM's default)
@@ -107,7 +112,8 @@ class VLLMEngine(WeightLoading):
             max_tokens=1, prompt_logprobs=k, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)) if forced \
             else (self._prompt(prompt_ids), self._sampling(params))
         try:
-            async for out in self.engine.generate(*request, request_id=uuid.uuid4().hex, lora_request=self._lora):
+            async for out in self.engine.generate(*request, request_id=uuid.uuid4().hex,
+                                                  lora_request=self._loras.get(params.adapter)):
                 if not admitted:  # vLLM has the request now: it counts in get_num_unfinished_requests
                     admitted, self._admitting = True, self._admitting - 1
                 if forced:  # one prefill: each forced token's logprob is its prompt logprob
@@ -165,17 +171,20 @@ class VLLMEngine(WeightLoading):
             structured_outputs=None if params.json_schema is None else StructuredOutputsParams(json=params.json_schema),
             detokenize=False)  # the server decodes; we want ids
 
-    async def stage_weights(self, state_dict: dict[str, torch.Tensor] | Adapter) -> None:
+    async def stage_weights(self, state_dict: dict[str, torch.Tensor] | tuple[Adapter, ...]) -> None:
         """Written to local disk (vLLM's reload reads safetensors; its LoRA support, peft's files) while serving goes
         on."""
-        if isinstance(state_dict, Adapter):  # the first one vLLM checks as it loads it, later ones against it
-            shapes = state_dict.shapes()
-            if self._adapter_shapes:
-                check_weights({n: torch.empty(s, device="meta") for n, s in shapes.items()}, self._adapter_shapes)
-            self._adapters += 1
-            path = await asyncio.to_thread(state_dict.write,
-                                           os.path.join(self._weights_dir, f"adapter-{self._adapters}"))
-            self._staged_adapter = (path, shapes)
+        if isinstance(state_dict, tuple):  # adapters: vLLM checks each as it first loads it, later ones against it
+            staged = []
+            for adapter in state_dict:
+                shapes = adapter.shapes()
+                if known := self._adapter_shapes.get(adapter.name):
+                    check_weights({n: torch.empty(s, device="meta") for n, s in shapes.items()}, known)
+                self._adapters += 1
+                path = await asyncio.to_thread(adapter.write,
+                                               os.path.join(self._weights_dir, f"adapter-{self._adapters}"))
+                staged.append((adapter.name, path, shapes))
+            self._staged_adapters = staged
             return
         tensors = {name: t for name, t in state_dict.items()
                    if not (self.tied and name == "lm_head.weight")}  # tied: it is the embedding (shared memory)
@@ -191,14 +200,19 @@ class VLLMEngine(WeightLoading):
         are copied in place (vLLM's `reload_weights`, from the staged safetensors) and the prefix cache, which
         holds the old weights' keys and values, is dropped.
         """
-        if self._staged_adapter:  # a request keeps the adapter it started with: none may run across it
-            (adapter, shapes), self._staged_adapter = self._staged_adapter, None
+        if self._staged_adapters:  # a request keeps the adapter it started with: none may run across it
+            staged, self._staged_adapters = self._staged_adapters, None
+            replaced = []
             async with self.drained(keep=False), self._loading(version):
-                served, self._lora = self._lora, LoRARequest("policy", 1, str(adapter), load_inplace=True)
-                await self.engine.add_lora(self._lora)
-                self._adapter_shapes = shapes
-            if served and Path(served.lora_path).parent == Path(self._weights_dir):
-                shutil.rmtree(served.lora_path, ignore_errors=True)
+                for name, path, shapes in staged:
+                    lora_id = self._loras[name].lora_int_id if name in self._loras else len(self._loras) + 1
+                    replaced.append(self._loras.get(name))
+                    self._loras[name] = LoRARequest(name, lora_id, str(path), load_inplace=True)
+                    await self.engine.add_lora(self._loras[name])
+                    self._adapter_shapes[name] = shapes
+            for served in filter(None, replaced):
+                if Path(served.lora_path).parent == Path(self._weights_dir):
+                    shutil.rmtree(served.lora_path, ignore_errors=True)
             return
         async with self.drained(), self._loading(version):
             await self.engine.collective_rpc("load_checkpoint", args=(self._weights_dir,))
