@@ -32,6 +32,9 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     name: str = "policy"  # the model name agents ask for; LightningRL trains calls to it (algorithm.select)
     path: str | None = None  # an HF model directory, `smollm2-135m-instruct`, or None: the tiny test model
+    # LoRA adapters served on `path` from the start: a checkpoint's adapter/ (one adapter, or one per agent with
+    # algorithm.adapters), e.g. to evaluate them (jobs/eval.py); needs learner.lora, whose adapter sync serves them
+    adapter: str | None = None
     cache_dir: str = "~/.cache/lightning_ray/models"
 
 
@@ -494,12 +497,12 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _adapters_are_lora(self):
-        if self.algorithm.adapters and not self.learner.lora:
-            raise ValueError("algorithm.adapters trains a LoRA adapter per agent: it needs learner.lora "
-                             "(learner.lora={} for the defaults)")
-        if self.algorithm.adapters and self.learner.lora.sync == "merged":
-            raise ValueError("algorithm.adapters serves each agent's adapter on one base: learner.lora.sync=merged "
-                             "would publish one merged model; use adapter (or auto)")
+        for key, value in (("algorithm.adapters", self.algorithm.adapters), ("model.adapter", self.model.adapter)):
+            if value and not self.learner.lora:
+                raise ValueError(f"{key} is LoRA's: it needs learner.lora (learner.lora={{}} for the defaults)")
+            if value and self.learner.lora.sync == "merged":
+                raise ValueError(f"{key} serves adapters on one base: learner.lora.sync=merged would publish one "
+                                 "merged model; use adapter (or auto)")
         return self
 
     @model_validator(mode="after")

@@ -14,7 +14,7 @@ from ray import serve
 
 from lightning_ray.config import TrainConfig
 from lightning_ray.learner.checkpoint import Checkpoint
-from lightning_ray.models import resolve_model_path
+from lightning_ray.models import resolve_adapter, resolve_model_path
 from lightning_ray.placement import ON_HEAD, actor_options
 from lightning_ray.rollout.dispatch import run_to_end
 from lightning_ray.rollout.worker import RolloutWorker
@@ -71,6 +71,7 @@ class Services:
         self.phase = "the model"
         with status("building the model"):
             self.model_path: Path = resolve_model_path(cfg.model)
+            adapter = resolve_adapter(cfg.model)  # before anything starts: a wrong one fails here, named
         label = cfg.run_path.name  # names that read well in the Ray dashboard, unique per run
         self.queue = f"run@{label}"  # this run's rollouts, taken by its own workers only (types.Rollout.queue)
         # On the head, beside the driver: the store's SQLite files are the run directory's.
@@ -78,7 +79,8 @@ class Services:
         self.store = StoreClient.start(cfg.run_path, cfg.store.num_shards, label=label, actor_options=ON_HEAD)
         if resume and (left := self.store.query_rollouts(status=["queued", "requeued", "running"])):
             self.store.cancel([r.rollout_id for r in left])  # the stopped run's: no worker is waiting for them
-        self.attempts = AttemptPolicy(max_attempts=cfg.rollout.max_attempts, timeout_seconds=cfg.rollout.timeout_seconds,
+        self.attempts = AttemptPolicy(max_attempts=cfg.rollout.max_attempts,
+                                      timeout_seconds=cfg.rollout.timeout_seconds,
                                       unresponsive_seconds=cfg.rollout.unresponsive_seconds,
                                       timeout_policy=cfg.rollout.timeout_policy)
         # on the head too: the versions and who holds them die with no worker node (a node's death took it, and
@@ -105,9 +107,9 @@ class Services:
                      cfg.rollout.timeout_seconds, cfg.rollout.max_abandoned_agents, self.queue,
                      (APP_NAME, f"weight-registry@{label}") if cfg.serve.direct_ingress else None))
         # a resumed run serves its checkpoint's policy; when LoRA ships adapters, the base and the checkpoint's
-        # adapter on it (the versions after it are adapters: the engines must keep the base)
+        # adapters on it (the versions after it are adapters: the engines must keep the base); else model.adapter
         served, adapter = ((self.model_path, resume.path / "adapter") if weight_sync.of_run(cfg) == "adapter"
-                           else (resume.policy, None)) if resume else (self.model_path, None)
+                           else (resume.policy, None)) if resume else (self.model_path, adapter)
         apps = [policy_target(cfg, str(served), self.store, self.registry, adapter)]
         if cfg.store.http:
             apps.append(store_api_target(self.store, cfg.serve.api_key))
@@ -175,7 +177,8 @@ def _wait_running(apps: list[str]) -> None:
 
 
 def _link_ray_logs(session_dir: str, log_dir: Path) -> None:
-    """<run_dir>/logs/ray: the Ray session's log files (every worker's, Serve's, the dashboard's), found from the run."""
+    """<run_dir>/logs/ray: the Ray session's log files (every worker's, Serve's, the dashboard's), found from the
+    run."""
     log_dir.mkdir(parents=True, exist_ok=True)
     link = log_dir / "ray"
     if link.is_symlink():  # an earlier start's (a resumed run, a run directory used again): its session may be gone

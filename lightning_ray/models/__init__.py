@@ -32,6 +32,18 @@ def _from_hub(repo_id: str) -> Path:
             f"model.path=DIR") from None
 
 
+def resolve_adapter(cfg: ModelConfig) -> Path | None:
+    """model.adapter, absolute (the replicas read it), checked to hold an adapter (peft's files, at its root or in a
+    directory per adapter: a checkpoint's adapter/); None when unset."""
+    if cfg.adapter is None:
+        return None
+    path = Path(cfg.adapter).expanduser().resolve()
+    if not any((d / "adapter_config.json").is_file() for d in (path, *(path.glob("*") if path.is_dir() else ()))):
+        raise FileNotFoundError(f"model.adapter={cfg.adapter}: no LoRA adapter there (peft's adapter_config.json, "
+                                "in it or in a directory per adapter, as a checkpoint's adapter/ holds them)")
+    return path
+
+
 def resolve_model_path(cfg: ModelConfig) -> Path:
     """The HF directory to serve and train: cfg.path, or a model built once into the cache — the tiny one when
     cfg.path is unset, SmolLM2 when it is `smollm2-135m-instruct`."""

@@ -35,8 +35,8 @@ def resolve(kind: str, learner_resources: dict, replica_resources: dict, lora: L
             adapters: bool = False) -> str:
     """`auto`: the object store unless the learner and the replicas both have GPUs; then CUDA IPC where they share
     one (Ray lets two actors share a GPU only if each asks for a fraction of it), else a collective broadcast.
-    With LoRA, `adapter` where learner.lora.sync says so (auto: where the replicas have GPUs, or an adapter per agent
-    is served: algorithm.adapters); merged weights take the run's transport."""
+    With LoRA, `adapter` where learner.lora.sync says so (auto: where the replicas have GPUs, or adapters are served
+    as such: algorithm.adapters, model.adapter); merged weights take the run's transport."""
     learner_gpu, replica_gpu = learner_resources.get("GPU", 0), replica_resources.get("GPU", 0)
     if lora and (lora.sync == "adapter" or lora.sync == "auto" and (replica_gpu or adapters)):
         return "adapter"
@@ -50,7 +50,8 @@ def resolve(kind: str, learner_resources: dict, replica_resources: dict, lora: L
 def of_run(cfg: TrainConfig) -> str:
     """A run's transport, resolved from its config: what the learner publishes by and the replicas expect."""
     t = cfg.learner
-    return resolve(t.weight_sync, t.resources_per_worker, cfg.serve.resources, t.lora, bool(cfg.algorithm.adapters))
+    return resolve(t.weight_sync, t.resources_per_worker, cfg.serve.resources, t.lora,
+                   bool(cfg.algorithm.adapters or cfg.model.adapter))
 
 
 def make_publisher(options: dict, registry, device: torch.device) -> Publisher:

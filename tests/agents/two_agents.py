@@ -1,7 +1,8 @@
-"""An agent given by entry point (task.agent=tests.agents.two_agents:agent): a workflow of two agents, each an
-OpenTelemetry GenAI agent span (gen_ai.agent.name) around a run of the calc task's own agent: the drafter answers,
-then the solver answers again, and the solver's answer is the workflow's. Its code names no adapter: the calls
-reach their agent's adapter by the header the platform's propagator adds (tracing/agent_header.py)."""
+"""An agent given by entry point (task.agent=tests.agents.two_agents:agent): a workflow of two agents, each a run of
+the calc task's own agent: the drafter answers, then the solver answers again, and the solver's answer is the
+workflow's. The drafter runs inside an OpenTelemetry GenAI agent span (gen_ai.agent.name) and its code names no
+adapter: its calls reach its adapter by the header the platform's propagator adds (tracing/agent_header.py). The
+solver, as an agent that sends no trace context would, names its adapter as the model (`<model>/solve`)."""
 
 from functools import cache
 
@@ -24,8 +25,6 @@ def _traced():
 
 def agent(task: dict, base_url: str, model: str, api_key: str) -> str | None:
     tracer, http_client = _traced()
-    answer = None
-    for name in ("drafter", "solver"):
-        with tracer.start_as_current_span(f"invoke_agent {name}", attributes={"gen_ai.agent.name": name}):
-            answer = calc.agent(task, base_url=base_url, model=model, api_key=api_key, http_client=http_client)
-    return answer
+    with tracer.start_as_current_span("invoke_agent drafter", attributes={"gen_ai.agent.name": "drafter"}):
+        calc.agent(task, base_url=base_url, model=model, api_key=api_key, http_client=http_client)
+    return calc.agent(task, base_url=base_url, model=f"{model}/solve", api_key=api_key)

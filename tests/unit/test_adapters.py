@@ -15,10 +15,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_ray import weight_sync
 from lightning_ray.algorithm.lightningrl import merge_calls
-from lightning_ray.config import AlgorithmConfig, ConfigError, LearnerConfig, LoraConfig
+from lightning_ray.config import AlgorithmConfig, ConfigError, LearnerConfig, LoraConfig, ModelConfig
 from lightning_ray.learner import lora
 from lightning_ray.learner.driver import batch_plan
 from lightning_ray.learner.worker import deepspeed_engine, parameter_groups, train_step
+from lightning_ray.models import resolve_adapter
 from lightning_ray.serving.adapters import AdapterRoutes
 from lightning_ray.serving.http import ApiError
 from lightning_ray.tracing.agent_header import AgentHeader, AgentSpans
@@ -43,9 +44,21 @@ def test_adapters_need_lora_and_an_adapter_sync():
             config({"adapters": {name: ["x"]}}, {"lora": {}})
     with pytest.raises(ConfigError, match="not a regex"):
         config({"adapters": {"plan": ["("]}}, {"lora": {}})
+    with pytest.raises(ConfigError, match="model.adapter is LoRA's"):
+        small({"run_dir": "r", "model": {"adapter": "somewhere"}})
     # on CPUs one adapter alone ships merged weights; an adapter per agent ships the adapters
     assert weight_sync.of_run(config({"adapters": ADAPTERS}, {"lora": {}})) == "adapter"
     assert weight_sync.of_run(config({}, {"lora": {}})) == "object_store"
+
+
+def test_adapters_served_from_a_directory_must_be_there(tmp_path):
+    """model.adapter: a checkpoint's adapter/ (peft's files at its root, or a directory per adapter)."""
+    with pytest.raises(FileNotFoundError, match="model.adapter=.*no LoRA adapter there"):
+        resolve_adapter(ModelConfig(adapter=str(tmp_path)))
+    (tmp_path / "plan").mkdir()
+    (tmp_path / "plan" / "adapter_config.json").write_text("{}")
+    assert resolve_adapter(ModelConfig(adapter=str(tmp_path))) == tmp_path.resolve()
+    assert resolve_adapter(ModelConfig()) is None
 
 
 # ---- the header naming a call's agent ---------------------------------------------------------------------------

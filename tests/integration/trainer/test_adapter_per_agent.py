@@ -1,8 +1,9 @@
 """An adapter per agent (algorithm.adapters) through the whole stack: the tiny model, the HF engine, rollout
-workers running an unmodified two-agent workflow (tests/agents/two_agents.py), Ray Train + DeepSpeed. Each agent's
-calls are served with its own adapter (chosen from the header the platform's propagator adds), recorded with it,
-and trained on it; the next iteration's calls are sampled from exactly what the learner computes for each; the
-checkpoint holds both adapters, apart, on the untouched base."""
+workers running a two-agent workflow (tests/agents/two_agents.py), Ray Train + DeepSpeed. Each agent's calls are
+served with its own adapter (chosen from the header the platform's propagator adds, or from the model name a call
+gives), recorded with it, and trained on it; the next iteration's calls are sampled from exactly what the learner
+computes for each; the checkpoint holds both adapters, apart, on the untouched base, and serves them again
+(model.adapter)."""
 
 from __future__ import annotations
 
@@ -10,25 +11,32 @@ import json
 import sqlite3
 
 import peft
+import pytest
 import torch
 from helpers import small
 from transformers import AutoModelForCausalLM
 
 from lightning_ray.algorithm.select import agent_of
 from lightning_ray.models.tiny import EASY
+from lightning_ray.services import Services
 from lightning_ray.tracing import semconv
 from lightning_ray.trainer import train
+from lightning_ray.trainer.update import probe
 from lightning_ray.types import Span
 
 
-def test_each_agent_is_served_and_trained_with_its_own_adapter(ray_cluster, tiny_model_path, serve_port, tmp_path):
-    history = train(small({
-        "run_dir": str(tmp_path), "model": {"path": str(tiny_model_path)}, "serve": {"port": serve_port},
+def config(run_dir, model: dict, serve_port: int):
+    return small({
+        "run_dir": str(run_dir), "model": model, "serve": {"port": serve_port},
         "task": {"agent": "tests.agents.two_agents:agent", "generator": EASY, "eval_size": 4},
         # PPO: its value head gives every transition a signal, so each iteration updates both adapters
         "algorithm": {"estimator": "ppo", "adapters": {"draft": ["drafter"], "solve": ["solver"]}},
         "trainer": {"iterations": 2, "eval_every": 0, "checkpoint_every": 2},
-        "learner": {"lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0}}}))
+        "learner": {"lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0}}})
+
+
+def test_each_agent_is_served_and_trained_with_its_own_adapter(ray_cluster, tiny_model_path, serve_port, tmp_path):
+    history = train(config(tmp_path, {"path": str(tiny_model_path)}, serve_port))
 
     db = sqlite3.connect(tmp_path / "traces-spans.sqlite")
     spans = [Span(span_id=r[0], parent_id=r[1], rollout_id=r[2], name=r[3], start_time=0, attributes=json.loads(r[4]),
@@ -37,8 +45,9 @@ def test_each_agent_is_served_and_trained_with_its_own_adapter(ray_cluster, tiny
                                  "WHERE rollout_id IS NOT NULL")]
     by_id = {s.span_id: s for s in spans}
     calls = [s for s in spans if s.name == semconv.LLM_CALL and s.origin == "server"]
+    # every call with its agent's adapter: the drafter's by the header, the solver's (no agent span) by its model name
     served = {(agent_of(c, by_id), c.attributes.get(semconv.ADAPTER)) for c in calls}
-    assert served == {("drafter", "draft"), ("solver", "solve")}  # every call with its agent's adapter
+    assert served == {("drafter", "draft"), (None, "solve")}
 
     for i, h in enumerate(history):
         assert h["updated"] and h["served_policy_version"] == h["policy_version"] == i + 1
@@ -60,3 +69,11 @@ def test_each_agent_is_served_and_trained_with_its_own_adapter(ray_cluster, tiny
         adapted[name] = {k.replace(f".{name}.", "."): p for k, p in model.named_parameters() if "lora_B" in k}
         assert any(p.abs().sum() > 0 for p in adapted[name].values())  # trained: B left zero
     assert any(not torch.equal(adapted["draft"][k], adapted["solve"][k]) for k in adapted["draft"])
+
+    # the checkpoint's adapters served again on the base (model.adapter: what jobs/eval.py takes) are the policy the
+    # run ended with: the probe (`policy/draft`) reads the same logprobs as after the last sync
+    cfg = config(tmp_path / "served", {"path": str(tiny_model_path), "adapter": str(checkpoint / "adapter")},
+                 serve_port)
+    with Services(cfg, rollout_workers=False) as services:
+        assert probe(services.server_url, cfg)["logprob_mean"] == pytest.approx(history[-1]["probe_logprob_after"],
+                                                                             abs=1e-5)
