@@ -48,7 +48,7 @@ def app(args: dict):
     [model.path=..., ...]}`): Serve runs it, so the cluster's Serve controller keeps it up. Its store shards and
     weight registry are detached actors (the builder's process ends once the app is built); calls are recorded in
     the run directory as with `serve`."""
-    from lightning_ray.models import resolve_model_path
+    from lightning_ray.models import resolve_adapter, resolve_model_path
     from lightning_ray.placement import ON_HEAD
     from lightning_ray.serving.app import policy_app
     from lightning_ray.store.client import StoreClient
@@ -56,8 +56,9 @@ def app(args: dict):
 
     cfg = compose(args.get("overrides", []))
     model_path = str(resolve_model_path(cfg.model))  # before the detached actors: a bad path leaves none behind
+    adapter = resolve_adapter(cfg.model)
     cfg.run_path.mkdir(parents=True, exist_ok=True)
     cfg.save(cfg.run_path / "config.yaml")
     store = StoreClient.start(cfg.run_path, cfg.store.num_shards, actor_options={**ON_HEAD, "lifetime": "detached"})
     registry = WeightRegistry.options(lifetime="detached").remote()
-    return policy_app(cfg, model_path, store, registry)
+    return policy_app(cfg, model_path, store, registry, adapter)
