@@ -62,10 +62,9 @@ def collect(run: Run, iteration: int, tasks: list[Task]) -> Batch:
             transitions, counts = adapt(done, found, cfg.model.name, alg.level, cfg.task.agent_rewards, run.select,
                                         imitation=alg.objective == "sft")
             if alg.adapters:  # the base's calls (of agents no adapter names) train nothing: it is frozen
-                served = [tr for tr in transitions if tr.adapter in alg.adapters]
-                counts["base_calls"] = sum(len(tr.call_tokens or [0]) for tr in transitions
-                                           if tr.adapter not in alg.adapters)
-                transitions = served
+                base = [tr for tr in transitions if tr.adapter not in alg.adapters]
+                counts["base_calls"] = sum(len(tr.call_tokens or [0]) for tr in base)
+                transitions = [tr for tr in transitions if tr.adapter in alg.adapters]
             # each adapter's calls under advantages of their own (algorithm.adapters; else one pool for all)
             transitions = [tr for pool in by_adapter(transitions).values() for tr in (
                 best_rollouts(pool, alg.sft_min_reward) if alg.objective == "sft" else
@@ -83,4 +82,3 @@ def collect(run: Run, iteration: int, tasks: list[Task]) -> Batch:
     batch.transitions, batch.sampling = sample_groups(tasks, cfg.rollout.tasks_per_iteration, sampling_rounds(run),
                                                       rollout_round, alg.estimator)
     return batch
-

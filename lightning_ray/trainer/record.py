@@ -4,11 +4,13 @@ two the same)."""
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from lightning_ray.algorithm.lightningrl import recorded_calls, scored_faithfully
+from lightning_ray.algorithm.select import by_adapter
 
 
 def described(description: str, optional: bool = False) -> Any:
@@ -103,7 +105,8 @@ class IterationRecord(BaseModel):
     probe_logprob_after: float | None = described("the same, after the sync", optional=True)
     adapters: dict[str, dict[str, float]] | None = described(
         "`algorithm.adapters`: per adapter, the `transitions` it trains on, those `with_signal` (a nonzero "
-        "advantage), the mean final `reward` of the rollouts they come from", optional=True)
+        "advantage; ppo's come from the critic, in the learner), the mean final `reward` of their rollouts",
+        optional=True)
     base_calls: int | None = described(
         "`algorithm.adapters`: the selected calls the base served (an agent no adapter names), left out",
         optional=True)
@@ -162,14 +165,9 @@ def iteration_record(iteration, rollouts, spans, transitions, adapted, sampling,
 
 
 def per_adapter(transitions) -> dict[str, dict[str, float]]:
-    out: dict[str, dict] = {}
-    for tr in transitions:
-        a = out.setdefault(tr.adapter, {"transitions": 0, "with_signal": 0, "rewards": {}})
-        a["transitions"] += 1
-        a["with_signal"] += tr.advantage != 0
-        a["rewards"][tr.rollout_id] = tr.reward
-    return {name: {"transitions": a["transitions"], "with_signal": a["with_signal"],
-                   "reward": sum(a["rewards"].values()) / len(a["rewards"])} for name, a in sorted(out.items())}
+    return {name: {"transitions": len(pool), "with_signal": sum(t.advantage != 0 for t in pool),
+                   "reward": statistics.mean({t.rollout_id: t.reward for t in pool}.values())}
+            for name, pool in sorted(by_adapter(transitions).items())}
 
 
 def line(record: dict) -> dict:
