@@ -42,6 +42,8 @@ def test_adapters_need_lora_and_an_adapter_sync():
     for name in ("default", "ra", "bad name"):
         with pytest.raises(ConfigError, match=r"algorithm.adapters\."):
             config({"adapters": {name: ["x"]}}, {"lora": {}})
+    with pytest.raises(ConfigError, match="learner.num_workers=1"):
+        config({"adapters": ADAPTERS}, {"lora": {}, "num_workers": 2})
     with pytest.raises(ConfigError, match="not a regex"):
         config({"adapters": {"plan": ["("]}}, {"lora": {}})
     with pytest.raises(ConfigError, match="model.adapter is LoRA's"):
