@@ -503,10 +503,6 @@ class TrainConfig(_Strict):
             if value and self.learner.lora.sync == "merged":
                 raise ValueError(f"{key} serves adapters on one base: learner.lora.sync=merged would publish one "
                                  "merged model; use adapter (or auto)")
-        if self.algorithm.adapters and self.learner.num_workers > 1:
-            # ranks running different adapters' micro-batches side by side would reduce different parameters (ZeRO-2
-            # and 3 reduce each gradient as backward makes it): not built yet
-            raise ValueError("algorithm.adapters trains on one learner rank for now: learner.num_workers=1")
         return self
 
     @model_validator(mode="after")

@@ -181,10 +181,8 @@ class Learner:
         were. The caller skips batches without any signal: an empty step would still move the weights (Adam's
         momentum) and bump the version for nothing."""
         plan = batch_plan(transitions, self.algorithm, self.max_tokens, self.token_budget, self.n)
-        # the adapters each mini-batch trains, over every rank's share (algorithm.adapters): the others do not move
-        trained = [sorted({t.adapter for rank in plan for mb in rank[m] for t, _ in mb}) for m in range(len(plan[0]))]
         replies = self._command([{"kind": "step", "version": self.version + 1, "mini_batches": mini_batches,
-                                  "adapters": trained} for mini_batches in plan])
+                                  "adapters": micro_batch_adapters(plan)} for mini_batches in plan])
         if replies[0]["updated"]:  # else every rank skipped the same steps
             self.version = replies[0]["version"]
         return replies
@@ -245,15 +243,25 @@ def batch_plan(transitions: list[Transition], alg: AlgorithmConfig, max_tokens: 
     n = min(alg.mini_batches, len(batch))
     plan: list[list[list[MicroBatch]]] = [[] for _ in range(ranks)]
     for mini in (batch[i::n] for i in range(n)):
-        # an adapter per agent: each micro-batch one adapter's, each adapter's loss normalized over its own tokens
-        pools = by_adapter(mini).values() if alg.adapters else [mini]
-        packed = [mb for pool in pools for mb in
-                  micro_batches(list(zip(pool, token_weights(pool, alg.loss_aggregation, max_tokens))), token_budget)]
+        # An adapter per agent: each micro-batch one adapter's, each adapter's loss normalized over its own tokens,
+        # and every rank's j-th micro-batch the same adapter's (ZeRO-2 and 3 reduce each gradient as backward makes
+        # it: the ranks must make the same ones), so each adapter's share is padded to a multiple of the ranks.
+        packed = []
+        for pool in (by_adapter(mini).values() if alg.adapters else [mini]):
+            mbs = micro_batches(list(zip(pool, token_weights(pool, alg.loss_aggregation, max_tokens))), token_budget)
+            packed += mbs + [[]] * (-len(mbs) % ranks if alg.adapters else 0)
         rounds = -(-len(packed) // ranks)
         for rank, mini_batches in enumerate(plan):
             mine = packed[rank::ranks]
             mini_batches.append(mine + [[]] * (rounds - len(mine)))
     return plan
+
+
+def micro_batch_adapters(plan: list[list[list[MicroBatch]]]) -> list[list[str | None]]:
+    """Per mini-batch, the adapter each micro-batch index runs with on every rank (batch_plan aligns them; a rank's
+    empty one runs with the others'): what an adapter per agent trains, the others not moving."""
+    return [[next((mb[0][0].adapter for rank in plan if (mb := rank[m][j])), None) for j in range(len(plan[0][m]))]
+            for m in range(len(plan[0]))]
 
 
 def micro_batches(weighted: MicroBatch, token_budget: int) -> list[MicroBatch]:

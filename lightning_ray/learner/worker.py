@@ -250,7 +250,7 @@ def whole_weights(engine):
 
 def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: AlgorithmConfig, world_size: int,
                reference: torch.nn.Module | None = None, max_logprob_gap: float | None = None,
-               adapters: list[list[str]] | None = None) -> dict:
+               adapters: list[list[str | None]] | None = None) -> dict:
     """This rank's share of a batch: one optimizer step per mini-batch, gradients accumulated over its
     micro-batches, and all of it algorithm.ppo_epochs times. Every rank gets the same number of mini-batches, and of
     micro-batches in each (some may be empty): ZeRO reduces gradients inside backward, and all ranks must join.
@@ -259,11 +259,14 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
     computed here before the first update: the ratio starts at 1, as PPO's first step does, and moves from the
     second step on, where the clip acts. Where the sampler differed after all (an older version, the engine's
     numerics), tis_cap reweighs each token. max_logprob_gap (learner's, on the first batch): fail before any update
-    if the learner's logprobs are further than that from the server's. adapters (algorithm.adapters): those each
-    mini-batch trains; each micro-batch runs with its calls' adapter (`score`; learner/driver.py packs them apart), an
-    adapter with no call in a step keeps its weights (its group's learning rate 0 for the step: Adam would move it
-    by its momentum; its moments still decay, as under a zero gradient)."""
+    if the learner's logprobs are further than that from the server's. adapters (algorithm.adapters): per mini-batch,
+    the adapter each micro-batch runs with (`score`; the same on every rank: learner/driver.py micro_batch_adapters);
+    an adapter with no call in a step keeps its weights (its group's learning rate 0 for the step: Adam would move
+    it by its momentum; its moments still decay, as under a zero gradient)."""
     steps = [[to_device(collate(mb, pad_id), engine.device) for mb in mini] for mini in mini_batches]
+    for m, mini in enumerate(steps if adapters else []):
+        for batch, adapter in zip(mini, adapters[m]):
+            batch["adapter"] = adapter
     batches = [b for mini in steps for b in mini]
     tokens = sum(len(b["served_logprobs"]) for b in batches)
     # summed on the device and read once at the end: a .item() per micro-batch would make the CPU wait for the GPU
@@ -321,7 +324,7 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
                     check_logprob_gap(gap, max_logprob_gap, world_size)
             stepped = time.perf_counter()
             if adapters:
-                trained_only(engine, list(alg.adapters), adapters[m])
+                trained_only(engine, list(alg.adapters), set(adapters[m]))
             norms.append(optimizer_step(engine, world_size))
             optimizer_s += time.perf_counter() - stepped
     skipped = sum(not applied for _, applied in norms)
@@ -336,7 +339,7 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
             "logprob_abs_diff": totals["logprob_abs_diff"] / per_token, "tis_capped": totals["tis_capped"] / per_token}
 
 
-def trained_only(engine, names: list[str], trained: list[str]) -> None:
+def trained_only(engine, names: list[str], trained: set[str]) -> None:
     """The next step moves only the adapters in `trained`: the parameter groups follow `names` (the value head's,
     if any, after them), and the others' learning rate is 0 for it."""
     for group, name in zip(engine.optimizer.param_groups, names):

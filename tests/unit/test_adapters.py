@@ -17,7 +17,7 @@ from lightning_ray import weight_sync
 from lightning_ray.algorithm.lightningrl import merge_calls
 from lightning_ray.config import AlgorithmConfig, ConfigError, LearnerConfig, LoraConfig, ModelConfig
 from lightning_ray.learner import lora
-from lightning_ray.learner.driver import batch_plan
+from lightning_ray.learner.driver import batch_plan, micro_batch_adapters
 from lightning_ray.learner.worker import deepspeed_engine, parameter_groups, train_step
 from lightning_ray.models import resolve_adapter
 from lightning_ray.serving.adapters import AdapterRoutes
@@ -42,8 +42,6 @@ def test_adapters_need_lora_and_an_adapter_sync():
     for name in ("default", "ra", "bad name"):
         with pytest.raises(ConfigError, match=r"algorithm.adapters\."):
             config({"adapters": {name: ["x"]}}, {"lora": {}})
-    with pytest.raises(ConfigError, match="learner.num_workers=1"):
-        config({"adapters": ADAPTERS}, {"lora": {}, "num_workers": 2})
     with pytest.raises(ConfigError, match="not a regex"):
         config({"adapters": {"plan": ["("]}}, {"lora": {}})
     with pytest.raises(ConfigError, match="model.adapter is LoRA's"):
@@ -126,8 +124,23 @@ def engine_for(model, names):
 def step(engine, transitions, adapters: dict | None):
     alg = AlgorithmConfig(adapters=adapters)
     plan = batch_plan(transitions, alg, max_tokens=12, token_budget=256, ranks=1)
-    trained = [sorted({t.adapter for mb in mini for t, _ in mb}) for mini in plan[0]]
-    return train_step(engine, plan[0], 0, alg, 1, adapters=trained if adapters else None)
+    return train_step(engine, plan[0], 0, alg, 1, adapters=micro_batch_adapters(plan) if adapters else None)
+
+
+def test_every_ranks_micro_batch_runs_the_same_adapter_side_by_side():
+    """ZeRO-2 and 3 reduce each gradient as backward makes it: at each micro-batch index every rank must run the same
+    adapter (an empty micro-batch too), or they would reduce different parameters."""
+    calls = [t.model_copy(update={"adapter": "xyy"[i % 3]}) for i, t in enumerate(batch_of(15, seed=2))]
+    alg = AlgorithmConfig(adapters={"x": ["x"], "y": ["y"]}, mini_batches=2)
+    plan = batch_plan(calls, alg, max_tokens=12, token_budget=64, ranks=3)
+    adapters = micro_batch_adapters(plan)
+    for m, names in enumerate(adapters):
+        assert set(names) == {"x", "y"} and all(len(rank[m]) == len(names) for rank in plan)
+        for j, name in enumerate(names):
+            assert all(t.adapter == name for rank in plan for t, _ in rank[m][j])
+            assert any(rank[m][j] for rank in plan)  # no index where every rank idles
+    assert sorted(t.span_id for rank in plan for mini in rank for mb in mini for t, _ in mb) == \
+        sorted(t.span_id for t in calls)
 
 
 def own(model, name: str) -> dict[str, torch.Tensor]:

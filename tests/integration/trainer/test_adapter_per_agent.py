@@ -1,9 +1,9 @@
 """An adapter per agent (algorithm.adapters) through the whole stack: the tiny model, the HF engine, rollout
-workers running a two-agent workflow (tests/agents/two_agents.py), Ray Train + DeepSpeed. Each agent's calls are
-served with its own adapter (chosen from the header the platform's propagator adds, or from the model name a call
-gives), recorded with it, and trained on it; the next iteration's calls are sampled from exactly what the learner
-computes for each; the checkpoint holds both adapters, apart, on the untouched base, and serves them again
-(model.adapter)."""
+workers running a two-agent workflow (tests/agents/two_agents.py), Ray Train + DeepSpeed (two ZeRO-2 ranks). Each
+agent's calls are served with its own adapter (chosen from the header the platform's propagator adds, or from the
+model name a call gives), recorded with it, and trained on it; the next iteration's calls are sampled from exactly
+what the learner computes for each (ranks running different adapters side by side would miss it: 3.5e-4); the
+checkpoint holds both adapters, apart, on the untouched base, and serves them again (model.adapter)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,10 @@ def config(run_dir, model: dict, serve_port: int):
         # PPO: its value head gives every transition a signal, so each iteration updates both adapters
         "algorithm": {"estimator": "ppo", "adapters": {"draft": ["drafter"], "solve": ["solver"]}},
         "trainer": {"iterations": 2, "eval_every": 0, "checkpoint_every": 2},
-        "learner": {"lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0}}})
+        # two ZeRO-2 ranks with small micro-batches: at each micro-batch every rank runs the same adapter (ZeRO-2
+        # reduces each gradient as backward makes it)
+        "learner": {"lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0}, "num_workers": 2, "threads_per_worker": 1,
+                    "zero_stage": 2, "micro_batch_tokens": 256}})
 
 
 def test_each_agent_is_served_and_trained_with_its_own_adapter(ray_cluster, tiny_model_path, serve_port, tmp_path):
@@ -52,6 +55,7 @@ def test_each_agent_is_served_and_trained_with_its_own_adapter(ray_cluster, tiny
     for i, h in enumerate(history):
         assert h["updated"] and h["served_policy_version"] == h["policy_version"] == i + 1
         assert h["base_calls"] == 0 and set(h["adapters"]) == {"draft", "solve"}
+        assert h["micro_batches"] > 4 and len(set(h["worker_digests"])) == 1  # the ranks stepped alike
         assert all(a["transitions"] > 0 for a in h["adapters"].values())
     # iteration 1's calls were sampled by each agent's updated adapter and scored by the learner with the same one:
     # an engine serving one agent's calls with the other's adapter, or with the base, would be off by an update
