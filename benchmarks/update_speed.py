@@ -2,6 +2,7 @@
 for) vs a bare single-process PyTorch step of the same loss on the same hardware, side by side in one run.
 
     python benchmarks/update_speed.py [--layouts 1x2 2x1] [--transitions 128] [--steps 2] [--micro-batch-tokens 2048]
+        [--lora]   # and each layout with LoRA (learner.lora={}), its update's speed against full's
     python benchmarks/update_speed.py --model qwen2.5-0.5b --prompt-tokens 768 --response-tokens 256 \
         --transitions 64 --micro-batch-tokens 8192 --layouts 1x4 --steps 3                      # on a GPU
 
@@ -103,10 +104,10 @@ def bare_steps(model_path, batch, steps: int, token_budget: int, threads: int) -
 
 
 def learner_steps(model_path, batch, steps: int, token_budget: int, workers: int, threads: int,
-                  stage: str | int) -> tuple[list[float], dict]:
+                  stage: str | int, lora: bool = False) -> tuple[list[float], dict]:
     """Step times, and rank 0's split of the last step (compute, optimizer, publish, digest) in seconds, with the
-    ZeRO stage it ran."""
-    cfg = validate({"run_dir": tempfile.mkdtemp(), "learner": {
+    ZeRO stage it ran. lora: LoRA adapters on the frozen base (learner.lora's defaults)."""
+    cfg = validate({"run_dir": tempfile.mkdtemp(), "learner": {"lora": {} if lora else None,
         "num_workers": workers, "threads_per_worker": threads, "micro_batch_tokens": token_budget, "lr": 1e-6,
         "zero_stage": stage, "resources_per_worker": {"CPU": 1, "GPU": 1} if torch.cuda.is_available() else {"CPU": 1},
         # on a GPU, publish as placement=colocated does (CUDA IPC handles); on CPUs through the object store
@@ -161,6 +162,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2", choices=["smollm2", "tiny", *QWEN_SHAPES])
     parser.add_argument("--prompt-tokens", type=int, default=256, help="synthetic batch (all but smollm2)")
     parser.add_argument("--response-tokens", type=int, default=64)
+    parser.add_argument("--lora", action="store_true", help="each layout also with LoRA (learner.lora={})")
     args = parser.parse_args()
     if args.model == "smollm2":
         model_path = resolve_model_path(ModelConfig(path=SMOLLM2))
@@ -184,13 +186,20 @@ def main() -> None:
     for layout in args.layouts:
         workers, threads = map(int, layout.split("x"))
         stage = args.zero_stage if args.zero_stage == "auto" else int(args.zero_stage)
-        ours, split = learner_steps(model_path, batch, args.steps, args.micro_batch_tokens, workers, threads, stage)
-        ours_s = sum(ours[1:]) / max(len(ours) - 1, 1)
-        update_s = split["compute_s"] + split["optimizer_s"]  # the step without publishing the weights
-        print(json.dumps({"side": "learner", "model": args.model, "device": DEVICE, "layout": layout,
-                          "seconds": ours, "step_s": round(ours_s, 2), "speed_vs_bare": round(bare_s / ours_s, 3),
-                          "update_tokens_per_s": round(tokens / update_s),
-                          "update_speed_vs_bare": round(bare_s / update_s, 3), **split, **work}), flush=True)
+        full_update_s = None
+        for lora in (False, True) if args.lora else (False,):
+            ours, split = learner_steps(model_path, batch, args.steps, args.micro_batch_tokens, workers, threads,
+                                        stage, lora)
+            ours_s = sum(ours[1:]) / max(len(ours) - 1, 1)
+            update_s = split["compute_s"] + split["optimizer_s"]  # the step without publishing the weights
+            full_update_s = full_update_s or update_s
+            print(json.dumps({"side": "learner_lora" if lora else "learner", "model": args.model, "device": DEVICE,
+                              "layout": layout, "seconds": ours, "step_s": round(ours_s, 2),
+                              "speed_vs_bare": round(bare_s / ours_s, 3),
+                              "update_tokens_per_s": round(tokens / update_s),
+                              "update_speed_vs_bare": round(bare_s / update_s, 3),
+                              **({"update_speed_vs_full": round(full_update_s / update_s, 3)} if lora else {}),
+                              **split, **work}), flush=True)
 
 
 if __name__ == "__main__":
