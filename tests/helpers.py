@@ -130,6 +130,27 @@ def small(raw: dict, schema: type[TrainConfig] = TrainConfig) -> TrainConfig:
     return validate(merged(SMALL, raw), schema)
 
 
+def served_adapters(run_dir: Path) -> set[tuple[str | None, str | None]]:
+    """(agent, adapter) of every call a run's policy server recorded (algorithm.adapters): who asked, and which
+    adapter answered."""
+    import sqlite3
+
+    from lightning_ray.algorithm.select import agent_of
+    from lightning_ray.types import Span
+
+    db = sqlite3.connect(Path(run_dir) / "traces-spans.sqlite")
+    try:
+        spans = [Span(span_id=r[0], parent_id=r[1], rollout_id=r[2], name=r[3], start_time=0,
+                      attributes=json.loads(r[4]), origin=r[5])
+                 for r in db.execute("SELECT span_id, parent_id, rollout_id, name, attributes, origin FROM spans "
+                                     "WHERE rollout_id IS NOT NULL")]
+    finally:
+        db.close()
+    by_id = {s.span_id: s for s in spans}
+    return {(agent_of(s, by_id), s.attributes.get(semconv.ADAPTER)) for s in spans
+            if s.name == semconv.LLM_CALL and s.origin == "server"}
+
+
 def publish(registry, state: dict, version: int, timeout_s: float = 60.0) -> None:
     """Publish a state dict as the trainer does (through the object store) and wait until every replica has it."""
     import ray

@@ -7,22 +7,16 @@ checkpoint holds both adapters, apart, on the untouched base, and serves them ag
 
 from __future__ import annotations
 
-import json
-import sqlite3
-
 import peft
 import pytest
 import torch
-from helpers import small
+from helpers import served_adapters, small
 from transformers import AutoModelForCausalLM
 
-from lightning_ray.algorithm.select import agent_of
 from lightning_ray.models.tiny import EASY
 from lightning_ray.services import Services
-from lightning_ray.tracing import semconv
 from lightning_ray.trainer import train
 from lightning_ray.trainer.update import probe
-from lightning_ray.types import Span
 
 
 def config(run_dir, model: dict, serve_port: int):
@@ -41,16 +35,8 @@ def config(run_dir, model: dict, serve_port: int):
 def test_each_agent_is_served_and_trained_with_its_own_adapter(ray_cluster, tiny_model_path, serve_port, tmp_path):
     history = train(config(tmp_path, {"path": str(tiny_model_path)}, serve_port))
 
-    db = sqlite3.connect(tmp_path / "traces-spans.sqlite")
-    spans = [Span(span_id=r[0], parent_id=r[1], rollout_id=r[2], name=r[3], start_time=0, attributes=json.loads(r[4]),
-                  origin=r[5])
-             for r in db.execute("SELECT span_id, parent_id, rollout_id, name, attributes, origin FROM spans "
-                                 "WHERE rollout_id IS NOT NULL")]
-    by_id = {s.span_id: s for s in spans}
-    calls = [s for s in spans if s.name == semconv.LLM_CALL and s.origin == "server"]
     # every call with its agent's adapter: the drafter's by the header, the solver's (no agent span) by its model name
-    served = {(agent_of(c, by_id), c.attributes.get(semconv.ADAPTER)) for c in calls}
-    assert served == {("drafter", "draft"), (None, "solve")}
+    assert served_adapters(tmp_path) == {("drafter", "draft"), (None, "solve")}
 
     for i, h in enumerate(history):
         assert h["updated"] and h["served_policy_version"] == h["policy_version"] == i + 1
