@@ -37,7 +37,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2C
 from lightning_ray.algorithm.loss import policy_loss, token_weights
 from lightning_ray.config import ModelConfig, validate
 from lightning_ray.learner.driver import Learner, micro_batches, zero_stage
-from lightning_ray.learner.worker import collate, score, to_device
+from lightning_ray.learner.scoring import collate, score, to_device
 from lightning_ray.models import SMOLLM2, resolve_model_path
 from lightning_ray.tasks import calc
 from lightning_ray.types import Transition

@@ -25,7 +25,8 @@ from lightning_ray.algorithm.loss import token_weights
 from lightning_ray.algorithm.select import by_adapter
 from lightning_ray.config import AlgorithmConfig, LearnerConfig, TrainConfig
 from lightning_ray.learner.checkpoint import Checkpoint
-from lightning_ray.learner.worker import MicroBatch, train_loop_per_worker
+from lightning_ray.learner.scoring import MicroBatch
+from lightning_ray.learner.worker import train_loop_per_worker
 from lightning_ray.metrics import count_error
 from lightning_ray.placement import ON_HEAD
 from lightning_ray.types import Transition

@@ -16,7 +16,9 @@ from lightning_ray.algorithm.lightningrl import merge_calls
 from lightning_ray.algorithm.loss import policy_loss, token_weights
 from lightning_ray.config import AlgorithmConfig, LearnerConfig
 from lightning_ray.learner.driver import batch_plan, micro_batches
-from lightning_ray.learner.worker import collate, deepspeed_engine, parameter_digest, score, train_step
+from lightning_ray.learner.digest import parameter_digest
+from lightning_ray.learner.scoring import collate, score
+from lightning_ray.learner.worker import deepspeed_engine, train_step
 from lightning_ray.types import Transition
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

@@ -11,7 +11,8 @@ from lightning_ray.algorithm.advantages import compute_advantages, has_signal
 from lightning_ray.algorithm.loss import policy_loss, truncated_is_weights
 from lightning_ray.algorithm.ppo import gae, token_rewards, value_loss, whiten
 from lightning_ray.config import AlgorithmConfig
-from lightning_ray.learner.worker import WithValueHead, collate, critic_advantages, policy_of, score
+from lightning_ray.learner.scoring import WithValueHead, collate, policy_of, score
+from lightning_ray.learner.worker import critic_advantages
 from lightning_ray.types import Transition
 
 PPO = AlgorithmConfig(estimator="ppo", gae_lambda=1.0)

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_ray.algorithm.advantages import best_rollouts
 from lightning_ray.algorithm.loss import policy_loss, token_weights
 from lightning_ray.config import ConfigError, validate
-from lightning_ray.learner.worker import collate, score
+from lightning_ray.learner.scoring import collate, score
 from lightning_ray.types import Transition
 
 

@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM
 
 from lightning_ray.learner.checkpoint import LoopState, commit, staging
 from lightning_ray.learner.driver import Learner
-from lightning_ray.learner.worker import clear_stale_build_locks, parameter_digest
+from lightning_ray.learner.digest import parameter_digest
+from lightning_ray.learner.worker import clear_stale_build_locks
 from lightning_ray.types import Transition
 from lightning_ray.weight_sync.registry import WeightRegistry
 

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_ray.learner import lora
-from lightning_ray.learner.worker import parameter_digest
+from lightning_ray.learner.digest import parameter_digest
 from lightning_ray.models.tiny import EASY
 from lightning_ray.trainer import train
 

@@ -14,7 +14,7 @@ from helpers import served_adapters
 from transformers import AutoModelForCausalLM
 
 from lightning_ray.config import compose
-from lightning_ray.learner.worker import parameter_digest
+from lightning_ray.learner.digest import parameter_digest
 from lightning_ray.trainer import train
 from lightning_ray.weight_sync import of_run as weight_sync
 

@@ -13,7 +13,7 @@ from helpers import small
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_ray.learner.worker import parameter_digest
+from lightning_ray.learner.digest import parameter_digest
 from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.trainer import train
 

@@ -1,0 +1,107 @@
+"""A micro-batch as the learner's tensors (`collate`), and what the policy makes of it (`score`): each action token's
+logprob, entropy and, for PPO, the value head's estimate (`WithValueHead`)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from lightning_ray.learner import lora
+from lightning_ray.types import Transition
+
+# transitions with the weights of their action tokens in the loss (one for all, or one each: loss.token_weights)
+MicroBatch = list[tuple[Transition, float | np.ndarray]]
+
+
+class WithValueHead(torch.nn.Module):
+    """PPO's actor and critic as one module, so one DeepSpeed engine and optimizer step both: the policy, and a
+    linear value head on its last hidden state (sharing the policy's trunk). Only the policy is published."""
+
+    def __init__(self, policy: torch.nn.Module):
+        super().__init__()
+        self.policy = policy
+        self.value_head = torch.nn.Linear(policy.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)  # V = 0 at first: the first advantages are the rewards' own
+        torch.nn.init.zeros_(self.value_head.bias)
+
+
+def policy_of(module: torch.nn.Module) -> torch.nn.Module:
+    return module.policy if isinstance(module, WithValueHead) else module
+
+
+class Scores(NamedTuple):
+    logprobs: torch.Tensor  # under each call's sampling temperature (with gradient)
+    untempered: torch.Tensor  # to compare with the engine's
+    entropy: torch.Tensor  # of each position's sampling distribution
+    values: torch.Tensor | None  # the value head's estimate at each position (a critic's module only)
+
+
+def score(module: torch.nn.Module, batch: dict[str, torch.Tensor], entropy_grad: bool = False) -> Scores:
+    """Per response token, flat in row order: its logprob under the call's sampling temperature (with gradient)
+    and untempered; the entropy of the position's sampling distribution (with gradient for an entropy bonus); a
+    critic's value estimate. Only the positions that predict a response token go through the LM head, so the
+    [rows, width, vocabulary] logits of the whole micro-batch never exist; they do go through the model's own
+    forward after the decoder, whatever it does to the logits (Gemma-2's soft-capping, Granite's scaling, ...)."""
+    model = policy_of(module)
+    if batch.get("adapter") is not None and lora.is_adapted(model):  # the calls' adapter (an empty batch: any)
+        lora.use_adapter(model, batch["adapter"])
+    predicts = batch["mask"].bool()
+    kept = {}
+
+    def actions_only(decoder, inputs, out):
+        kept["states"] = out.last_hidden_state[:, :-1][predicts]  # [response tokens, hidden]: each action's context
+        out.last_hidden_state = kept["states"][None]  # the head's input: one row of just those
+        return out
+
+    hook = model.get_decoder().register_forward_hook(actions_only)
+    try:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    finally:
+        hook.remove()
+    states, logits = kept["states"], out.logits[0].float()  # [response tokens, vocabulary]
+    targets = batch["input_ids"][:, 1:][predicts]
+    temperature = batch["temperature"][:, None].expand_as(predicts)[predicts]
+    picked = logits.gather(-1, targets[:, None]).squeeze(-1)
+    tempered = picked / temperature - torch.logsumexp(logits / temperature[:, None], -1)
+    with torch.no_grad():
+        untempered = picked - torch.logsumexp(logits, -1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        log_p = torch.log_softmax(logits / temperature[:, None], -1)
+        entropy = -(log_p.exp() * log_p).sum(-1)
+    values = module.value_head(states).squeeze(-1).float() if isinstance(module, WithValueHead) else None
+    return Scores(tempered, untempered, entropy, values)
+
+
+def collate(micro_batch: MicroBatch, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+response rows. Position i of `mask` predicts token i+1, and is 1 where that token is
+    the policy's action; the flat per-token tensors (advantages, weights, served_logprobs) follow the actions in row
+    order, as `score` returns them; `row_tokens` and `sample_returns` give each row's share and return."""
+    rows = micro_batch or []
+    width = max([len(t.prompt_ids) + len(t.response_ids) for t, _ in rows] + [2])
+    n = max(len(rows), 1)  # an empty micro-batch is one row of padding: no tokens, zero loss, still a backward
+    input_ids = np.full((n, width), pad_id, np.int64)
+    attention_mask = np.zeros((n, width), np.int64)
+    mask = np.zeros((n, width - 1), np.float32)
+    for i, (t, _) in enumerate(rows):  # the transitions' arrays, copied straight into the batch
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        input_ids[i, :p], input_ids[i, p : p + r] = t.prompt_ids, t.response_ids
+        attention_mask[i, : p + r] = 1
+        mask[i, p - 1 : p - 1 + r] = t.action_mask  # tool results: context only
+    tokens = [t.action_tokens for t, _ in rows]
+
+    def per_action(values: list[float]) -> torch.Tensor:
+        return torch.from_numpy(np.repeat(np.array(values, np.float32), tokens))
+
+    served = np.concatenate([np.zeros(0), *(t.logprobs[t.action_mask == 1] for t, _ in rows)], dtype=np.float32)
+    weights = np.concatenate([np.zeros(0), *(np.broadcast_to(w, t.action_tokens) for t, w in rows)], dtype=np.float32)
+    return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention_mask),
+            "mask": torch.from_numpy(mask), "temperature": torch.tensor([t.temperature for t, _ in rows] or [1.0]),
+            "advantages": per_action([t.advantage for t, _ in rows]), "weights": torch.from_numpy(weights),
+            "served_logprobs": torch.from_numpy(served), "row_tokens": tokens,
+            "sample_returns": [t.returns for t, _ in rows], "adapter": rows[0][0].adapter if rows else None}
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
