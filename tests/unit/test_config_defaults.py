@@ -1,5 +1,5 @@
-"""One source of defaults: the schema in lightning_ray/config.py holds every default, Hydra composes configs/ onto
-them (`code_defaults`), and no YAML file repeats one, so what a run uses is the code's default or a difference some
+"""One source of defaults: the schema (lightning_ray/config/schema.py) holds every default, Hydra composes configs/
+onto them (`code_defaults`), and no YAML file repeats one, so what a run uses is the code's default or a difference some
 file states."""
 
 from __future__ import annotations
