@@ -51,3 +51,20 @@ def test_every_field_the_trainer_writes_has_a_row(results):
 def test_a_field_without_a_row_is_refused():
     with pytest.raises(ValidationError, match="new_metric"):
         line({**made([]), "new_metric": 1})
+
+
+def test_per_adapter_counts_and_rollout_rewards():
+    """algorithm.adapters: each adapter's transitions, those with a signal, and the mean reward of the rollouts they
+    come from, each rollout once however many of its calls the adapter served."""
+    rollouts = [Rollout(rollout_id=f"r{i}", task=Task(task_id="t", input={}), status="succeeded", reward=float(i))
+                for i in range(2)]
+    served = [("r0", "draft", 0.5), ("r0", "draft", 0.5), ("r1", "draft", 0.0), ("r1", "solve", -1.0)]
+    transitions = [Transition(rollout_id=rid, group_id="g", span_id=f"s{i}", prompt_ids=[1], response_ids=[2],
+                              logprobs=[-1.0], reward=float(rid[1]), advantage=adv, policy_version=3, adapter=adapter)
+                   for i, (rid, adapter, adv) in enumerate(served)]
+    record = iteration_record(0, rollouts, [], transitions, Counter({**ADAPTED, "base_calls": 2}), SAMPLING, 4, [],
+                              {"rollout": 1.5})
+    assert record["adapters"] == {"draft": {"transitions": 3, "with_signal": 2, "reward": 0.5},
+                                        "solve": {"transitions": 1, "with_signal": 1, "reward": 1.0}}
+    assert record["base_calls"] == 2
+    assert "adapters" not in made([])  # one policy: no per-adapter split
