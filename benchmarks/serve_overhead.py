@@ -10,7 +10,8 @@ token counts, in one run.
 VLLM_CPU_NUM_OF_RESERVED_CPU=0), for the direct engine and the Serve replica alike (set before Ray starts, so the
 replica inherits it). Prints one JSON line per concurrency, with the endpoint/direct ratio and each side's CPU
 milliseconds per request (the endpoint's by process it crosses: Serve's proxy, the replica with its engine core, the
-trace store's actor; the in-process side's: this process with its engine core).
+trace store's actor, and the client in this process; the in-process side's: this process with its engine core), and
+the cores each side kept busy on average.
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ def cpu_seconds() -> dict[str, float]:
 
     used = {role: sum(tree(pid) for pid, (_, _, title) in procs.items() if title.startswith("ray::") and key in title)
             for role, key in ROLES.items()}
-    used["direct"] = procs[os.getpid()][1] + sum(tree(c) for c in children.get(os.getpid(), [])
-                                                 if "EngineCore" in procs[c][2])
+    used["client"] = procs[os.getpid()][1]  # this process alone: the endpoint's client (its engine core idles then)
+    used["direct"] = used["client"] + sum(tree(c) for c in children.get(os.getpid(), []) if "EngineCore" in procs[c][2])
     return used
 
 
@@ -126,7 +127,7 @@ async def measure(args, engine, url: str) -> None:
         end = cpu_seconds()
         # CPU per request: the in-process engine's (this process, whose client side is the same asyncio loop the
         # endpoint's client uses, and its engine core), and the endpoint's by process it crosses
-        endpoint_ms = per_request_ms(mid, end, args.requests, ROLES)
+        endpoint_ms = per_request_ms(mid, end, args.requests, [*ROLES, "client"])
         print(json.dumps({
             "benchmark": "serve_overhead", "engine": args.engine, "model": args.model,
             "vllm_all_cores": args.vllm_all_cores, "direct_ingress": args.direct_ingress, "concurrency": c,
@@ -137,6 +138,9 @@ async def measure(args, engine, url: str) -> None:
             "endpoint_vs_direct": round((e_tok / e_s) / (d_tok / d_s), 3),
             "direct_cpu_ms_per_request": per_request_ms(start, mid, args.requests, ["direct"])["direct"],
             "endpoint_cpu_ms_per_request": {**endpoint_ms, "total": round(sum(endpoint_ms.values()), 2)},
+            # cores kept busy on average (CPU seconds / wall seconds): at the machine's count, the side is CPU-bound
+            "direct_cores_busy": round((mid["direct"] - start["direct"]) / d_s, 2),
+            "endpoint_cores_busy": round(sum(end[k] - mid[k] for k in [*ROLES, "client"]) / e_s, 2),
         }), flush=True)
 
 

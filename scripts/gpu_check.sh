@@ -5,7 +5,9 @@
 # Qwen2.5 shapes, then asynchronous vs synchronous training of the tiny model with learner and engine sharing the
 # GPU. Logs and JSON lines go to OUT.
 #   scripts/gpu_check.sh [OUT]   (default gpu-check/; PYTHON=... picks the interpreter; NO_BENCH=1: tests only;
-#                                 DEADLINE=<epoch seconds>: each step is cut off there, for a node lent for a while)
+#                                 DEADLINE=<epoch seconds>: each step is cut off there, for a node lent for a while;
+#                                 STEPS="tests async ...": only those of tests, update-0.5b, update-1.5b, weight-sync,
+#                                 async, in that order, for a node lent for less than all of them)
 set -uo pipefail
 py=${PYTHON:-python3}
 out=$(mkdir -p "${1:-gpu-check}" && cd "${1:-gpu-check}" && pwd)
@@ -13,9 +15,11 @@ cd "$(dirname "$0")/.."  # the repository: tests/, benchmarks/
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 start=$(date +%s)
 deadline=${DEADLINE:-$(( start + 86400 ))}
+[ -n "${NO_BENCH:-}" ] && STEPS=tests
 lap() { echo "== $1: rc=$2, $(( $(date +%s) - start )) s in all" | tee -a "$out/summary.txt"; }
-step() {  # step NAME LOG COMMAND...: runs it until the deadline, its JSON lines into results.jsonl
+step() {  # step NAME LOG COMMAND...: runs it (if STEPS names it) until the deadline, its JSON lines into results.jsonl
     local name=$1 log=$2 left=$(( deadline - $(date +%s) )); shift 2
+    [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $name "* ]] || return 0
     if (( left <= 10 )); then lap "$name (skipped: past the deadline)" -; return; fi
     timeout "$left" "$@" > "$out/$log" 2>&1
     local rc=$?; lap "$name" $rc
@@ -23,19 +27,18 @@ step() {  # step NAME LOG COMMAND...: runs it until the deadline, its JSON lines
 }
 nvidia-smi -L | tee "$out/summary.txt" || { echo "no NVIDIA GPU answers here" >&2; exit 1; }
 
-step "gpu tests" pytest.log $py -m pytest -m gpu -rP -p no:cacheprovider tests/integration/trainer/test_gpu.py \
+step tests pytest.log $py -m pytest -m gpu -rP -p no:cacheprovider tests/integration/trainer/test_gpu.py \
     tests/integration/weight_sync/test_weight_transports.py
-tail -1 "$out/pytest.log" | tee -a "$out/summary.txt"
-[ -n "${NO_BENCH:-}" ] && exit 0
+[ -f "$out/pytest.log" ] && tail -1 "$out/pytest.log" | tee -a "$out/summary.txt"
 for model in qwen2.5-0.5b qwen2.5-1.5b; do  # 64 x 1,024 tokens, as the GPU node's bare-PyTorch anchors
     # on the 0.5B, LoRA's update on the same batch too (against full fine-tuning's: 1.30x on 2 CPU cores)
-    step "update $model" "update-$model.log" $py benchmarks/update_speed.py --model $model --prompt-tokens 768 \
+    step "update-${model#qwen2.5-}" "update-$model.log" $py benchmarks/update_speed.py --model $model --prompt-tokens 768 \
         --response-tokens 256 --transitions 64 --micro-batch-tokens 8192 --layouts 1x4 --steps 3 \
         $([ $model = qwen2.5-0.5b ] && echo --lora)
 done
-step "weight sync" weight-sync.log $py benchmarks/weight_sync.py --models 0.5b 1.5b --transports cuda_ipc
+step weight-sync weight-sync.log $py benchmarks/weight_sync.py --models 0.5b 1.5b --transports cuda_ipc
 # one GPU, the engine awake while the learner trains (no sleeping: that is what lets rollouts overlap the update)
-step "async vs sync" async.log $py benchmarks/async_training.py --runs=sync,async experiment=calc_tiny \
+step async async.log $py benchmarks/async_training.py --runs=sync,async experiment=calc_tiny \
     placement=colocated engine.sleep_while_training=false rollout.tasks_per_iteration=16 \
     rollout.agents_per_worker=16 trainer.iterations=4 trainer.eval_every=4 task.eval_size=32
 cat "$out/results.jsonl"
