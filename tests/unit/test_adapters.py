@@ -115,9 +115,9 @@ def adapted(names: list[str]) -> torch.nn.Module:
     return model
 
 
-def engine_for(model, names):
+def engine_for(model, names, stage: int = 0):
     # no clipping: the gradient norm is clipped over every adapter together
-    t = LearnerConfig(zero_stage=0, lr=1e-2, weight_decay=0.0, grad_clip=1e9, dtype="float32")
+    t = LearnerConfig(zero_stage=stage, lr=1e-2, weight_decay=0.0, grad_clip=1e9, dtype="float32")
     return deepspeed_engine(model, parameter_groups(model, names), t, on_cuda=False)
 
 
@@ -144,20 +144,25 @@ def test_every_ranks_micro_batch_runs_the_same_adapter_side_by_side():
 
 
 def own(model, name: str) -> dict[str, torch.Tensor]:
-    return {k.replace(f".{name}.", "."): p.detach().clone() for k, p in model.named_parameters()
-            if f".{name}." in k and ".lora_" in k}
+    """An adapter's weights, whole (ZeRO-3 keeps each parameter partitioned: gathered for the read)."""
+    import deepspeed
+
+    params = [(k, p) for k, p in model.named_parameters() if f".{name}." in k and ".lora_" in k]
+    with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=hasattr(params[0][1], "ds_id")):
+        return {k.replace(f".{name}.", "."): p.detach().clone() for k, p in params}
 
 
-def test_each_adapter_trains_on_its_own_calls_as_if_alone_and_one_without_calls_stays(one_rank):
+@pytest.mark.parametrize("stage", [0, 3])
+def test_each_adapter_trains_on_its_own_calls_as_if_alone_and_one_without_calls_stays(one_rank, stage):
     adapters = {"x": ["x"], "y": ["y"]}
     calls = [t.model_copy(update={"adapter": "xy"[i % 2]}) for i, t in enumerate(batch_of(8, seed=3))]
     model = adapted(["x", "y"])
     alone = {name: copy.deepcopy(model) for name in adapters}
-    engine = engine_for(model, ["x", "y"])
+    engine = engine_for(model, ["x", "y"], stage)
     before = {name: own(model, name) for name in adapters}
     assert step(engine, calls, adapters)["updated"]
     for name in adapters:  # the same step, the other adapter's calls absent: the same update
-        solo = engine_for(alone[name], ["x", "y"])
+        solo = engine_for(alone[name], ["x", "y"], stage)
         step(solo, [t for t in calls if t.adapter == name], adapters)
         moved, expected = own(model, name), own(alone[name], name)
         assert any(not torch.equal(moved[k], before[name][k]) for k in moved)
