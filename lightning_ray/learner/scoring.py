@@ -45,7 +45,7 @@ def score(module: torch.nn.Module, batch: dict[str, torch.Tensor], entropy_grad:
     [rows, width, vocabulary] logits of the whole micro-batch never exist; they do go through the model's own
     forward after the decoder, whatever it does to the logits (Gemma-2's soft-capping, Granite's scaling, ...)."""
     model = policy_of(module)
-    if batch.get("adapter") is not None and lora.is_adapted(model):  # the calls' adapter (an empty batch: any)
+    if batch.get("adapter") is not None and lora.is_adapted(model):  # algorithm.adapters: set by train_step
         lora.use_adapter(model, batch["adapter"])
     predicts = batch["mask"].bool()
     kept = {}
@@ -100,7 +100,7 @@ def collate(micro_batch: MicroBatch, pad_id: int) -> dict[str, torch.Tensor]:
             "mask": torch.from_numpy(mask), "temperature": torch.tensor([t.temperature for t, _ in rows] or [1.0]),
             "advantages": per_action([t.advantage for t, _ in rows]), "weights": torch.from_numpy(weights),
             "served_logprobs": torch.from_numpy(served), "row_tokens": tokens,
-            "sample_returns": [t.returns for t, _ in rows], "adapter": rows[0][0].adapter if rows else None}
+            "sample_returns": [t.returns for t, _ in rows]}
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
