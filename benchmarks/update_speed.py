@@ -3,6 +3,8 @@ for) vs a bare single-process PyTorch step of the same loss on the same hardware
 
     python benchmarks/update_speed.py [--layouts 1x2 2x1] [--transitions 128] [--steps 2] [--micro-batch-tokens 2048]
         [--lora]   # and each layout with LoRA (learner.lora={}), its update's speed against full's
+        [--unshared]   # and each layout with learner.shared_prefix=false, the default's speed against it
+        [--task sql]   # the sql writer's calls (a ~450-token schema prompt each) instead of calc episodes
     python benchmarks/update_speed.py --model qwen2.5-0.5b --prompt-tokens 768 --response-tokens 256 \
         --transitions 64 --micro-batch-tokens 8192 --layouts 1x4 --steps 3                      # on a GPU
 
@@ -12,7 +14,9 @@ were measured), one GPU each, the learner given the whole GPU. `--model qwen2.5-
 random-init model of that shape (no download); `--prompt-tokens/--response-tokens` then make a synthetic batch.
 
 The batch: 64 calc episodes in the text protocol, as the trajectory level trains them (one sequence per episode,
-~150 tokens with SmolLM2's template): what an iteration of 16 tasks × 4 rollouts trains on.
+~150 tokens with SmolLM2's template): what an iteration of 16 tasks × 4 rollouts trains on. `--task sql`: the sql
+workflow's writer calls for 16 questions × 4 rollouts (its system prompt, the Chinook schema and the question, ~470
+tokens; the gold query as the response), where rows share long prompt prefixes (learner.shared_prefix).
 Each side takes `--steps` steps; the first warms up (allocations, DeepSpeed's buffers), the rest are timed. Ours
 includes publishing the new weights to the registry, as in training: on CPUs the state dict into Ray's object store,
 on a GPU CUDA IPC handles, as placement=colocated publishes them.
@@ -36,7 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2C
 
 from lightning_ray.algorithm.loss import policy_loss, token_weights
 from lightning_ray.config import ModelConfig, validate
-from lightning_ray.learner.driver import Learner, micro_batches, zero_stage
+from lightning_ray.learner.driver import Learner, micro_batches, padded_size, zero_stage
 from lightning_ray.learner.scoring import collate, score, to_device
 from lightning_ray.models import SMOLLM2, resolve_model_path
 from lightning_ray.tasks import calc
@@ -58,6 +62,27 @@ def make_batch(model_path, n: int, seed: int = 0) -> list[Transition]:
                               response_ids=response, logprobs=[-1.0] * len(response), reward=1.0,
                               advantage=rng.choice([-1.0, 1.0]), policy_version=0, temperature=0.7))
     return out
+
+
+def sql_batch(model_path, n: int, seed: int = 0) -> list[Transition]:
+    """n writer calls of the sql workflow, 4 per question (a group): its prompt, the gold query as the response."""
+    from lightning_ray.tasks import sql
+    from lightning_ray.tasks.sql.workflow import WRITER_PROMPT
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    rng = random.Random(seed)
+    out = []
+    for q, task in enumerate(sql.make_tasks(-(-n // 4), seed=seed)):
+        messages = [{"role": "system", "content": WRITER_PROMPT},
+                    {"role": "user",
+                     "content": f"Schema:\n{task.input['schema']}\n\nQuestion: {task.input['question']}"}]
+        prompt = _encode(tokenizer, messages, generation_prompt=True)
+        answer = {"role": "assistant", "content": f"```sql\n{task.reference['gold']}\n```"}
+        response = _encode(tokenizer, [*messages, answer], generation_prompt=False)[len(prompt):]
+        out += [Transition(rollout_id=f"r{q}-{i}", group_id=f"g{q}", span_id=f"s{q}-{i}", prompt_ids=prompt,
+                           response_ids=response, logprobs=[-1.0] * len(response), reward=1.0,
+                           advantage=rng.choice([-1.0, 1.0]), policy_version=0, temperature=0.7) for i in range(4)]
+    return out[:n]
 
 
 def _encode(tokenizer, messages, generation_prompt: bool) -> list[int]:
@@ -86,11 +111,12 @@ def bare_steps(model_path, batch, steps: int, token_budget: int, threads: int) -
         model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=cuda)
     weighted = list(zip(batch, token_weights(batch, "token_mean", 96)))
+    share = not cuda  # as the learner's default: prefixes shared, unless gradient checkpointing is on
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        for mb in micro_batches(weighted, token_budget):
-            b = to_device(collate(mb, pad_id=0), model.device)
+        for mb in micro_batches(weighted, token_budget, share):
+            b = to_device(collate(mb, pad_id=0, share_prefix=share), model.device)
             logprobs, *_ = score(model, b)
             loss, _ = policy_loss(logprobs, logprobs.detach(), b["advantages"], b["weights"], 0.2)
             loss.backward()
@@ -104,10 +130,10 @@ def bare_steps(model_path, batch, steps: int, token_budget: int, threads: int) -
 
 
 def learner_steps(model_path, batch, steps: int, token_budget: int, workers: int, threads: int,
-                  stage: str | int, lora: bool = False) -> tuple[list[float], dict]:
+                  stage: str | int, learner: dict) -> tuple[list[float], dict]:
     """Step times, and rank 0's split of the last step (compute, optimizer, publish, digest) in seconds, with the
-    ZeRO stage it ran. lora: LoRA adapters on the frozen base (learner.lora's defaults)."""
-    cfg = validate({"run_dir": tempfile.mkdtemp(), "learner": {"lora": {} if lora else None,
+    ZeRO stage it ran. learner: settings of the variant (LoRA: {"lora": {}}, learner.lora's defaults)."""
+    cfg = validate({"run_dir": tempfile.mkdtemp(), "learner": {**learner,
         "num_workers": workers, "threads_per_worker": threads, "micro_batch_tokens": token_budget, "lr": 1e-6,
         "zero_stage": stage, "resources_per_worker": {"CPU": 1, "GPU": 1} if torch.cuda.is_available() else {"CPU": 1},
         # on a GPU, publish as placement=colocated does (CUDA IPC handles); on CPUs through the object store
@@ -163,17 +189,21 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256, help="synthetic batch (all but smollm2)")
     parser.add_argument("--response-tokens", type=int, default=64)
     parser.add_argument("--lora", action="store_true", help="each layout also with LoRA (learner.lora={})")
+    parser.add_argument("--unshared", action="store_true",
+                        help="each layout also with learner.shared_prefix=false (every row's prompt run whole)")
+    parser.add_argument("--task", choices=["calc", "sql"], default="calc", help="the batch's calls (smollm2)")
     args = parser.parse_args()
     if args.model == "smollm2":
         model_path = resolve_model_path(ModelConfig(path=SMOLLM2))
-        batch = make_batch(model_path, args.transitions)
+        batch = (sql_batch if args.task == "sql" else make_batch)(model_path, args.transitions)
     else:
         model_path = resolve_model_path(ModelConfig()) if args.model == "tiny" else random_model(args.model)
         vocab = AutoConfig.from_pretrained(model_path).vocab_size
         batch = synthetic_batch(vocab, args.transitions, args.prompt_tokens, args.response_tokens)
     work = {"transitions": len(batch), "response_tokens": sum(len(t.response_ids) for t in batch),
-            "padded_tokens": sum(len(mb) * max(len(t.prompt_ids) + len(t.response_ids) for t, _ in mb)
-                                 for mb in micro_batches([(t, 0.0) for t in batch], args.micro_batch_tokens))}
+            **{key: sum(padded_size([t for t, _ in mb], share)
+                        for mb in micro_batches([(t, 0.0) for t in batch], args.micro_batch_tokens, share))
+               for key, share in [("padded_tokens", False), ("padded_tokens_shared_prefix", True)]}}
     # in a child process, so its model and optimizer are gone (memory and all) before the learner's ranks start
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         bare = pool.submit(bare_steps, model_path, batch, args.steps, args.micro_batch_tokens, args.threads).result()
@@ -183,22 +213,26 @@ def main() -> None:
                       "seconds": bare, "step_s": round(bare_s, 2), "tokens_per_s": round(tokens / bare_s),
                       **work}), flush=True)
     ray.init(num_cpus=4)  # as the training job starts it: the dashboard on (Ray Train polls its state API)
+    variants = {"learner": {}, **({"learner_lora": {"lora": {}}} if args.lora else {}),
+                **({"learner_unshared": {"shared_prefix": False}} if args.unshared else {})}
     for layout in args.layouts:
         workers, threads = map(int, layout.split("x"))
         stage = args.zero_stage if args.zero_stage == "auto" else int(args.zero_stage)
-        full_update_s = None
-        for lora in (False, True) if args.lora else (False,):
+        default_update_s = None
+        for side, learner in variants.items():
             ours, split = learner_steps(model_path, batch, args.steps, args.micro_batch_tokens, workers, threads,
-                                        stage, lora)
+                                        stage, learner)
             ours_s = sum(ours[1:]) / max(len(ours) - 1, 1)
             update_s = split["compute_s"] + split["optimizer_s"]  # the step without publishing the weights
-            full_update_s = full_update_s or update_s
-            print(json.dumps({"side": "learner_lora" if lora else "learner", "model": args.model, "device": DEVICE,
+            default_update_s = default_update_s or update_s
+            print(json.dumps({"side": side, "model": args.model, "task": args.task, "device": DEVICE,
                               "layout": layout, "seconds": ours, "step_s": round(ours_s, 2),
                               "speed_vs_bare": round(bare_s / ours_s, 3),
                               "update_tokens_per_s": round(tokens / update_s),
                               "update_speed_vs_bare": round(bare_s / update_s, 3),
-                              **({"update_speed_vs_full": round(full_update_s / update_s, 3)} if lora else {}),
+                              # the default learner's update seconds over this variant's: > 1 is faster
+                              **({"update_speed_vs_learner": round(default_update_s / update_s, 3)}
+                                 if side != "learner" else {}),
                               **split, **work}), flush=True)
 
 

@@ -25,7 +25,7 @@ from lightning_ray.algorithm.loss import token_weights
 from lightning_ray.algorithm.select import by_adapter
 from lightning_ray.config import AlgorithmConfig, LearnerConfig, TrainConfig
 from lightning_ray.learner.checkpoint import Checkpoint
-from lightning_ray.learner.scoring import MicroBatch
+from lightning_ray.learner.scoring import MicroBatch, shared_prefix
 from lightning_ray.learner.worker import train_loop_per_worker
 from lightning_ray.metrics import count_error
 from lightning_ray.placement import ON_HEAD
@@ -38,6 +38,7 @@ class Learner:
         """`model_path`: the initial policy; `resume_from`: the checkpoint whose learner state the ranks load."""
         t = cfg.learner
         self.n, self.timeout_s, self.token_budget = t.num_workers, t.step_timeout_s, t.micro_batch_tokens
+        self.share_prefix = resolved(t).shared_prefix
         self.algorithm, self.max_tokens = cfg.algorithm, cfg.rollout.max_tokens
         self.version = resume_from.state.policy_version if resume_from else 0
         self.checkpoint = resume_from  # what a (re)started rank loads: the run's latest (set as each one is made)
@@ -181,7 +182,7 @@ class Learner:
         skipped (a gradient not finite: replies' `updated` false), which leaves the weights and the version as they
         were. The caller skips batches without any signal: an empty step would still move the weights (Adam's
         momentum) and bump the version for nothing."""
-        plan = batch_plan(transitions, self.algorithm, self.max_tokens, self.token_budget, self.n)
+        plan = batch_plan(transitions, self.algorithm, self.max_tokens, self.token_budget, self.n, self.share_prefix)
         replies = self._command([{"kind": "step", "version": self.version + 1, "mini_batches": mini_batches,
                                   "adapters": micro_batch_adapters(plan)} for mini_batches in plan])
         if replies[0]["updated"]:  # else every rank skipped the same steps
@@ -209,8 +210,13 @@ class Learner:
 
 
 def resolved(t: LearnerConfig) -> LearnerConfig:
-    """The learner's settings as its ranks use them: `auto` dtype and ZeRO stage decided for this run."""
-    return t.model_copy(update={"dtype": learner_dtype(t), "zero_stage": zero_stage(t)})
+    """The learner's settings as its ranks use them: `auto` dtype, ZeRO stage and gradient checkpointing decided for
+    this run, and prefix sharing off under gradient checkpointing (transformers drops a layer's cache there)."""
+    on_gpu = t.resources_per_worker.get("GPU", 0) > 0
+    checkpointing = t.gradient_checkpointing is True or (t.gradient_checkpointing == "auto" and on_gpu)
+    return t.model_copy(update={"dtype": learner_dtype(t), "zero_stage": zero_stage(t),
+                                "gradient_checkpointing": checkpointing,
+                                "shared_prefix": t.shared_prefix and not checkpointing})
 
 
 def learner_dtype(t: LearnerConfig) -> str:
@@ -232,7 +238,7 @@ def zero_stage(t: LearnerConfig) -> int:
 
 
 def batch_plan(transitions: list[Transition], alg: AlgorithmConfig, max_tokens: int, token_budget: int,
-               ranks: int) -> list[list[list[MicroBatch]]]:
+               ranks: int, share_prefix: bool = False) -> list[list[list[MicroBatch]]]:
     """Each rank's micro-batches, per mini-batch (algorithm.mini_batches, one optimizer step each; a strided split, so
     each holds part of every group). A transition without a learning signal (zero advantage) is left out, unless a
     KL or entropy term is in the loss, which acts on every token. Each mini-batch's loss weights normalize over it;
@@ -249,7 +255,8 @@ def batch_plan(transitions: list[Transition], alg: AlgorithmConfig, max_tokens: 
         # it: the ranks must make the same ones), so each adapter's share is padded to a multiple of the ranks.
         packed = []
         for pool in (by_adapter(mini).values() if alg.adapters else [mini]):
-            mbs = micro_batches(list(zip(pool, token_weights(pool, alg.loss_aggregation, max_tokens))), token_budget)
+            weighted = list(zip(pool, token_weights(pool, alg.loss_aggregation, max_tokens)))
+            mbs = micro_batches(weighted, token_budget, share_prefix)
             packed += mbs + [[]] * (-len(mbs) % ranks if alg.adapters else 0)
         rounds = -(-len(packed) // ranks)
         for rank, mini_batches in enumerate(plan):
@@ -265,17 +272,28 @@ def micro_batch_adapters(plan: list[list[list[MicroBatch]]]) -> list[list[str | 
             for m in range(len(plan[0]))]
 
 
-def micro_batches(weighted: MicroBatch, token_budget: int) -> list[MicroBatch]:
-    """Rows sorted by length, packed while rows × the longest row (the padded size) stays within the budget, so a
-    micro-batch's memory is bounded whatever the batch size. A row longer than the budget goes alone."""
+def micro_batches(weighted: MicroBatch, token_budget: int, share_prefix: bool = False) -> list[MicroBatch]:
+    """Rows packed while the micro-batch's padded size stays within the budget, so its memory is bounded whatever the
+    batch size; a row longer than the budget goes alone. Rows sorted by length; with share_prefix
+    (learner.shared_prefix), by their prompts' tokens, so those alike sit together."""
+    def length(tw) -> int:
+        return len(tw[0].prompt_ids) + len(tw[0].response_ids)
+
+    order = (lambda tw: (list(tw[0].prompt_ids), length(tw))) if share_prefix else length
     out: list[MicroBatch] = []
-    for item in sorted(weighted, key=lambda tw: len(tw[0].prompt_ids) + len(tw[0].response_ids)):
-        width = len(item[0].prompt_ids) + len(item[0].response_ids)
-        if out and (len(out[-1]) + 1) * width <= token_budget:
+    for item in sorted(weighted, key=order):
+        if out and padded_size([t for t, _ in out[-1]] + [item[0]], share_prefix) <= token_budget:
             out[-1].append(item)
         else:
             out.append([item])
     return out
+
+
+def padded_size(rows: list[Transition], share_prefix: bool = False) -> int:
+    """The tokens a micro-batch's forward runs over: rows × the longest, padding included; with share_prefix the
+    prefix all rows share counted once."""
+    shared = shared_prefix(rows) if share_prefix else 0
+    return shared + len(rows) * (max(len(t.prompt_ids) + len(t.response_ids) for t in rows) - shared)
 
 
 class _Restarted(Exception):

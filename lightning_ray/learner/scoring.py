@@ -3,13 +3,16 @@ logprob, entropy and, for PPO, the value head's estimate (`WithValueHead`)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from lightning_ray.learner import lora
 from lightning_ray.types import Transition
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 # transitions with the weights of their action tokens in the loss (one for all, or one each: loss.token_weights)
 MicroBatch = list[tuple[Transition, float | np.ndarray]]
@@ -43,25 +46,23 @@ def score(module: torch.nn.Module, batch: dict[str, torch.Tensor], entropy_grad:
     and untempered; the entropy of the position's sampling distribution (with gradient for an entropy bonus); a
     critic's value estimate. Only the positions that predict a response token go through the LM head, so the
     [rows, width, vocabulary] logits of the whole micro-batch never exist; they do go through the model's own
-    forward after the decoder, whatever it does to the logits (Gemma-2's soft-capping, Granite's scaling, ...)."""
+    forward after the decoder, whatever it does to the logits (Gemma-2's soft-capping, Granite's scaling, ...).
+    The rows' shared prompt prefix (collate's `shared` tokens) goes through the model once, its keys and values
+    repeated for every row, their gradients summed back by autograd: the same scores, for a fraction of the work
+    where prompts are long and alike (an agent's system prompt and context, a group's prompt)."""
     model = policy_of(module)
     if batch.get("adapter") is not None and lora.is_adapted(model):  # algorithm.adapters: set by train_step
         lora.use_adapter(model, batch["adapter"])
-    predicts = batch["mask"].bool()
-    kept = {}
+    ids, attention, predicts = batch["input_ids"], batch["attention_mask"], batch["mask"].bool()
+    shared, cache = batch.get("shared", 0), None
+    if shared:  # the prefix predicts no action (collate keeps it short of every row's first): no head at all
+        from transformers import DynamicCache
 
-    def actions_only(decoder, inputs, out):
-        kept["states"] = out.last_hidden_state[:, :-1][predicts]  # [response tokens, hidden]: each action's context
-        out.last_hidden_state = kept["states"][None]  # the head's input: one row of just those
-        return out
-
-    hook = model.get_decoder().register_forward_hook(actions_only)
-    try:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-    finally:
-        hook.remove()
-    states, logits = kept["states"], out.logits[0].float()  # [response tokens, vocabulary]
-    targets = batch["input_ids"][:, 1:][predicts]
+        cache = DynamicCache()
+        actions_forward(model, ids[:1, :shared], attention[:1, :shared], predicts[:1, : shared - 1], cache)
+        cache.batch_repeat_interleave(len(ids))
+    states, logits = actions_forward(model, ids[:, shared:], attention, predicts[:, shared:], cache)
+    targets = ids[:, 1:][predicts]
     temperature = batch["temperature"][:, None].expand_as(predicts)[predicts]
     picked = logits.gather(-1, targets[:, None]).squeeze(-1)
     tempered = picked / temperature - torch.logsumexp(logits / temperature[:, None], -1)
@@ -74,10 +75,32 @@ def score(module: torch.nn.Module, batch: dict[str, torch.Tensor], entropy_grad:
     return Scores(tempered, untempered, entropy, values)
 
 
-def collate(micro_batch: MicroBatch, pad_id: int) -> dict[str, torch.Tensor]:
+def actions_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, predicts: torch.Tensor,
+                    cache: DynamicCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model on `input_ids`, after the tokens `cache` holds if any (`attention_mask` covers both; the new keys
+    and values go into it), its LM head only on the positions `predicts` marks (each position but the last predicts
+    the next token): those positions' last hidden states and fp32 logits, flat in row order."""
+    kept = {}
+
+    def actions_only(decoder, inputs, out):
+        kept["states"] = out.last_hidden_state[:, :-1][predicts]  # [response tokens, hidden]: each action's context
+        out.last_hidden_state = kept["states"][None]  # the head's input: one row of just those
+        return out
+
+    hook = model.get_decoder().register_forward_hook(actions_only)
+    try:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                    use_cache=cache is not None)
+    finally:
+        hook.remove()
+    return kept["states"], out.logits[0].float()
+
+
+def collate(micro_batch: MicroBatch, pad_id: int, share_prefix: bool = False) -> dict[str, torch.Tensor]:
     """Right-padded prompt+response rows. Position i of `mask` predicts token i+1, and is 1 where that token is
     the policy's action; the flat per-token tensors (advantages, weights, served_logprobs) follow the actions in row
-    order, as `score` returns them; `row_tokens` and `sample_returns` give each row's share and return."""
+    order, as `score` returns them; `row_tokens` and `sample_returns` give each row's share and return; `shared`,
+    with share_prefix, how many leading tokens all rows have in common (`score` runs them once)."""
     rows = micro_batch or []
     width = max([len(t.prompt_ids) + len(t.response_ids) for t, _ in rows] + [2])
     n = max(len(rows), 1)  # an empty micro-batch is one row of padding: no tokens, zero loss, still a backward
@@ -100,7 +123,20 @@ def collate(micro_batch: MicroBatch, pad_id: int) -> dict[str, torch.Tensor]:
             "mask": torch.from_numpy(mask), "temperature": torch.tensor([t.temperature for t, _ in rows] or [1.0]),
             "advantages": per_action([t.advantage for t, _ in rows]), "weights": torch.from_numpy(weights),
             "served_logprobs": torch.from_numpy(served), "row_tokens": tokens,
-            "sample_returns": [t.returns for t, _ in rows]}
+            "sample_returns": [t.returns for t, _ in rows],
+            "shared": shared_prefix([t for t, _ in rows]) if share_prefix else 0}
+
+
+def shared_prefix(rows: list[Transition]) -> int:
+    """How many leading prompt tokens all rows have in common, short of every row's last prompt token (whose
+    position predicts the first action, so it stays in each row's own part); 0 for fewer than two rows."""
+    if len(rows) < 2:
+        return 0
+    first, n = rows[0].prompt_ids, min(len(t.prompt_ids) for t in rows) - 1
+    for t in rows[1:]:
+        differ = np.flatnonzero(np.asarray(t.prompt_ids[:n]) != np.asarray(first[:n]))
+        n = int(differ[0]) if len(differ) else n
+    return max(n, 0)
 
 
 def to_device(batch: dict, device: torch.device) -> dict:

@@ -114,7 +114,7 @@ def learn(cfg: dict, nonce: str) -> None:
     on_cuda = device.type == "cuda"
     load = dict(dtype=getattr(torch, t.dtype), attn_implementation=t.attn_implementation)
     model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], **load)
-    if t.gradient_checkpointing is True or (t.gradient_checkpointing == "auto" and on_cuda):
+    if t.gradient_checkpointing:  # resolved by the driver (learner/driver.py: `auto` is on with GPUs)
         # non-reentrant: works with inputs that need no grad and with ZeRO-3's parameter hooks
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -180,7 +180,8 @@ def learn(cfg: dict, nonce: str) -> None:
             continue
         started = time.perf_counter()
         stats = train_step(engine, msg["mini_batches"], pad_id, alg, world, reference,
-                           t.max_logprob_gap if first else None, msg["adapters"] if alg.adapters else None)
+                           t.max_logprob_gap if first else None, msg["adapters"] if alg.adapters else None,
+                           t.shared_prefix)
         first = False
         trained = time.perf_counter()
         with whole_weights(engine) as module:
@@ -229,7 +230,7 @@ def whole_weights(engine):
 
 def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: AlgorithmConfig, world_size: int,
                reference: torch.nn.Module | None = None, max_logprob_gap: float | None = None,
-               adapters: list[list[str | None]] | None = None) -> dict:
+               adapters: list[list[str | None]] | None = None, share_prefix: bool = False) -> dict:
     """This rank's share of a batch: one optimizer step per mini-batch, gradients accumulated over its
     micro-batches, and all of it algorithm.ppo_epochs times. Every rank gets the same number of mini-batches, and of
     micro-batches in each (some may be empty): ZeRO reduces gradients inside backward, and all ranks must join.
@@ -241,8 +242,9 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
     if the learner's logprobs are further than that from the server's. adapters (algorithm.adapters): per mini-batch,
     the adapter each micro-batch runs with (`score`; the same on every rank: learner/driver.py micro_batch_adapters);
     an adapter with no call in a step keeps its weights (its group's learning rate 0 for the step: Adam would move
-    it by its momentum; its moments still decay, as under a zero gradient)."""
-    steps = [[to_device(collate(mb, pad_id), engine.device) for mb in mini] for mini in mini_batches]
+    it by its momentum; its moments still decay, as under a zero gradient). share_prefix (learner.shared_prefix):
+    each micro-batch's common prompt prefix runs once (`score`)."""
+    steps = [[to_device(collate(mb, pad_id, share_prefix), engine.device) for mb in mini] for mini in mini_batches]
     for m, mini in enumerate(steps if adapters else []):
         for batch, adapter in zip(mini, adapters[m]):
             batch["adapter"] = adapter
@@ -263,6 +265,7 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
     for epoch in range(alg.ppo_epochs):
         for m, mini in enumerate(steps):
             for batch in mini:
+                micro_step(engine)
                 scores = score(engine.module, batch, entropy_grad=alg.entropy_coef > 0)
                 if "old_logprobs" not in batch:  # the first step: no weight has moved yet
                     batch["old_logprobs"], batch["old_untempered"] = scores.logprobs.detach(), scores.untempered
@@ -316,6 +319,14 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
             "clip_frac": totals["clip_frac"] / updates, "entropy": totals["entropy"] / updates,
             "kl_ref": critic_kl / per_token + totals["kl_ref"] / updates,
             "logprob_abs_diff": totals["logprob_abs_diff"] / per_token, "tis_capped": totals["tis_capped"] / per_token}
+
+
+def micro_step(engine) -> None:
+    """What DeepSpeed's engine.forward does first, for `score`, which runs the module itself: ZeRO counts a
+    micro-step there. ZeRO-3 copies the first micro-step's gradient partitions and adds the later ones; uncounted,
+    every micro-batch would overwrite the one before and a step would apply only the last one's gradient."""
+    if hasattr(engine.optimizer, "clear_backward_seen_flag"):  # ZeRO's optimizers
+        engine.optimizer.clear_backward_seen_flag()
 
 
 def trained_only(engine, names: list[str], trained: set[str]) -> None:

@@ -17,7 +17,7 @@ from lightning_ray.algorithm.loss import policy_loss, token_weights
 from lightning_ray.config import AlgorithmConfig, LearnerConfig
 from lightning_ray.learner.driver import batch_plan, micro_batches
 from lightning_ray.learner.digest import parameter_digest
-from lightning_ray.learner.scoring import collate, score
+from lightning_ray.learner.scoring import WithValueHead, collate, score, shared_prefix
 from lightning_ray.learner.worker import deepspeed_engine, train_step
 from lightning_ray.types import Transition
 
@@ -139,6 +139,78 @@ def test_activation_checkpointing_gives_the_same_gradient(model):
     assert torch.allclose(plain, checkpointed, atol=1e-7, rtol=1e-5)
 
 
+def alike_batch(n: int, seed: int = 0) -> list[Transition]:
+    """Rows whose prompts open alike, as an agent's calls do (a system prompt, the same context), each its own
+    ending and response; two of them one group's identical prompts."""
+    rng = random.Random(seed)
+    opening = [rng.randrange(1, 97) for _ in range(40)]
+    rows = batch_of(n, seed)
+    for t in rows:
+        ending = [rng.randrange(1, 97) for _ in range(rng.randint(1, 5))]
+        t.prompt_ids = np.array(opening[: rng.randint(30, 40)] + ending)
+    rows[1].prompt_ids = rows[0].prompt_ids.copy()
+    return rows
+
+
+@pytest.mark.parametrize("model_class, config", [
+    (LlamaForCausalLM, LlamaConfig(**TINY)),
+    (Gemma2ForCausalLM, Gemma2Config(**TINY, sliding_window=8)),  # its sliding layers see less than the prefix
+    (WithValueHead, LlamaConfig(**TINY)),  # PPO's critic on the same trunk
+])
+def test_a_shared_prefix_runs_once_and_scores_as_each_row_alone(model_class, config):
+    torch.manual_seed(0)
+    model = (WithValueHead(LlamaForCausalLM(config)) if model_class is WithValueHead else model_class(config)).float()
+    rows = alike_batch(6)
+    out = []
+    for share in (False, True):
+        model.zero_grad()
+        batch = collate([(t, 1.0) for t in rows], pad_id=0, share_prefix=share)
+        scores = score(model, batch, entropy_grad=True)
+        (scores.logprobs.sum() + scores.entropy.sum() + (scores.values.sum() if scores.values is not None else 0)
+         ).backward()
+        out.append((batch["shared"], scores, torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (none, alone, grad_alone), (shared, together, grad_together) = out
+    assert none == 0 and shared >= 30
+    for a, b in zip(alone, together):
+        assert a is b is None or torch.allclose(a, b, atol=1e-5)
+    assert torch.allclose(grad_alone, grad_together, atol=1e-6, rtol=1e-4)
+
+
+def test_the_shared_prefix_stops_short_of_every_rows_first_action():
+    rows = alike_batch(4)
+    rows[2].prompt_ids = rows[0].prompt_ids[:3].copy()
+    assert shared_prefix(rows) == 2  # the 3-token prompt's last token predicts its first action
+    assert shared_prefix(rows[:1]) == 0 and shared_prefix([rows[0], rows[1]]) == len(rows[0].prompt_ids) - 1
+    rows[3].prompt_ids = np.array([96, *rows[3].prompt_ids[1:]])
+    assert shared_prefix(rows) == 0
+
+
+def test_micro_batches_with_shared_prefixes_hold_alike_rows_within_the_budget(model):
+    """Rows sorted by prompt: alike ones together, the prefix counted once, so a micro-batch holds more of them, and
+    the accumulated gradient is the whole batch's all the same."""
+    rows = alike_batch(8, seed=3) + batch_of(4, seed=4)  # and four rows unlike the rest
+    weighted = list(zip(rows, token_weights(rows, "token_mean", max_tokens=12)))
+
+    def gradient(share: bool) -> tuple[torch.Tensor, list]:
+        model.zero_grad()
+        packed = micro_batches(weighted, 120, share_prefix=share)
+        for mb in packed:
+            batch = collate(mb, pad_id=0, share_prefix=share)
+            logprobs, *_ = score(model, batch)
+            loss, _ = policy_loss(logprobs, logprobs.detach(), batch["advantages"], batch["weights"], 0.2)
+            loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()]), packed
+
+    (alone, by_length), (together, by_prompt) = gradient(False), gradient(True)
+    assert torch.allclose(alone, together, atol=1e-6, rtol=1e-4)
+    assert len(by_prompt) < len(by_length)
+    for mb in by_prompt:
+        mine = [t for t, _ in mb]
+        width = max(len(t.prompt_ids) + len(t.response_ids) for t in mine)
+        assert len(mine) == 1 or shared_prefix(mine) + len(mine) * (width - shared_prefix(mine)) <= 120
+    assert sorted(id(t) for mb in by_prompt for t, _ in mb) == sorted(map(id, rows))
+
+
 def test_the_parameter_digest_is_the_values_whatever_their_dtype_or_order(model):
     """Ranks, checkpoints and engines are compared by it: equal values, equal digests (bf16 weights held exactly in
     fp32 too); any changed value or swapped pair changes it."""
@@ -172,9 +244,6 @@ def test_score_applies_the_models_own_logit_processing(model_class, config):
 
 
 # ---- train_step: the steps a batch takes, through a real DeepSpeed engine ----------------------------------------
-
-
-
 def engine_for(model: torch.nn.Module, stage: int = 0, lr: float = 1e-2):
     t = LearnerConfig(zero_stage=stage, lr=lr, weight_decay=0.0, grad_clip=1.0, dtype="float32")
     return deepspeed_engine(model, [{"params": list(model.parameters())}], t, on_cuda=False)
@@ -185,6 +254,31 @@ def step(engine, transitions: list[Transition], max_logprob_gap: float | None = 
     alg = AlgorithmConfig(**algorithm)
     plan = batch_plan(transitions, alg, max_tokens=12, token_budget=256, ranks=1)[0]
     return train_step(engine, plan, 0, alg, 1, max_logprob_gap=max_logprob_gap)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_step_over_several_micro_batches_makes_the_whole_batchs_update(one_rank, stage):
+    """Split into micro-batches or not, with shared prefixes or not, one step makes the same update, at ZeRO-3 too:
+    it counts micro-steps in the engine's forward, which `score` does not go through (worker.micro_step); uncounted,
+    each micro-batch's gradient replaced the one before."""
+    import deepspeed
+
+    rows, alg = alike_batch(8, seed=5), AlgorithmConfig()
+
+    def updated(token_budget: int, share: bool) -> tuple[torch.Tensor, int]:
+        engine = engine_for(fresh(), stage)
+        plan = batch_plan(rows, alg, max_tokens=12, token_budget=token_budget, ranks=1, share_prefix=share)[0]
+        assert train_step(engine, plan, 0, alg, 1, share_prefix=share)["updated"]
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+            return torch.cat([p.detach().flatten().clone() for p in params]), len(plan[0])
+
+    whole, one = updated(100_000, share=False)
+    assert one == 1 and not torch.equal(whole, torch.cat([p.detach().flatten() for p in fresh().parameters()]))
+    for share in (False, True):
+        split, many = updated(128, share)
+        # Adam's steps are lr 1e-2 each, whatever a gradient's size: alike to 1% of one (a lost micro-batch: 100%)
+        assert many > 1 and torch.allclose(whole, split, atol=1e-4)
 
 
 def test_the_engine_starts_without_building_deepspeeds_comm_op(one_rank, tmp_path, monkeypatch):
