@@ -389,8 +389,8 @@ class LearnerConfig(_Strict):
     # A micro-batch's rows that open alike (an agent's system prompt and context, a group's one prompt) run their
     # common prefix through the model once, its keys and values shared by every row: the same logprobs and
     # gradients for a fraction of the work where prompts are long; rows sorted by prompt so alike ones share a
-    # micro-batch, which holds more rows (the prefix counts once in micro_batch_tokens). Off with gradient
-    # checkpointing, which drops a layer's given cache in transformers.
+    # micro-batch, which holds more rows (the prefix counts once in micro_batch_tokens; its keys and values are
+    # held per row). Off with gradient checkpointing, which drops a layer's given cache in transformers.
     shared_prefix: bool = True
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"  # PyTorch's fused attention
     # ZeRO-Offload: optimizer state and step on the host, for a model whose Adam state does not fit the GPU
