@@ -36,7 +36,8 @@ from adapter_workload import MODEL, llm_calls, make_rollouts, one_pass, rates, t
 
 from lightning_ray.algorithm.lightningrl import adapt, spans_read  # noqa: E402
 from lightning_ray.algorithm.select import Selection  # noqa: E402
-from lightning_ray.store.sqlite import SQLiteBackend, span_row  # noqa: E402
+from lightning_ray.store.rows import span_row  # noqa: E402
+from lightning_ray.store.sqlite import SQLiteBackend  # noqa: E402
 from lightning_ray.tracing import semconv  # noqa: E402
 from lightning_ray.types import Rollout, Span, Task  # noqa: E402
 

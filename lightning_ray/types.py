@@ -147,7 +147,7 @@ class Span(ArrayModel):
 
     @field_serializer("attributes", when_used="json")
     def _arrays_as_lists(self, attributes: dict[str, Any]) -> dict[str, Any]:
-        """Token ids and logprobs read from the store are numpy arrays (store/sqlite.py); JSON shows them as lists."""
+        """Token ids and logprobs read from the store are numpy arrays (store/rows.py); JSON shows them as lists."""
         return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in attributes.items()}
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import ray
 
 from lightning_ray.store.errors import InvalidSpans, StoreError, UnknownRollout
-from lightning_ray.store.sqlite import rollout_of, rollout_row, span_from_row, span_row
+from lightning_ray.store.rows import rollout_of, rollout_row, span_from_row, span_row
 from lightning_ray.store.trace_store import TraceStore
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Attempt, AttemptPolicy, CancelOutcome, Rollout, Span, Task, Verdict, new_id

@@ -8,7 +8,7 @@ together on the way out: readers see every prompt whole.
 
 Which earlier call: the last few calls of the same rollout the store has taken in (remembered by a digest, not their
 ids), checked exactly, so a prompt that extends none of them (a retried attempt, a rewritten history, a store that
-restarted) is stored whole. Rows are the store's (sqlite.span_row); packed arrays are little-endian bytes, so a
+restarted) is stored whole. Rows are the store's (rows.span_row); packed arrays are little-endian bytes, so a
 prefix is a bytes prefix and a prompt is put back together by concatenation, without decoding a number.
 """
 

@@ -1,7 +1,7 @@
 """The store's one backend: SQLite in WAL mode inside the run directory, or ":memory:" for tests.
 
 Every rollout/attempt state change is one transaction checked against lifecycle.py. Spans travel as rows that the
-sender encoded (attributes and events as JSON bytes, numeric lists packed: see span_row), so the single store process
+sender encoded (attributes and events as JSON bytes, numeric lists packed: rows.span_row), so the single store process
 only validates and inserts; they are idempotent on (rollout_id, span_id), so a re-sent batch is never duplicated and
 two rollouts' spans never collide.
 """
@@ -11,20 +11,16 @@ from __future__ import annotations
 import math
 import operator
 import sqlite3
-import struct
 from contextlib import contextmanager
-from functools import lru_cache
 from pathlib import Path
-
-import msgspec
-import numpy as np
 
 from lightning_ray.store.errors import (InvalidReward, InvalidTransition, StaleAttempt, StoreError, UnknownAttempt,
                                        UnknownRollout)
 from lightning_ray.store.lifecycle import check_move
 from lightning_ray.store.prompt_chain import PromptChain, restore
-from lightning_ray.types import (FINISHED, Attempt, AttemptPolicy, CancelOutcome, Rollout, Span, SpanEvent, Task,
-                                 Verdict, new_id)
+from lightning_ray.store.rows import (attempt_of, attempt_policy, attempt_row, rollout_of, rollout_row, row_problem,
+                                      span_from_row)
+from lightning_ray.types import FINISHED, Attempt, CancelOutcome, Rollout, Span, Verdict, new_id
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
@@ -57,102 +53,6 @@ _SPAN_COLS = ("span_id, trace_id, parent_id, rollout_id, attempt_id, name, start
               "status_message, attributes, events, arrays, origin")
 _by_time = operator.itemgetter(6, 15)  # start_time, rowid
 _ORIGINS = ("server", "client")
-_SPAN_STATUSES = ("unset", "ok", "error")
-
-
-def _json_safe(value):
-    if isinstance(value, (np.ndarray, np.generic)):  # arrays not packed (2-d, bools, ...), numpy scalars
-        return value.tolist()
-    raise NotImplementedError(f"cannot store a {type(value).__name__} as JSON")
-
-
-_json = msgspec.json.Encoder(enc_hook=_json_safe)
-_msgpack = msgspec.msgpack.Encoder()
-_decode_arrays = msgspec.msgpack.Decoder(list[tuple[str, str, bytes]]).decode
-# Packed arrays are little-endian, so that a file reads the same on any machine.
-_DTYPES = {"i": np.dtype("<i4"), "q": np.dtype("<i8"), "d": np.dtype("<f8")}
-_INT32 = np.iinfo(np.int32)
-
-
-def span_row(s: Span) -> tuple:
-    """The wire and storage form of a span; built by the sender so the store does not spend its CPU on JSON."""
-    attributes, arrays = _pack(s.attributes)
-    return (s.span_id, s.trace_id, s.parent_id, s.rollout_id, s.attempt_id, s.name, s.start_time, s.end_time,
-            s.status, s.status_message, _json.encode(attributes),
-            _json.encode([e.model_dump() for e in s.events]) if s.events else b"[]", arrays)
-
-
-def _pack(attributes: dict) -> tuple[dict, bytes | None]:
-    """Attributes that are lists of plain ints or floats (token ids, logprobs: most of an LLM call's bytes), or 1-d
-    numpy arrays of ints or floats (a span read back from the store), leave the JSON as packed arrays, which read back
-    as numpy arrays without parsing a number, and exactly; a null keeps the key's place."""
-    packed = []
-    for key, value in attributes.items():
-        if isinstance(value, np.ndarray):
-            if (code := _code(value)) is not None:
-                packed.append((key, code, value.astype(_DTYPES[code], copy=False).tobytes()))
-            continue
-        if type(value) is not list or not value:
-            continue
-        if type(value[0]) is int:
-            try:  # strict: a bool or a float among them is an error, not converted
-                value, codes = msgspec.convert(value, list[int]), ("i", "q")  # int32 if all fit, else int64
-            except msgspec.ValidationError:
-                continue
-        elif set(map(type, value)) == {float}:
-            codes = ("d",)
-        else:
-            continue
-        for code in codes:
-            try:
-                packed.append((key, code, struct.pack(f"<{len(value)}{code}", *value)))  # 3x faster than array's
-                break
-            except struct.error:  # out of range (beyond int64 it stays JSON)
-                pass
-    if not packed:
-        return attributes, None
-    return {**attributes, **dict.fromkeys(k for k, _, _ in packed)}, _msgpack.encode(packed)
-
-
-def _code(a: np.ndarray) -> str | None:
-    """Which packed dtype an array is stored as (ints as int32 where they fit, as lists are), or None: left to JSON."""
-    if a.ndim != 1 or a.dtype.kind not in "iuf":
-        return None
-    if a.dtype.kind == "f" or not a.size:
-        return "d" if a.dtype.kind == "f" else "i"
-    if _INT32.min <= a.min() and a.max() <= _INT32.max:
-        return "i"
-    return "q" if a.max() <= np.iinfo(np.int64).max else None
-
-
-def span_from_row(r: tuple) -> Span:
-    """Packed lists come back as read-only numpy arrays over the row's bytes (no list of Python numbers is made)."""
-    attributes = msgspec.json.decode(r[10])
-    if r[12] is not None:
-        for key, code, raw in _decode_arrays(r[12]):
-            attributes[key] = np.frombuffer(raw, _DTYPES[code])
-    return Span(span_id=r[0], trace_id=r[1], parent_id=r[2], rollout_id=r[3], attempt_id=r[4], name=r[5],
-                start_time=r[6], end_time=r[7], status=r[8], status_message=r[9], attributes=attributes,
-                events=[SpanEvent(**e) for e in msgspec.json.decode(r[11])] if r[11] != b"[]" else [], origin=r[13])
-
-
-def row_problem(r) -> str | None:
-    """Why a span row cannot be stored, or None. Cheap: only what SQLite and readers rely on."""
-    if not isinstance(r, (tuple, list)) or len(r) != 13:
-        return "not a span row"
-    if not (isinstance(r[0], str) and r[0]) or not (isinstance(r[5], str) and r[5]):
-        return "span_id and name must be non-empty strings"
-    if not isinstance(r[6], (int, float)) or (r[7] is not None and (not isinstance(r[7], (int, float)) or r[7] < r[6])):
-        return "start_time must be a number and end_time, if set, not before it"
-    if r[8] not in _SPAN_STATUSES:
-        return f"status must be one of {_SPAN_STATUSES}"
-    if not all(v is None or isinstance(v, str) for v in (r[1], r[2], r[3], r[4], r[9])):
-        return "ids and status_message must be strings"
-    if not (isinstance(r[10], bytes) and isinstance(r[11], bytes)):
-        return "attributes and events must be encoded JSON"
-    if not (r[12] is None or isinstance(r[12], bytes)):
-        return "packed arrays must be bytes or None"
-    return None
 
 
 class SQLiteBackend:
@@ -277,10 +177,10 @@ class SQLiteBackend:
         for attempt_id, row in leases:
             check_move("rollout", row[0], row[3], "running")
             row = (*row[:3], "running", attempt_id, row[5] + 1, *row[6:])
-            cfg = _policy(row[2])
+            cfg = attempt_policy(row[2])
             attempt = Attempt(attempt_id=attempt_id, rollout_id=row[0], sequence=row[5], worker_id=worker_id,
                               started_at=now, last_heartbeat=now)
-            attempts.append((*_attempt_values(attempt), cfg.timeout_seconds and now + cfg.timeout_seconds,
+            attempts.append((*attempt_row(attempt), cfg.timeout_seconds and now + cfg.timeout_seconds,
                              cfg.unresponsive_seconds and now + cfg.unresponsive_seconds))
             moves.append((attempt_id, attempt.sequence, row[0]))
             out.append((row, attempt))
@@ -368,7 +268,7 @@ class SQLiteBackend:
         with self._transaction():
             for row in rows:
                 status = "timeout" if row[-1] is not None and row[-1] < now else "unresponsive"
-                self._end_attempt(_attempt(row[:-1]), status, now, None, f"attempt {status}")
+                self._end_attempt(attempt_of(row[:-1]), status, now, None, f"attempt {status}")
         return [row[1] for row in rows]
 
     def cancel(self, rollout_ids: list[str], now: float) -> dict[str, CancelOutcome]:
@@ -414,7 +314,7 @@ class SQLiteBackend:
         """The known ones among these attempts, with their lease lengths, in one query."""
         rows = self.db.execute(f"SELECT {_ATTEMPT_COLS}, lease_until - last_heartbeat FROM attempts WHERE attempt_id "
                                f"IN ({','.join('?' * len(attempt_ids))})", attempt_ids).fetchall()
-        return {r[0]: (_attempt(r[:-1]), r[-1]) for r in rows}
+        return {r[0]: (attempt_of(r[:-1]), r[-1]) for r in rows}
 
     def _rollout_rows(self, rollout_ids: list[str]) -> dict[str, tuple]:
         return {r[0]: r for r in self.db.execute(f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id IN "
@@ -437,7 +337,7 @@ class SQLiteBackend:
     def get_attempts(self, rollout_id: str) -> list[Attempt]:
         rows = self.db.execute(f"SELECT {_ATTEMPT_COLS} FROM attempts WHERE rollout_id=? ORDER BY sequence",
                                (rollout_id,)).fetchall()
-        return [_attempt(r) for r in rows]
+        return [attempt_of(r) for r in rows]
 
     def count_rollouts(self, rollout_ids: list[str] | None = None) -> dict[str, int]:
         """Rollouts per status: all of them, or those among `rollout_ids`."""
@@ -544,7 +444,7 @@ def _ending(attempt: Attempt, status: str, now: float, reward: float | None, err
     written: the attempt's move and the rollout's (parameters of _MOVE_ATTEMPT and _MOVE_ROLLOUT) and the rollout's
     row after them. Whether the rollout ends or goes back to the queue is decided here."""
     check_move("attempt", attempt.attempt_id, attempt.status, status)
-    config = _policy(row[2])
+    config = attempt_policy(row[2])
     if status == "timeout" and reward is None and config.timeout_policy == "policy":
         reward = 0.0  # the policy ran past the deadline (a store-side expiry, or a worker that did not score it)
     if status == "succeeded":
@@ -559,31 +459,3 @@ def _ending(attempt: Attempt, status: str, now: float, reward: float | None, err
             (*row[:3], new, row[4], row[5], reward, error, row[8], ended, row[10]))
 
 
-def rollout_row(r: Rollout) -> tuple:
-    """A rollout as its row holds it (_ROLLOUT_COLS: task and attempt policy as JSON), which is also how rollouts
-    travel to and from the store's actor: Ray pickles plain values ~8x faster than the models (benchmarks/README.md),
-    and the store's one thread is what bounds rollouts/s."""
-    return (r.rollout_id, r.task.model_dump_json(), r.config.model_dump_json(), r.status, r.attempt_id, r.attempts,
-            r.reward, r.error, r.enqueued_at, r.ended_at, r.queue)
-
-
-def rollout_of(r: tuple) -> Rollout:
-    return Rollout(rollout_id=r[0], task=Task.model_validate_json(r[1]), config=AttemptPolicy.model_validate_json(r[2]),
-                   status=r[3], attempt_id=r[4], attempts=r[5], reward=r[6], error=r[7], enqueued_at=r[8],
-                   ended_at=r[9], queue=r[10])
-
-
-def _attempt(r) -> Attempt:
-    return Attempt(attempt_id=r[0], rollout_id=r[1], sequence=r[2], status=r[3], worker_id=r[4], started_at=r[5],
-                   last_heartbeat=r[6], ended_at=r[7], error=r[8])
-
-
-def _attempt_values(a: Attempt) -> tuple:
-    return (a.attempt_id, a.rollout_id, a.sequence, a.status, a.worker_id, a.started_at, a.last_heartbeat,
-            a.ended_at, a.error)
-
-
-@lru_cache(maxsize=64)
-def _policy(text: str) -> AttemptPolicy:
-    """An attempt policy from its JSON, parsed once: a run's rollouts share one (read here, never handed out)."""
-    return AttemptPolicy.model_validate_json(text)

@@ -80,7 +80,7 @@ class TraceStore:
 
     # --- the rollout queue ---------------------------------------------------------------------------------
 
-    # The batch calls take and give rollouts as their rows (sqlite.rollout_row / rollout_of, on the caller's side):
+    # The batch calls take and give rollouts as their rows (rows.rollout_row / rollout_of, on the caller's side):
     # this actor's one thread bounds the store's rollouts/s, and plain values cost it a fraction of the models.
 
     async def enqueue(self, rows: list[tuple]) -> int:
@@ -140,7 +140,7 @@ class TraceStore:
     # --- spans ---------------------------------------------------------------------------------------------
 
     async def add_spans(self, rows: list[tuple], origin: str = "client") -> dict:
-        """Store a batch of span rows (see sqlite.span_row); invalid ones are rejected with reasons and counted."""
+        """Store a batch of span rows (see rows.span_row); invalid ones are rejected with reasons and counted."""
         if len(rows) > self.max_batch_spans:
             self.count_error(BatchTooLarge.code)
             raise BatchTooLarge(f"{len(rows)} spans in one batch; the limit is {self.max_batch_spans}")
@@ -174,7 +174,7 @@ class TraceStore:
     async def query_span_rows(self, rollout_ids: list[str] | None = None, attempt_id: str | None = None,
                               name: str | list[str] | None = None, since: float | None = None,
                               until: float | None = None, limit: int | None = None) -> list[tuple]:
-        """query_spans, left to the caller to decode (sqlite.span_from_row): StoreClient reads spans this way."""
+        """query_spans, left to the caller to decode (rows.span_from_row): StoreClient reads spans this way."""
         return await self._call(self.backend.query_span_rows, rollout_ids, attempt_id, name, since, until, limit)
 
     async def count_rollouts(self, rollout_ids: list[str] | None = None) -> dict[str, int]:

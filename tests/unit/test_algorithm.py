@@ -16,7 +16,8 @@ from lightning_ray.algorithm.lightningrl import (adapt, merge_calls, scored_fait
 from lightning_ray.algorithm.select import Selection
 from lightning_ray.config import AlgorithmConfig, SelectConfig
 from lightning_ray.learner.driver import micro_batches
-from lightning_ray.store.sqlite import SQLiteBackend, span_row
+from lightning_ray.store.rows import span_row
+from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Rollout, Span, Task, Transition
 

@@ -9,7 +9,8 @@ import sqlite3
 
 import numpy as np
 
-from lightning_ray.store.sqlite import SQLiteBackend, span_row
+from lightning_ray.store.rows import span_row
+from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Rollout, Span, Task
 

@@ -18,7 +18,8 @@ from lightning_ray.rollout.batching import BatchedStore
 from lightning_ray.store.client import StoreClient
 from lightning_ray.store.errors import (BatchTooLarge, InvalidReward, InvalidSpans, InvalidTransition, StaleAttempt,
                                        UnknownAttempt, UnknownRollout)
-from lightning_ray.store.sqlite import SQLiteBackend, span_row
+from lightning_ray.store.rows import span_row
+from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.tracing.spans import new_span_id
 from lightning_ray.types import AttemptPolicy, Rollout, Span, Task, Verdict
 
