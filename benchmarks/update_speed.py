@@ -4,7 +4,7 @@ for) vs a bare single-process PyTorch step of the same loss on the same hardware
     python benchmarks/update_speed.py [--layouts 1x2 2x1] [--transitions 128] [--steps 2] [--micro-batch-tokens 2048]
         [--lora]   # and each layout with LoRA (learner.lora={}), its update's speed against full's
         [--unshared]   # and each layout with learner.shared_prefix=false, the default's speed against it
-        [--task sql]   # the sql writer's calls (a ~450-token schema prompt each) instead of calc episodes
+        [--task sql]   # the sql writer's calls (a ~470-token schema prompt each) instead of calc episodes
     python benchmarks/update_speed.py --model qwen2.5-0.5b --prompt-tokens 768 --response-tokens 256 \
         --transitions 64 --micro-batch-tokens 8192 --layouts 1x4 --steps 3                      # on a GPU
 

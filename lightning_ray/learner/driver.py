@@ -67,7 +67,7 @@ class Learner:
             # learner.resources_per_worker is one logical CPU by default, whatever the threads: phases alternate, so
             # the learner's threads use the cores the rollouts leave idle while it trains. Ray Train reserves the
             # workers' resources as one placement group, spread over nodes by learner.placement_strategy.
-            scaling_config=ScalingConfig(num_workers=self.n, use_gpu=t.resources_per_worker.get("GPU", 0) > 0,
+            scaling_config=ScalingConfig(num_workers=self.n, use_gpu=on_gpus(t),
                                          resources_per_worker=t.resources_per_worker,
                                          placement_strategy=t.placement_strategy),
             run_config=RunConfig(name="learner", storage_path=str(cfg.run_path / "ray_train"),
@@ -213,8 +213,7 @@ class Learner:
 def resolved(t: LearnerConfig) -> LearnerConfig:
     """The learner's settings as its ranks use them: `auto` dtype, ZeRO stage and gradient checkpointing decided for
     this run, and prefix sharing off under gradient checkpointing (transformers drops a layer's cache there)."""
-    on_gpu = t.resources_per_worker.get("GPU", 0) > 0
-    checkpointing = t.gradient_checkpointing is True or (t.gradient_checkpointing == "auto" and on_gpu)
+    checkpointing = t.gradient_checkpointing is True or (t.gradient_checkpointing == "auto" and on_gpus(t))
     return t.model_copy(update={"dtype": learner_dtype(t), "zero_stage": zero_stage(t),
                                 "gradient_checkpointing": checkpointing,
                                 "shared_prefix": t.shared_prefix and not checkpointing})
@@ -224,7 +223,12 @@ def learner_dtype(t: LearnerConfig) -> str:
     """learner.dtype, `auto` resolved: bfloat16 when the ranks get GPUs, float32 on CPUs."""
     if t.dtype != "auto":
         return t.dtype
-    return "bfloat16" if t.resources_per_worker.get("GPU", 0) > 0 else "float32"
+    return "bfloat16" if on_gpus(t) else "float32"
+
+
+def on_gpus(t: LearnerConfig) -> bool:
+    """Whether the ranks get GPUs (learner.resources_per_worker): what every `auto` of the learner goes by."""
+    return t.resources_per_worker.get("GPU", 0) > 0
 
 
 def zero_stage(t: LearnerConfig) -> int:
