@@ -33,6 +33,9 @@ def load_splits(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
     options = {"dataset": cfg.dataset, "options": cfg.generator or None, "protocol": cfg.protocol}
     held_out = task.make_tasks(cfg.eval_size, cfg.eval_seed, **options)
     train = task.make_tasks(cfg.train_size, cfg.seed, exclude={t.input["question"] for t in held_out}, **options)
+    if cfg.balance and (lacking := next((t for t in train if cfg.balance not in t.input), None)):
+        raise ValueError(f"task.balance={cfg.balance}: the {cfg.name} task's inputs have no such field "
+                         f"(they have {', '.join(lacking.input)})")
     if cfg.system_prompt is not None:
         train, held_out = ([t.model_copy(update={"input": {**t.input, "system_prompt": cfg.system_prompt}})
                             for t in split] for split in (train, held_out))

@@ -4,8 +4,9 @@ sampling, more rounds for the groups whose rollouts all scored the same."""
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from itertools import zip_longest
 
 from lightning_ray.algorithm.advantages import best_rollouts, compute_advantages
 from lightning_ray.algorithm.air import air_spans
@@ -35,9 +36,18 @@ def sampling_rounds(run: Run) -> int:
 
 
 def draw(run: Run) -> list[Task]:
-    """A batch's tasks, from the run's sampler: the first round's and those dynamic sampling may need."""
-    wanted = run.cfg.rollout.tasks_per_iteration * sampling_rounds(run)
-    return run.rng.sample(run.train_tasks, min(wanted, len(run.train_tasks)))
+    """A batch's tasks, from the run's sampler: the first round's and those dynamic sampling may need; with
+    task.balance, a task of each of its values in turn (in an order drawn anew each batch), none drawn twice."""
+    wanted = min(run.cfg.rollout.tasks_per_iteration * sampling_rounds(run), len(run.train_tasks))
+    if not (key := run.cfg.task.balance):
+        return run.rng.sample(run.train_tasks, wanted)
+    strata = defaultdict(list)
+    for task in run.train_tasks:
+        strata[task.input[key]].append(task)
+    pools = list(strata.values())
+    run.rng.shuffle(pools)  # which value comes first
+    pools = [run.rng.sample(pool, len(pool)) for pool in pools]
+    return [task for turn in zip_longest(*pools) for task in turn if task is not None][:wanted]
 
 
 def collect(run: Run, iteration: int, tasks: list[Task]) -> Batch:

@@ -87,13 +87,15 @@ def test_rl_after_imitation_draws_other_training_tasks_than_the_imitation_did(tm
     from types import SimpleNamespace
 
     from lightning_ray.config import compose
+    from lightning_ray.tasks import load_splits
     from lightning_ray.trainer.collect import draw
 
-    def drawn(config_name: str, iterations: int) -> set[int]:
+    def drawn(config_name: str, iterations: int) -> set[str]:
         cfg = compose([f"run_dir={tmp_path / config_name}", "task=sql"], config_name)
-        run = SimpleNamespace(cfg=cfg, rng=random.Random(cfg.seed), train_tasks=list(range(cfg.task.train_size)))
-        return {t for _ in range(iterations) for t in draw(run)}
+        run = SimpleNamespace(cfg=cfg, rng=random.Random(cfg.seed), train_tasks=load_splits(cfg.task)[0])
+        return {t.task_id for _ in range(iterations) for t in draw(run)}
 
     imitated, reinforced = drawn("imitate", 13), drawn("train", 13)
-    # 13 x 16 of 1,000 imitated: an independent draw of RL's 13 x 16 shares ~21% by chance, not all of them
-    assert len(imitated & reinforced) < 0.35 * len(reinforced)
+    # 13 x 16 of 1,000 imitated, the families in turn (task.balance): an independent draw of RL's 13 x 16 shares
+    # ~34% (the small families' few questions come up in both; ~15% drawn uniformly), not all of them
+    assert len(imitated & reinforced) < 0.5 * len(reinforced)

@@ -86,6 +86,39 @@ def test_tasks_are_deterministic_and_the_splits_do_not_overlap():
     assert {t.input["max_rounds"] for t in train + held_out} == {1}
 
 
+def test_batches_draw_the_families_in_turn(tmp_path):
+    """task.balance=family (configs/task/sql.yaml): Chinook's families hold 3 to 852 questions; drawn uniformly from
+    the 1,000-question training split three of them would fill over half the batches, while the held-out split
+    weighs all 19 alike. In turn, each batch's tasks are of as many families as it can hold, none drawn twice."""
+    import random
+    from types import SimpleNamespace
+
+    from lightning_ray.config import compose
+    from lightning_ray.trainer.collect import draw
+
+    def families(*overrides: str) -> tuple[Counter, list[list]]:
+        cfg = compose([f"run_dir={tmp_path}", "task=sql", *overrides])
+        run = SimpleNamespace(cfg=cfg, rng=random.Random(cfg.seed), train_tasks=load_splits(cfg.task)[0])
+        batches = [draw(run) for _ in range(20)]
+        return Counter(t.input["family"] for b in batches for t in b), batches
+
+    balanced, batches = families()
+    in_training = {t.input["family"] for t in load_splits(TaskConfig(name="sql", dataset="chinook"))[0]}
+    assert set(balanced) == in_training and len(in_training) >= 17  # a family held out whole is never drawn
+    assert max(balanced.values()) <= 1.5 * min(balanced.values())
+    for batch in batches:
+        assert len({t.task_id for t in batch}) == len(batch) == 16
+        assert len({t.input["family"] for t in batch}) == len(batch)  # fewer tasks than families: one of each
+    uniform, _ = families("task.balance=null")
+    assert sum(n for _, n in uniform.most_common(3)) > 0.5 * uniform.total()
+
+
+def test_balance_names_a_field_the_tasks_have():
+    with pytest.raises(ValueError, match=r"task.balance=genre: the sql task's inputs have no such field "
+                                         r"\(they have question, .*family"):
+        load_splits(TaskConfig(name="sql", dataset="chinook", train_size=20, eval_size=5, balance="genre"))
+
+
 def test_options_are_checked():
     few = sql.make_tasks(5, seed=0, options={"families": ["tracks_in_genre"]})
     assert {t.input["family"] for t in few} == {"tracks_in_genre"}
