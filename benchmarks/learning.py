@@ -46,6 +46,7 @@ def trained(cfg: TrainConfig) -> dict:
             "held_out": cfg.task.eval_size, "iterations": len(history),
             "batch": f"{cfg.rollout.tasks_per_iteration}x{cfg.rollout.group_size}", "lr": cfg.learner.lr,
             "accuracy": [(e["after"], round(e["accuracy"], 3)) for e in evals],
+            **({"accuracy_by": evals[-1]["accuracy_by"]} if "accuracy_by" in evals[-1] else {}),  # the last's
             "reward_mean": [round(h["reward_mean"], 3) for h in history],
             "wall_minutes": round(minutes, 1), "seconds_by_phase": phases,
             "png": str(cfg.run_path / "learning_curve.png")}

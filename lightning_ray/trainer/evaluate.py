@@ -3,7 +3,8 @@
 Greedy accuracy: one rollout per task, sampled at temperature 0 (the task's sampling defaults tell the server; the
 agent is not touched). pass@k: k rollouts per task at the training temperature; a task passes if any is right.
 A rollout is right when the task's reward is 1 (scorers may give partial credit below that). Rollouts that failed
-for the platform's reasons (no reward) count as wrong and are reported.
+for the platform's reasons (no reward) count as wrong and are reported. With task.balance, the greedy accuracy of each
+of its values too (sql: of each question family).
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ def evaluate(services: Services, tasks: list[Task], pass_k: int = 0, desc: str =
     result = {"tasks": len(tasks), "accuracy": _solved(greedy) / len(tasks),
               "reward_mean": sum(r.reward or 0.0 for r in greedy) / len(greedy),
               "failed_rollouts": sum(r.reward is None for r in greedy)}
+    if key := services.cfg.task.balance:  # each kind of task's accuracy: what training gained or lost, and where
+        kinds: dict[str, list[Rollout]] = defaultdict(list)
+        for r in greedy:
+            kinds[str(r.task.input[key])].append(r)
+        result["accuracy_by"] = {kind: _solved(rs) / len(rs) for kind, rs in sorted(kinds.items())}
     metrics().held_out_accuracy.set(result["accuracy"])
     if pass_k:
         temperature = services.cfg.rollout.temperature

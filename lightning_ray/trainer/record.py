@@ -113,7 +113,8 @@ class IterationRecord(BaseModel):
     eval_before: dict[str, Any] | None = described(
         "held-out evaluation before training (on iteration 0's line)", optional=True)
     eval: dict[str, Any] | None = described(
-        "held-out `accuracy` (greedy), `reward_mean`, `pass@k` when `eval.pass_k` is set", optional=True)
+        "held-out `accuracy` (greedy), `reward_mean`, `pass@k` when `eval.pass_k` is set, `accuracy_by` each "
+        "`task.balance` value's when that is set", optional=True)
 
 
 def iteration_record(iteration, rollouts, spans, transitions, adapted, sampling, version, results, seconds) -> dict:

@@ -31,11 +31,11 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
         "engine": {"kind": "hf", "max_model_len": 2048},
         "serve": {"port": serve_port},
         "task": {"name": "sql", "dataset": "chinook", "generator": {"max_rounds": 1}, "train_size": 16,
-                 "eval_size": 4},
+                 "eval_size": 4, "balance": "family"},
         "rollout": {"tasks_per_iteration": 4, "group_size": 2, "max_tokens": 24, "agents_per_worker": 4},
         # one sample per selected call, so transitions count the writer's and the rewriter's calls
         "algorithm": {"select": {"agents": ["writer", "rewriter"]}, "level": "transition"},
-        "trainer": {"iterations": 2, "eval_every": 0},
+        "trainer": {"iterations": 2, "eval_every": 2},
         "learner": {"num_workers": 1, "threads_per_worker": 1, "micro_batch_tokens": 4096},
     })
     history = train(cfg)
@@ -45,8 +45,10 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
              for r in db.execute("SELECT span_id, trace_id, parent_id, rollout_id, attempt_id, name, start_time, "
                                  "attributes, origin FROM spans WHERE rollout_id IS NOT NULL")]
     rollouts = {r[0]: (Task.model_validate_json(r[1]), r[2], r[3]) for r in sqlite3.connect(
-        run_dir / "traces.sqlite").execute("SELECT rollout_id, task, status, reward FROM rollouts")}
-    return {"history": history, "spans": spans, "rollouts": rollouts}
+        run_dir / "traces.sqlite").execute("SELECT rollout_id, task, status, reward FROM rollouts ORDER BY seq")}
+    held_out = [rollouts.pop(rid) for rid, (task, _, _) in list(rollouts.items()) if task.group_id is None]
+    return {"history": history, "spans": [s for s in spans if s.rollout_id in rollouts], "rollouts": rollouts,
+            "held_out": held_out}
 
 
 def test_rollouts_ran_the_workflow_to_an_answer(run):
@@ -93,3 +95,16 @@ def test_rewards_are_execution_matches_of_the_final_query(run):
         assert sql.reward(task.reward_input, answers[rid]) == reward  # the final query, scored again here
     for h in run["history"]:
         assert 0.0 <= h["reward_mean"] <= 1.0
+
+
+def test_held_out_accuracy_is_reported_per_family(run):
+    """task.balance=family: the held-out evaluation's accuracy of each family, recomputed from the store's greedy
+    rollouts (no group), the last 4 being the final evaluation's."""
+    final = run["history"][-1]["eval"]
+    assert len(run["held_out"]) == 8  # before training and after it
+    by_family: dict[str, list[bool]] = {}
+    for task, _, reward in run["held_out"][-4:]:
+        by_family.setdefault(task.input["family"], []).append(reward == 1.0)
+    assert final["accuracy_by"] == {f: sum(right) / len(right) for f, right in sorted(by_family.items())}
+    assert len(final["accuracy_by"]) == 4  # 4 held-out questions, drawn family by family
+    assert final["accuracy"] == sum(right for rights in by_family.values() for right in rights) / 4
