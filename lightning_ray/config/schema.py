@@ -91,8 +91,8 @@ class TaskConfig(_Strict):
     train_size: int = Field(1000, gt=0)
     seed: int = 0  # the training split's seed
     # Draw each batch's tasks evenly over this input field (e.g. sql's family): its values in turn, a task of each,
-    # so that a rare kind of task is trained on as often as a common one, as the held-out split (drawn the same way)
-    # weighs them; null: uniformly over the training split's tasks
+    # so that a rare kind of task is trained on as often as a common one (sql's held-out split weighs its families
+    # alike); the held-out evaluation then reports each value's accuracy. null: uniformly over the training split
     balance: str | None = Field(None, min_length=1)
     eval_size: int = Field(100, gt=0)  # the held-out split: another seed, no question shared with training
     eval_seed: int = 1

@@ -43,7 +43,7 @@ def draw(run: Run) -> list[Task]:
         return run.rng.sample(run.train_tasks, wanted)
     strata = defaultdict(list)
     for task in run.train_tasks:
-        strata[task.input[key]].append(task)
+        strata[str(task.input[key])].append(task)  # as evaluate reports them
     pools = list(strata.values())
     run.rng.shuffle(pools)  # which value comes first
     pools = [run.rng.sample(pool, len(pool)) for pool in pools]
