@@ -68,7 +68,8 @@ def test_an_engine_serves_the_base_plus_each_new_adapter(kind, tiny_model_path, 
 @pytest.mark.parametrize("kind", ["hf", VLLM])
 def test_an_engine_serves_each_request_with_the_adapter_it_names(kind, tiny_model_path):
     """An adapter per agent (algorithm.adapters): one engine, the base and two adapters, each request with its own
-    (interleaved), each new version of both replacing the last; one not loaded yet is the base."""
+    (interleaved, and all at once in one batch), each new version of both replacing the last; one not loaded yet is
+    the base."""
     names = ("writer", "rewriter")
     first, second = adapted(tiny_model_path, 1, names=names), adapted(tiny_model_path, 2, names=names)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
@@ -83,6 +84,14 @@ def test_an_engine_serves_each_request_with_the_adapter_it_names(kind, tiny_mode
                 lora.use_adapter(model, name)
                 check_serves(engine, loop.run_until_complete, model, prompt, adapter=name)
             check_serves(engine, loop.run_until_complete, base, prompt, adapter=None)
+        # All at once, so one batch mixes the base's tokens with each adapter's (vLLM-CPU once applied the last
+        # adapter's slot to a request naming none: engines/vllm_cpu_lora.py).
+        together = (None, *names, None, *names)
+        served = loop.run_until_complete(_all_at_once(engine, prompt, together))
+        for name, g in zip(together, served):
+            if name:
+                lora.use_adapter(second, name)
+            assert logprob_error(second if name else base, prompt, g.token_ids, g.logprobs) < ATOL, name
     finally:
         if kind == "vllm" and engine:
             loop.run_until_complete(_stop(engine))
@@ -92,6 +101,11 @@ def test_an_engine_serves_each_request_with_the_adapter_it_names(kind, tiny_mode
 async def _start(kind, path, adapter, **options):
     options = options if kind == "vllm" else {}  # max_loras: vLLM's
     return make_engine(kind, str(path), max_model_len=512, lora_rank=4, adapter=adapter and str(adapter), **options)
+
+
+async def _all_at_once(engine, prompt, adapters):
+    return await asyncio.gather(*(generate(engine, prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=i,
+                                                                          adapter=a)) for i, a in enumerate(adapters)))
 
 
 async def _stop(engine):
