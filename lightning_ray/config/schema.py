@@ -353,8 +353,8 @@ class LoraConfig(_Strict):
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     # What each version ships to the engines: the adapter alone (a few MB; the engines apply it on their base: peft,
     # vLLM's LoRA kernels) or the merged weights (the whole model, served as a plain one). auto: the adapter where
-    # the replicas have GPUs; merged on CPUs, where vLLM's LoRA path made each rollout 5-9x slower than the sync saves
-    # (benchmarks/results/lora_calc_adapter_sync_partial.json).
+    # the replicas have GPUs; merged on CPUs, where serving an adapter costs more than the sync saves (vLLM-CPU with
+    # our LoRA ops: rollouts 1.66x slower, benchmarks/results/lora_calc_adapter_sync.json; 5-9x with vLLM's own).
     sync: Literal["auto", "adapter", "merged"] = "auto"
 
 
