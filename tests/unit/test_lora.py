@@ -71,3 +71,29 @@ def test_lora_is_off_by_default_and_its_settings_are_checked():
     assert compose(["learner.lora={rank:4,target_modules:[q_proj]}"]).learner.lora.target_modules == ["q_proj"]
     with pytest.raises(ConfigError, match=r"learner\.lora\.rank"):
         compose(["learner.lora={rank:0}"])
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]])
+def test_adapters_on_the_top_layers_leave_the_layers_below_out_of_the_backward(base, targets):
+    """learner.lora.layers=1 of 2: every adapted linear of the top layer, none of the bottom one, whose activations
+    then need no gradient (the backward stops above it: why an update costs less); the merged view still the
+    adapted policy."""
+    model = adapted(base, rank=4, alpha=8.0, target_modules=targets, layers=1)
+    trained = {n.split(".lora_")[0] for n, p in model.named_parameters() if p.requires_grad}
+    every = {n.split(".lora_")[0] for n, _ in adapted(LlamaForCausalLM(base.config), target_modules=targets)
+             .named_parameters() if ".lora_" in n}
+    assert trained == {n for n in every if ".layers.1." in n} and len(trained) == len(every) / 2
+    needs_grad = []
+    for layer in model.get_base_model().model.layers:
+        layer.register_forward_hook(lambda module, inputs, out: needs_grad.append(out[0].requires_grad))
+    ids = torch.randint(0, 64, (2, 12))
+    logits = model(input_ids=ids).logits
+    assert needs_grad == [False, True]
+    logits.sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    with torch.no_grad():
+        plain = LlamaForCausalLM(base.config).eval()
+        plain.load_state_dict(lora.Merged(model).state_dict())
+        torch.testing.assert_close(plain(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"learner\.lora\.layers=3: the model has 2 layers"):
+        lora.with_adapter(LlamaForCausalLM(base.config), LoraConfig(layers=3))

@@ -1,6 +1,7 @@
 """Both engines serve the base plus a LoRA adapter (learner.lora's weight sync ships the adapter alone): sampled
 tokens are scored as the adapted model scores them, each new adapter replaces the last, one that does not fit is
-refused with the served one untouched, and an engine started with a checkpoint's adapter serves it from the start;
+refused with the served one untouched, and an engine started with a checkpoint's adapter serves it from the start
+(adapters of the top layer only, learner.lora.layers, there);
 with an adapter per agent, each request is served with the one it names.
 The learner's own adapter through the HF engine: tests/integration/learner/test_lora_learner.py."""
 
@@ -19,11 +20,12 @@ from lightning_ray.serving.engines import SamplingParams, generate, make_engine
 from lightning_ray.weight_sync.adapter import DEFAULT, Adapter
 
 
-def adapted(path, seed: int, rank: int = 4, names: tuple[str, ...] = (DEFAULT,)) -> torch.nn.Module:
+def adapted(path, seed: int, rank: int = 4, names: tuple[str, ...] = (DEFAULT,), layers: int | None = None
+            ) -> torch.nn.Module:
     """The tiny model with adapters on its attention's projections, B no longer zero (as after training)."""
     torch.manual_seed(seed)
     model = lora.with_adapter(AutoModelForCausalLM.from_pretrained(path), LoraConfig(
-        rank=rank, alpha=2.0 * rank, target_modules=["q_proj", "v_proj"]), names)
+        rank=rank, alpha=2.0 * rank, target_modules=["q_proj", "v_proj"], layers=layers), names)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -42,7 +44,7 @@ VLLM = pytest.param("vllm", marks=pytest.mark.skipif(__import__("importlib").uti
 
 @pytest.mark.parametrize("kind", ["hf", VLLM])
 def test_an_engine_serves_the_base_plus_each_new_adapter(kind, tiny_model_path, tmp_path):
-    first, second = adapted(tiny_model_path, 1), adapted(tiny_model_path, 2)
+    first, second = adapted(tiny_model_path, 1, layers=1), adapted(tiny_model_path, 2, layers=1)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
     Adapter.of(first).write(tmp_path / "resumed")
     loop, engine = asyncio.new_event_loop(), None  # vLLM binds to the loop it first runs on
@@ -54,7 +56,7 @@ def test_an_engine_serves_the_base_plus_each_new_adapter(kind, tiny_model_path, 
         assert engine.policy_version == 1
         check_serves(engine, loop.run_until_complete, second, prompt)
         with pytest.raises(ValueError, match="do not fit"):  # another rank: refused before anything changes
-            loop.run_until_complete(engine.stage_weights((Adapter.of(adapted(tiny_model_path, 3, rank=8)),)))
+            loop.run_until_complete(engine.stage_weights((Adapter.of(adapted(tiny_model_path, 3, rank=8, layers=1)),)))
         assert engine.policy_version == 1 and engine.broken is None
         check_serves(engine, loop.run_until_complete, second, prompt)
         assert logprob_error(base, prompt, *_greedy(engine, loop, prompt)) > 1e-3  # the adapter does act
