@@ -4,7 +4,7 @@ for) vs a bare single-process PyTorch step of the same loss on the same hardware
     python benchmarks/update_speed.py [--layouts 1x2 2x1] [--transitions 128] [--steps 2] [--micro-batch-tokens 2048]
         [--lora]   # and each layout with LoRA (learner.lora={}), its update's speed against full's
         [--lora-layers 15 8]   # and with LoRA on the top 15, then 8 layers only (learner.lora={layers: N})
-        [--unshared]   # and each layout with learner.shared_prefix=false, the default's speed against it
+        [--unshared]   # and each of those with learner.shared_prefix=false, the default's speed against it
         [--task sql]   # the sql writer's calls (a ~470-token schema prompt each) instead of calc episodes
     python benchmarks/update_speed.py --model qwen2.5-0.5b --prompt-tokens 768 --response-tokens 256 \
         --transitions 64 --micro-batch-tokens 8192 --layouts 1x4 --steps 3                      # on a GPU
@@ -217,8 +217,9 @@ def main() -> None:
                       **work}), flush=True)
     ray.init(num_cpus=4)  # as the training job starts it: the dashboard on (Ray Train polls its state API)
     variants = {"learner": {}, **({"learner_lora": {"lora": {}}} if args.lora else {}),
-                **{f"learner_lora_top{n}": {"lora": {"layers": n}} for n in args.lora_layers},
-                **({"learner_unshared": {"shared_prefix": False}} if args.unshared else {})}
+                **{f"learner_lora_top{n}": {"lora": {"layers": n}} for n in args.lora_layers}}
+    if args.unshared:
+        variants |= {f"{side}_unshared": {**learner, "shared_prefix": False} for side, learner in variants.items()}
     for layout in args.layouts:
         workers, threads = map(int, layout.split("x"))
         stage = args.zero_stage if args.zero_stage == "auto" else int(args.zero_stage)
