@@ -352,8 +352,8 @@ class LoraConfig(_Strict):
     # the linear layers adapted: names as peft matches them (e.g. [q_proj, v_proj]), or every linear but the LM head
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     # adapt the top N decoder layers only (null: every layer): the backward stops below the lowest adapted one, so
-    # an update costs less the fewer the layers (benchmarks/update_speed.py --lora-layers), at some cost in what
-    # the adapters can learn
+    # an update costs less the fewer the layers (SmolLM2's top 15 of 30: 1.49x), and the adapters learn less
+    # (calc: 0.76 held-out against full's 0.97, benchmarks/results/lora_calc_top15.json)
     layers: int | None = Field(None, gt=0)
     # What each version ships to the engines: the adapter alone (a few MB; the engines apply it on their base: peft,
     # vLLM's LoRA kernels) or the merged weights (the whole model, served as a plain one). auto: the adapter where
