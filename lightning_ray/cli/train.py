@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from lightning_ray.config import ConfigError, TrainConfig, job
 
 
@@ -15,7 +18,28 @@ def run_training(cfg: TrainConfig) -> None:
         history = train(cfg)
     except ConfigError as e:  # found once the run directory is read (resume=): the key named, no traceback
         raise SystemExit(str(e)) from None
+    except (Exception, KeyboardInterrupt) as e:  # hours of training need not be lost: say how to go on
+        if hint := resume_hint(cfg.run_path, e):
+            print(hint, file=sys.stderr, flush=True)
+        raise
     print(f"done: {len(history)} iterations, metrics in {cfg.run_path / 'metrics.jsonl'}")
+
+
+def resume_hint(run_path: Path, error: BaseException) -> str | None:
+    """How a run that stopped goes on from its last checkpoint, if it wrote one; and when Ray's memory monitor
+    killed its workers, that the node ran out of memory (Ray's own message is pages long)."""
+    from lightning_ray.learner import checkpoint
+
+    if (found := checkpoint.latest(run_path)) is None:
+        return None
+    causes = []
+    while error is not None and len(causes) < 16:  # the chain: raise ... from ...
+        causes.append(str(error))
+        error = error.__cause__ or error.__context__
+    oom = any("running low on memory" in c for c in causes)
+    return (f"the run stopped{': the node ran out of memory and Ray killed its workers' if oom else ''}. "
+            f"Its checkpoint after {found.state.next_iteration} iterations goes on with the same command and "
+            f"resume={run_path}")
 
 
 @job("train")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import CLI, ROOT, TINY, cli, free_port, kill_session
 
+from lightning_ray.cli.train import resume_hint
 from lightning_ray.learner.checkpoint import LoopState, commit, latest, staging
 
 # its jobs run the tiny model (TINY): built first, so the file runs once it is (tests/conftest.py orders the files)
@@ -52,6 +53,20 @@ def test_the_task_samplers_state_survives_the_checkpoint(tmp_path):
     resumed = random.Random()
     resumed.setstate(latest(tmp_path).state.random_state())  # through state.json
     assert resumed.sample(range(1000), 16) == rng.sample(range(1000), 16)
+
+
+def test_a_stopped_run_says_how_to_go_on_and_why_it_stopped(tmp_path):
+    assert resume_hint(tmp_path, RuntimeError("boom")) is None  # no checkpoint: nothing to go on from
+    commit(staging(tmp_path, 3), state(3), keep=1)
+    try:  # as the learner's driver raises it when Ray's memory monitor killed the ranks
+        try:
+            raise RuntimeError("Training failed: 7 worker(s) were killed due to the node running low on memory.")
+        except RuntimeError as oom:
+            raise RuntimeError("the training run stopped") from oom
+    except RuntimeError as e:
+        hint = resume_hint(tmp_path, e)
+    assert "ran out of memory" in hint and "after 3 iterations" in hint and f"resume={tmp_path}" in hint
+    assert "memory" not in resume_hint(tmp_path, KeyboardInterrupt())
 
 
 def test_resume_names_what_is_missing(tmp_path):
