@@ -24,7 +24,9 @@ from learning import trained
 
 from lightning_ray.config import compose
 
-ARMS = {"shared": [], "per_agent": ["algorithm.adapters={write:[writer],rewrite:[rewriter]}"]}
+# the second arm starts where the first did: its accuracy before training is the first's
+ARMS = {"shared": [],
+        "per_agent": ["algorithm.adapters={write:[writer],rewrite:[rewriter]}", "trainer.eval_before=false"]}
 
 
 def main() -> None:

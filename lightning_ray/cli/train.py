@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import sys
 from pathlib import Path
 
@@ -19,8 +20,8 @@ def run_training(cfg: TrainConfig) -> None:
     except ConfigError as e:  # found once the run directory is read (resume=): the key named, no traceback
         raise SystemExit(str(e)) from None
     except (Exception, KeyboardInterrupt) as e:  # hours of training need not be lost: say how to go on
-        if hint := resume_hint(cfg.run_path, e):
-            print(hint, file=sys.stderr, flush=True)
+        if hint := resume_hint(cfg.run_path, e):  # at exit: below the traceback (Ray's OOM report is pages long)
+            atexit.register(print, hint, file=sys.stderr, flush=True)
         raise
     print(f"done: {len(history)} iterations, metrics in {cfg.run_path / 'metrics.jsonl'}")
 

@@ -369,6 +369,7 @@ class TrainerConfig(_Strict):
     # the last
     max_minutes: float | None = Field(None, gt=0)
     eval_every: int = Field(4, ge=0)  # held-out evaluation before training, every N iterations and at the end; 0: none
+    eval_before: bool = True  # false: none before training (the start's accuracy is known: a second run from it)
     # the policy, optimizer state and loop state (what resume=<run_dir> goes on from), and after the last iteration
     checkpoint_every: int = Field(4, gt=0)
     keep_checkpoints: int = Field(1, gt=0)  # the last N checkpoints stay (each holds the optimizer state too)

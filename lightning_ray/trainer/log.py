@@ -24,7 +24,7 @@ def record_iteration(run: Run, batch: Batch, update: Update, idle: dict[str, flo
         record.update({"served_policy_version": update.probe_after["version"],
                        "probe_logprob_before": update.probe_before["logprob_mean"],
                        "probe_logprob_after": update.probe_after["logprob_mean"]})
-    if i == 0 and run.evals:
+    if i == 0 and run.evals and run.evals[0]["after"] == 0:  # (none where trainer.eval_before=false)
         record["eval_before"] = run.evals[0]
     if run.evals and run.evals[-1]["after"] == i + 1:
         record["eval"] = run.evals[-1]

@@ -27,7 +27,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             (cfg.run_path / "metrics.jsonl").write_text("".join(json.dumps(line(r)) + "\n" for r in run.history))
             print(f"resumed from {resume.path.name}: iteration {run.first}, "
                   f"policy v{resume.state.policy_version}", flush=True)
-        elif cfg.trainer.eval_every:
+        elif cfg.trainer.eval_every and cfg.trainer.eval_before:
             print(f"held-out accuracy before training: {evaluate_held_out(run, 0)['accuracy']:.3f}", flush=True)
         run.start_clock()
         with Batches(run) as batches:

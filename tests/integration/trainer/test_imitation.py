@@ -40,8 +40,10 @@ def training(spans):  # held-out evaluation decodes greedily, training at the ro
 @pytest.fixture(scope="module")
 def runs(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     imitated, reinforced, sampled = (tmp_path_factory.mktemp(name) for name in ("imitate", "rl", "sampled"))
+    # evaluated after its iteration only (trainer.eval_before=false): what RL starts from
     imitation = train(config(imitated, tiny_model_path, serve_port, teacher={"kind": "oracle"},
-                             algorithm={"objective": "sft"}, rollout={"tasks_per_iteration": 6, "group_size": 1}))
+                             algorithm={"objective": "sft"}, rollout={"tasks_per_iteration": 6, "group_size": 1},
+                             trainer={"iterations": 1, "eval_every": 1, "eval_before": False}))
     # a time budget spent within the first of 50 iterations, which is then the last: evaluated (with pass@2 besides)
     # and checkpointed as the last of `iterations` would be, though eval_every and checkpoint_every are 40
     rl = train(config(reinforced, imitated / "checkpoint", serve_port, rollout={"group_size": 4}, eval={"pass_k": 2},
@@ -74,6 +76,10 @@ def test_the_oracles_episodes_are_kept_and_trained_on_as_the_policys_tokens(runs
     # the engine scored the teacher's tokens as the learner does: the forced tokens' logprobs are the policy's
     assert h["logprob_abs_diff"] < 1e-3
     assert (runs["imitated"] / "checkpoint" / "config.json").exists()
+    # trainer.eval_before=false: the 4 held-out problems were evaluated once, after the update
+    assert "eval_before" not in h and h["eval"]["after"] == 1 and h["eval"]["tasks"] == 4
+    rollouts = SQLiteBackend(runs["imitated"] / "traces.sqlite").query_rollouts()
+    assert len([r for r in rollouts if r.task.group_id is None]) == 4  # the held-out ones (no GRPO group)
 
 
 def test_rl_goes_on_from_the_imitation_checkpoint_without_the_teacher(runs):
