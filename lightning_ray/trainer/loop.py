@@ -53,7 +53,8 @@ def finish(run: Run) -> None:
     if run.history:
         title = f"{run.cfg.task.dataset} · {run.cfg.model.path or 'tiny test model'}"
         plot_learning_curve(run.history, run.evals, run.cfg.run_path / "learning_curve.png", title)
-    if len(run.evals) > 1:
-        first, final = run.evals[0], run.evals[-1]
-        print(f"held-out accuracy: {first['accuracy']:.3f} before → {final['accuracy']:.3f} after "
-              f"{final['after']} iterations ({len(run.held_out)} problems)", flush=True)
+    if run.evals and (final := run.evals[-1])["after"]:
+        first = run.evals[0]  # none before training where trainer.eval_before=false
+        before = f"{first['accuracy']:.3f} before → " if first["after"] == 0 else ""
+        print(f"held-out accuracy: {before}{final['accuracy']:.3f} after {final['after']} iterations "
+              f"({len(run.held_out)} problems)", flush=True)
