@@ -38,8 +38,9 @@ def resume_hint(run_path: Path, error: BaseException) -> str | None:
         causes.append(str(error))
         error = error.__cause__ or error.__context__
     oom = any("running low on memory" in c for c in causes)
+    done = found.state.next_iteration
     return (f"the run stopped{': the node ran out of memory and Ray killed its workers' if oom else ''}. "
-            f"Its checkpoint after {found.state.next_iteration} iterations goes on with the same command and "
+            f"Its checkpoint after {done} iteration{'s' * (done != 1)} goes on with the same command and "
             f"resume={run_path}")
 
 
