@@ -58,13 +58,9 @@ def test_the_task_samplers_state_survives_the_checkpoint(tmp_path):
 def test_a_stopped_run_says_how_to_go_on_and_why_it_stopped(tmp_path):
     assert resume_hint(tmp_path, RuntimeError("boom")) is None  # no checkpoint: nothing to go on from
     commit(staging(tmp_path, 3), state(3), keep=1)
-    try:  # as the learner's driver raises it when Ray's memory monitor killed the ranks
-        try:
-            raise RuntimeError("Training failed: 7 worker(s) were killed due to the node running low on memory.")
-        except RuntimeError as oom:
-            raise RuntimeError("the training run stopped") from oom
-    except RuntimeError as e:
-        hint = resume_hint(tmp_path, e)
+    stopped = RuntimeError("the training run stopped")  # as the learner's driver raises it after Ray's OOM kill
+    stopped.__cause__ = RuntimeError("Training failed: 7 worker(s) were killed due to the node running low on memory.")
+    hint = resume_hint(tmp_path, stopped)
     assert "ran out of memory" in hint and "after 3 iterations" in hint and f"resume={tmp_path}" in hint
     assert "memory" not in resume_hint(tmp_path, KeyboardInterrupt())
 
