@@ -20,15 +20,17 @@ def run_training(cfg: TrainConfig) -> None:
     except ConfigError as e:  # found once the run directory is read (resume=): the key named, no traceback
         raise SystemExit(str(e)) from None
     except (Exception, KeyboardInterrupt) as e:  # hours of training need not be lost: say how to go on
-        if hint := resume_hint(cfg.run_path, e):  # at exit: below the traceback (Ray's OOM report is pages long)
+        # at exit: below the traceback (Ray's OOM report is pages long)
+        if hint := resume_hint(cfg.run_path, e, auto=cfg.resume == "auto"):
             atexit.register(print, hint, file=sys.stderr, flush=True)
         raise
     print(f"done: {len(history)} iterations, metrics in {cfg.run_path / 'metrics.jsonl'}")
 
 
-def resume_hint(run_path: Path, error: BaseException) -> str | None:
+def resume_hint(run_path: Path, error: BaseException, auto: bool = False) -> str | None:
     """How a run that stopped goes on from its last checkpoint, if it wrote one; and when Ray's memory monitor
-    killed its workers, that the node ran out of memory (Ray's own message is pages long)."""
+    killed its workers, that the node ran out of memory (Ray's own message is pages long). `auto`: the command
+    already says resume=auto."""
     from lightning_ray.learner import checkpoint
 
     if (found := checkpoint.latest(run_path)) is None:
@@ -40,8 +42,8 @@ def resume_hint(run_path: Path, error: BaseException) -> str | None:
     oom = any("running low on memory" in c for c in causes)
     done = found.state.next_iteration
     return (f"the run stopped{': the node ran out of memory and Ray killed its workers' if oom else ''}. "
-            f"Its checkpoint after {done} iteration{'s' * (done != 1)} goes on with the same command and "
-            f"resume={run_path}")
+            f"Its checkpoint after {done} iteration{'s' * (done != 1)} goes on with the same command"
+            f"{'' if auto else f' and resume={run_path}'}")
 
 
 @job("train")

@@ -481,7 +481,8 @@ class TrainConfig(_Strict):
     teacher: TeacherConfig = TeacherConfig()
     ray: RayConfig = RayConfig()
     verbose: bool = False  # Ray's, Serve's and the libraries' logs on the terminal too, not only in <run_dir>/logs
-    # A run directory to go on with from its latest checkpoint, with the same config (it becomes run_dir)
+    # A run directory to go on with from its latest checkpoint, with the same config (it becomes run_dir); or auto:
+    # run_dir's own, if it holds one (else a new run there), so a job retried after its driver died goes on by itself
     resume: str | None = None
 
     @model_validator(mode="after")
@@ -522,7 +523,7 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _resume_in_place(self):
-        if self.resume:
+        if self.resume and self.resume != "auto":
             self.run_dir = self.resume
         return self
 

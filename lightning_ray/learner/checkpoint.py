@@ -95,12 +95,22 @@ def _saved(run_path: Path) -> list[Path]:
 
 def resume_point(cfg: TrainConfig) -> Checkpoint | None:
     """The checkpoint `resume=<run_dir>` goes on from: the run's latest (a run writes one every
-    trainer.checkpoint_every iterations and after its last)."""
+    trainer.checkpoint_every iterations and after its last). `resume=auto`: run_dir's, if it has one (else None: a
+    new run); one after the last iteration ends the job as done (a retried job that had finished training succeeds)."""
     if not cfg.resume:
         return None
+    auto = cfg.resume == "auto"
     if (found := latest(cfg.run_path)) is None:
+        if auto:
+            print(f"resume=auto: no checkpoint in {cfg.run_path} yet: a new run", flush=True)
+            return None
         raise ConfigError(f"resume={cfg.resume}: no checkpoint in {cfg.run_path / DIR} to go on from")
     if found.state.next_iteration >= cfg.trainer.iterations:
-        raise ConfigError(f"resume={cfg.resume}: its checkpoint is after iteration {found.state.next_iteration}, "
-                          f"the run's last (trainer.iterations={cfg.trainer.iterations}): nothing left to train")
+        done = (f"resume={cfg.resume}: the checkpoint in {cfg.run_path} is after iteration "
+                f"{found.state.next_iteration}, the run's last (trainer.iterations={cfg.trainer.iterations}): "
+                "nothing left to train")
+        if auto:
+            print(done, flush=True)
+            raise SystemExit(0)
+        raise ConfigError(done)
     return found

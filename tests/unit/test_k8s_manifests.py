@@ -59,10 +59,14 @@ def test_cpu_and_gpu_worker_groups_share_the_run_volume(name):
         assert {"name": "runs", "mountPath": "/runs"} in container["volumeMounts"]
 
 
-def test_the_job_trains_into_the_shared_volume():
-    entrypoint = MANIFESTS["rayjob.yaml"]["spec"]["entrypoint"]
-    assert entrypoint.startswith("python jobs/train.py")
-    assert "cluster=auto" in entrypoint and "run_root=/runs" in entrypoint
+def test_the_job_trains_into_the_shared_volume_and_a_retry_goes_on_there():
+    from lightning_ray.config import compose
+
+    spec = MANIFESTS["rayjob.yaml"]["spec"]
+    program, *overrides = spec["entrypoint"].removeprefix("python ").split()
+    cfg = compose(overrides)  # the config the job would run with
+    assert program == "jobs/train.py" and cfg.ray.address == "auto"
+    assert cfg.run_path.parent == Path("/runs") and cfg.resume == "auto" and spec["backoffLimit"] > 0
 
 
 def test_the_service_deploys_a_valid_serve_config():

@@ -1,5 +1,6 @@
 """Checkpoints a run goes on from: written whole or not at all, the last few kept; and a job SIGKILLed in the middle
-of an iteration resumed with `resume=<run_dir>`, as a user would, to the same versions and sample counts."""
+of an iteration resumed by the same command (`resume=auto`), as a retried job would be, to the same versions and
+sample counts."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 from helpers import CLI, ROOT, TINY, cli, free_port, kill_session
 
 from lightning_ray.cli.train import resume_hint
-from lightning_ray.learner.checkpoint import LoopState, commit, latest, staging
+from lightning_ray.config import ConfigError, compose
+from lightning_ray.learner.checkpoint import LoopState, commit, latest, resume_point, staging
 
 # its jobs run the tiny model (TINY): built first, so the file runs once it is (tests/conftest.py orders the files)
 pytestmark = pytest.mark.usefixtures("tiny_model_path")
@@ -65,6 +67,26 @@ def test_a_stopped_run_says_how_to_go_on_and_why_it_stopped(tmp_path):
     assert "memory" not in resume_hint(tmp_path, KeyboardInterrupt())
 
 
+def test_resume_auto_goes_on_where_a_checkpoint_is_and_starts_anew_where_none_is(tmp_path, capsys):
+    """What a job retried after its driver died (KubeRay's backoffLimit) finds: resume=auto with a run_dir of its own."""
+    def point(*overrides):
+        return resume_point(compose([f"run_dir={tmp_path}", "trainer.iterations=3", *overrides]))
+
+    assert point("resume=auto") is None and "no checkpoint" in capsys.readouterr().out  # the first attempt
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        point(f"resume={tmp_path}")
+    commit(staging(tmp_path, 2), state(2), keep=1)
+    assert point("resume=auto").state.next_iteration == 2
+    assert compose([f"run_dir={tmp_path / 'x'}", f"resume={tmp_path}"]).run_path == tmp_path  # resume= is run_dir
+    commit(staging(tmp_path, 3), state(3), keep=1)  # all of trainer.iterations trained: done, not failed
+    with pytest.raises(SystemExit) as done:
+        point("resume=auto")
+    assert done.value.code == 0 and "nothing left to train" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="nothing left to train"):
+        point(f"resume={tmp_path}")
+    assert "same command and resume=" not in resume_hint(tmp_path, KeyboardInterrupt(), auto=True)
+
+
 def test_resume_names_what_is_missing(tmp_path):
     r = cli("train", *TINY, f"resume={tmp_path}", timeout=120)
     assert r.returncode != 0 and f"resume={tmp_path}: no checkpoint" in r.stderr + r.stdout
@@ -72,12 +94,12 @@ def test_resume_names_what_is_missing(tmp_path):
 
 def test_a_run_killed_mid_iteration_goes_on_from_its_checkpoint(tmp_path):
     """Two iterations, a checkpoint after each. The job is SIGKILLed (the driver and the local Ray cluster it
-    started) once iteration 1's rollouts are running; `resume=<run_dir>` with the same overrides runs iteration 1
-    again, once: each iteration is in metrics.jsonl once, with a full batch, sampled by the version the one before
+    started) once iteration 1's rollouts are running; the same command (`resume=auto`, a run_dir of its own: a
+    new run the first time) runs iteration 1 again, once: each iteration is in metrics.jsonl once, with a full batch, sampled by the version the one before
     it published; the killed iteration's unfinished rollouts are cancelled, not trained."""
     run = tmp_path / "run"
     args = [*TINY, "trainer.iterations=2", "trainer.checkpoint_every=1", "trainer.eval_every=0",
-            f"serve.port={free_port()}", f"hydra.run.dir={run}"]
+            f"serve.port={free_port()}", f"hydra.run.dir={run}", "resume=auto"]
     job = subprocess.Popen([*CLI, "train", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, start_new_session=True)  # its own session: Ray's processes too
     try:
@@ -92,7 +114,7 @@ def test_a_run_killed_mid_iteration_goes_on_from_its_checkpoint(tmp_path):
         kill_session(job)  # the driver and every process of its Ray cluster
     left = unfinished(run)  # what the killed run left: none of its processes writes any more
     assert left and latest(run).state.next_iteration == 1
-    r = cli("train", *args, f"resume={run}", timeout=600)
+    r = cli("train", *args, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "resumed from iter-000001: iteration 1, policy v1" in r.stdout
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
