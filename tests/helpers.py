@@ -10,6 +10,7 @@ import os
 import random
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -243,3 +244,32 @@ def random_transitions(vocab: int, n: int = 8) -> list[Transition]:
                        response_ids=[rng.randrange(vocab) for _ in range(8)], logprobs=[-1.0] * 8, reward=i % 2,
                        returns=i % 2, advantage=1.0 if i % 2 else -1.0, policy_version=0, temperature=1.0)
             for i in range(n)]
+
+
+def board_events(logdir: Path) -> list:
+    """The TensorBoard events in a run's tensorboard/ directory, file by file in the order written: each file a
+    TFRecord stream (an 8-byte length, its CRC, the serialized Event, its CRC), read as TensorBoard reads it."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    events = []
+    for path in sorted(logdir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime_ns):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack_from("<Q", data, at)
+            events.append(Event.FromString(data[at + 12:at + 12 + length]))
+            at += 12 + length + 4
+    return events
+
+
+def board_scalars(logdir: Path) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} as TensorBoard shows it: a session restarted at a step (purge_step) hides what the runs
+    before it wrote at that step and later."""
+    scalars: dict[str, dict[int, float]] = {}
+    for e in board_events(logdir):
+        if e.HasField("session_log") and e.session_log.status == e.session_log.START:
+            for steps in scalars.values():
+                for step in [s for s in steps if s >= e.step]:
+                    del steps[step]
+        for v in e.summary.value:
+            scalars.setdefault(v.tag, {})[e.step] = v.simple_value
+    return scalars

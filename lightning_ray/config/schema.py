@@ -373,6 +373,8 @@ class TrainerConfig(_Strict):
     # the policy, optimizer state and loop state (what resume=<run_dir> goes on from), and after the last iteration
     checkpoint_every: int = Field(4, gt=0)
     keep_checkpoints: int = Field(1, gt=0)  # the last N checkpoints stay (each holds the optimizer state too)
+    # each metrics.jsonl line's numbers as TensorBoard scalars in <run_dir>/tensorboard (`tensorboard --logdir runs`)
+    tensorboard: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -1,12 +1,13 @@
 """Log the iteration: its record (record.py) kept in the run's history (before the checkpoint, which holds it), then
-its line in metrics.jsonl, its outcome on the Ray dashboard and its line on the terminal; the store then keeps only
-the last `store.keep_iterations` iterations' spans."""
+its line in metrics.jsonl and TensorBoard, its outcome on the Ray dashboard and its line on the terminal; the store
+then keeps only the last `store.keep_iterations` iterations' spans."""
 
 from __future__ import annotations
 
 import json
 
 from lightning_ray.metrics import metrics
+from lightning_ray.trainer.board import to_board
 from lightning_ray.trainer.collect import Batch
 from lightning_ray.trainer.record import iteration_record, line, summary
 from lightning_ray.trainer.run import Run
@@ -37,9 +38,13 @@ def log(run: Run, record: dict) -> None:
     if record["transitions"]:  # a Ray counter refuses 0 (every rollout failed, or no call was selected)
         metrics().transitions.inc(record["transitions"])
     metrics().policy_version.set(record["policy_version"], tags={"role": "trained"})
+    written = line(record)
     with open(run.cfg.run_path / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(line(record)) + "\n")  # its fields are docs/01-training.md's table
+        f.write(json.dumps(written) + "\n")  # its fields are docs/01-training.md's table
+    if run.board:
+        to_board(run.board, written)
     print(summary(record), flush=True)
     i, keep = record["iteration"], run.cfg.store.keep_iterations
     if keep and i >= keep:  # the last `keep` iterations' spans stay
         run.services.store.delete_spans(before=run.started[i - keep + 1])
+

@@ -50,6 +50,8 @@ def train(cfg: TrainConfig) -> list[dict]:
 
 def finish(run: Run) -> None:
     """The learning curve beside metrics.jsonl, and the held-out accuracy before and after on the terminal."""
+    if run.board:
+        run.board.close()
     if run.history:
         title = f"{run.cfg.task.dataset} · {run.cfg.model.path or 'tiny test model'}"
         plot_learning_curve(run.history, run.evals, run.cfg.run_path / "learning_curve.png", title)

@@ -12,6 +12,7 @@ from lightning_ray.config import TrainConfig
 from lightning_ray.learner.checkpoint import Checkpoint, LoopState
 from lightning_ray.services import Services
 from lightning_ray.tasks import load_splits
+from lightning_ray.trainer.board import open_board
 
 
 class Run:
@@ -32,6 +33,7 @@ class Run:
         self.deadline = float("inf")
         self.phase = PhaseTimer()
         self.probe: dict | None = None  # the fixed prompt's served logprobs, as of the last sync
+        self.board = open_board(cfg.run_path, self.first) if cfg.trainer.tensorboard else None  # closed by finish
 
     def iterations(self) -> range:
         """The iterations still to run."""

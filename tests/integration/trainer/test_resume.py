@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import CLI, ROOT, TINY, cli, free_port, kill_session
+from helpers import CLI, ROOT, TINY, board_scalars, cli, free_port, kill_session
 
 from lightning_ray.cli.train import resume_hint
 from lightning_ray.config import ConfigError, compose
@@ -120,6 +120,8 @@ def test_a_run_killed_mid_iteration_goes_on_from_its_checkpoint(tmp_path):
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [h["iteration"] for h in history] == [0, 1]
     assert [h["rollouts"] for h in history] == [32] * 2
+    assert board_scalars(run / "tensorboard")["reward_mean"] == pytest.approx(  # TensorBoard shows each once too
+        {h["iteration"] + 1: h["reward_mean"] for h in history}, rel=1e-6)
     versions = [0] + [h["policy_version"] for h in history]
     for before, h in zip(versions, history):
         assert h["rollout_policy_versions"] == [before]  # sampled by the version the iteration before published
