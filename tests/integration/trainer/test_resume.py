@@ -68,7 +68,7 @@ def test_a_stopped_run_says_how_to_go_on_and_why_it_stopped(tmp_path):
 
 
 def test_resume_auto_goes_on_where_a_checkpoint_is_and_starts_anew_where_none_is(tmp_path, capsys):
-    """What a job retried after its driver died (KubeRay's backoffLimit) finds: resume=auto with a run_dir of its own."""
+    """What a job retried after its driver died (KubeRay's backoffLimit) finds: resume=auto, a run_dir of its own."""
     def point(*overrides):
         return resume_point(compose([f"run_dir={tmp_path}", "trainer.iterations=3", *overrides]))
 
@@ -95,8 +95,9 @@ def test_resume_names_what_is_missing(tmp_path):
 def test_a_run_killed_mid_iteration_goes_on_from_its_checkpoint(tmp_path):
     """Two iterations, a checkpoint after each. The job is SIGKILLed (the driver and the local Ray cluster it
     started) once iteration 1's rollouts are running; the same command (`resume=auto`, a run_dir of its own: a
-    new run the first time) runs iteration 1 again, once: each iteration is in metrics.jsonl once, with a full batch, sampled by the version the one before
-    it published; the killed iteration's unfinished rollouts are cancelled, not trained."""
+    new run the first time) runs iteration 1 again, once: each iteration is in metrics.jsonl once, with a full
+    batch, sampled by the version the one before it published; the killed iteration's unfinished rollouts are
+    cancelled, not trained."""
     run = tmp_path / "run"
     args = [*TINY, "trainer.iterations=2", "trainer.checkpoint_every=1", "trainer.eval_every=0",
             f"serve.port={free_port()}", f"hydra.run.dir={run}", "resume=auto"]
