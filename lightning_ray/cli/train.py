@@ -24,7 +24,8 @@ def run_training(cfg: TrainConfig) -> None:
         if hint := resume_hint(cfg.run_path, e, auto=cfg.resume == "auto"):
             atexit.register(print, hint, file=sys.stderr, flush=True)
         raise
-    print(f"done: {len(history)} iterations, metrics in {cfg.run_path / 'metrics.jsonl'}")
+    board = f" (TensorBoard: tensorboard --logdir {cfg.run_path.parent})" if cfg.trainer.tensorboard else ""
+    print(f"done: {len(history)} iterations, metrics in {cfg.run_path / 'metrics.jsonl'}{board}")
 
 
 def resume_hint(run_path: Path, error: BaseException, auto: bool = False) -> str | None:
