@@ -12,8 +12,9 @@ from tensorboardX import SummaryWriter
 def open_board(run_path: Path, first: int) -> SummaryWriter:
     """The run's writer, in <run_dir>/tensorboard, starting at iteration `first`: what a stopped run logged after
     the checkpoint a resumed run goes on from (or anything, in a run directory used again) is hidden."""
+    # a file is named by the second it opens in: the suffix keeps a resumed run's apart from the stopped one's
     return SummaryWriter(str(run_path / "tensorboard"), purge_step=first + 1 if first else 0,
-                         filename_suffix=f".iter-{first}")  # named by the second: not the stopped run's file
+                         filename_suffix=f".iter-{first}")
 
 
 def to_board(board: SummaryWriter, written: dict) -> None:

@@ -47,4 +47,3 @@ def log(run: Run, record: dict) -> None:
     i, keep = record["iteration"], run.cfg.store.keep_iterations
     if keep and i >= keep:  # the last `keep` iterations' spans stay
         run.services.store.delete_spans(before=run.started[i - keep + 1])
-
