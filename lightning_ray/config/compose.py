@@ -11,9 +11,10 @@ from lightning_ray.config.schema import (APOConfig, ConfigError, LearnerConfig, 
                                          moved_to_learner, validate)
 
 
-def _first_set(*values):
-    """${first_set:a,b,...}: the first value that is set (not null or empty); configs/train.yaml's run directory."""
-    return next((v for v in values if v not in (None, "", "None")), None)
+def _run_dir_of(resume, new: str) -> str:
+    """${run_dir_of:${resume},<new>}: Hydra's run directory (configs/train.yaml), the one resume= names, else a new one
+    (resume=auto goes on in run_dir: a job's `run_dir=` is Hydra's too, `job`)."""
+    return new if resume in (None, "", "None", "auto") else resume
 
 
 def code_defaults(schema: type[_Strict]) -> dict:
@@ -29,7 +30,7 @@ def _register() -> None:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    OmegaConf.register_new_resolver("first_set", _first_set, replace=True)
+    OmegaConf.register_new_resolver("run_dir_of", _run_dir_of, replace=True)
     store = ConfigStore.instance()
     store.store(name="code_defaults", node=code_defaults(TrainConfig))
     store.store(name="code_defaults", node=code_defaults(APOConfig), group="apo")
@@ -53,6 +54,16 @@ def from_hydra(raw, schema: type[TrainConfig] = TrainConfig) -> TrainConfig:
 
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def run_dir_is_hydras(overrides: list[str]) -> list[str]:
+    """A job's `run_dir=X` is also Hydra's run directory (its log, train.log, goes there), unless one is given: run_dir
+    follows Hydra's (configs/train.yaml), not the other way round."""
+    given = dict(o.split("=", 1) for o in overrides if "=" in o and not o.startswith("-"))
+    if "run_dir" not in given or "hydra.run.dir" in given:
+        return overrides
+    at = overrides.index(f"run_dir={given['run_dir']}") + 1  # beside it: flags (--cfg job) may follow
+    return [*overrides[:at], f"hydra.run.dir={given['run_dir']}", *overrides[at:]]
 
 
 def dicts_replace(overrides: list[str]) -> list[str]:
@@ -108,7 +119,7 @@ def job(config_name: str, schema: type[TrainConfig] = TrainConfig):
         @functools.wraps(body)
         def run() -> None:
             try:
-                sys.argv[1:] = dicts_replace(refuse_moved(sys.argv[1:]))
+                sys.argv[1:] = run_dir_is_hydras(dicts_replace(refuse_moved(sys.argv[1:])))
             except ConfigError as e:
                 raise SystemExit(str(e)) from None
             main()

@@ -87,6 +87,13 @@ def test_resume_auto_goes_on_where_a_checkpoint_is_and_starts_anew_where_none_is
     assert "same command and resume=" not in resume_hint(tmp_path, KeyboardInterrupt(), auto=True)
 
 
+def test_a_retried_job_whose_run_had_finished_succeeds_at_once(tmp_path):
+    commit(staging(tmp_path, 1), state(1), keep=1)  # TINY trains one iteration
+    r = cli("train", *TINY, f"run_dir={tmp_path}", "resume=auto", timeout=120)
+    assert r.returncode == 0 and "nothing left to train" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert (tmp_path / "train.log").exists()  # run_dir= is Hydra's run directory too: no other made for its log
+
+
 def test_resume_names_what_is_missing(tmp_path):
     r = cli("train", *TINY, f"resume={tmp_path}", timeout=120)
     assert r.returncode != 0 and f"resume={tmp_path}: no checkpoint" in r.stderr + r.stdout
