@@ -21,7 +21,7 @@ def run_training(cfg: TrainConfig) -> None:
         raise SystemExit(str(e)) from None
     except (Exception, KeyboardInterrupt) as e:  # hours of training need not be lost: say how to go on
         # at exit: below the traceback (Ray's OOM report is pages long)
-        if hint := resume_hint(cfg.run_path, e, auto=cfg.resume == "auto"):
+        if hint := resume_hint(cfg.run_path, e, auto=cfg.resume_auto):
             atexit.register(print, hint, file=sys.stderr, flush=True)
         raise
     board = f" (TensorBoard: tensorboard --logdir {cfg.run_path.parent})" if cfg.trainer.tensorboard else ""

@@ -7,14 +7,14 @@ import functools
 import sys
 from pathlib import Path
 
-from lightning_ray.config.schema import (APOConfig, ConfigError, LearnerConfig, TrainConfig, _Strict,
+from lightning_ray.config.schema import (RESUME_AUTO, APOConfig, ConfigError, LearnerConfig, TrainConfig, _Strict,
                                          moved_to_learner, validate)
 
 
 def _run_dir_of(resume, new: str) -> str:
     """${run_dir_of:${resume},<new>}: Hydra's run directory (configs/train.yaml), the one resume= names, else a new one
     (resume=auto goes on in run_dir: a job's `run_dir=` is Hydra's too, `job`)."""
-    return new if resume in (None, "", "None", "auto") else resume
+    return new if resume in (None, "", "None", RESUME_AUTO) else resume
 
 
 def code_defaults(schema: type[_Strict]) -> dict:

@@ -466,6 +466,9 @@ MIN_ONGOING_REQUESTS = 256  # serve.max_ongoing_requests unless set: agents outs
 ASYNC_TIS_CAP = 2.0  # algorithm.tis_cap unless set, where samples may be older (rollout.mode=async, serve.drain=keep)
 
 
+RESUME_AUTO = "auto"  # resume= naming no directory: run_dir's own checkpoint, if any
+
+
 class TrainConfig(_Strict):
     run_dir: str  # relative: to the directory the job started in (placement.results_base)
     run_root: str = "runs"  # where run directories go (configs/train.yaml: run_dir is run_root/<time>)
@@ -525,9 +528,14 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _resume_in_place(self):
-        if self.resume and self.resume != "auto":
+        if self.resume and not self.resume_auto:
             self.run_dir = self.resume
         return self
+
+    @property
+    def resume_auto(self) -> bool:
+        """resume=auto: go on from run_dir's own checkpoint if it has one, else start a new run there."""
+        return self.resume == RESUME_AUTO
 
     @property
     def run_path(self) -> Path:

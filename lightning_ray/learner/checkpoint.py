@@ -99,7 +99,7 @@ def resume_point(cfg: TrainConfig) -> Checkpoint | None:
     new run); one after the last iteration ends the job as done (a retried job that had finished training succeeds)."""
     if not cfg.resume:
         return None
-    auto = cfg.resume == "auto"
+    auto = cfg.resume_auto
     if (found := latest(cfg.run_path)) is None:
         if auto:
             print(f"resume=auto: no checkpoint in {cfg.run_path} yet: a new run", flush=True)
