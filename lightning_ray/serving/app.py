@@ -37,6 +37,7 @@ from lightning_ray.serving.routing import RolloutAffinityRouter
 from lightning_ray.serving.schemas import ChatCompletionRequest, CompletionRequest, JsonSchemaFormat, check_schema
 from lightning_ray.serving.teacher import TAUGHT, answer_tokens, make_teacher
 from lightning_ray.serving.templates import resolve_chat_template
+from lightning_ray.store.span_writer import SpanWriter
 from lightning_ray.tracing import semconv
 from lightning_ray.tracing.spans import new_span_id
 from lightning_ray.types import Span
@@ -85,6 +86,7 @@ class PolicyServer:
         if chat_template:  # the template text (serving/templates.py), in place of the model's own
             self.tokenizer.chat_template = chat_template
         self.model_name, self.store, self.registry = model_name, store, registry
+        self.spans = SpanWriter(store, origin="server")  # "server": the only spans training data is made of
         self.adapters = adapters or AdapterRoutes(model_name, lora=False)  # which adapter serves a call
         self.max_model_len, self.defaults = max_model_len, defaults
         api.state.api_key, api.state.max_request_bytes = api_key, max_request_bytes
@@ -307,9 +309,8 @@ class PolicyServer:
                               "lightning_ray.replica": self.replica_id,
                               **failed, **adapter,
                           }) for i, c in sorted(choices.items())]
-            if spans:
-                # recorded before the answer completes; "server": the only spans training data is made of
-                await self.store.add_spans_async(spans, origin="server")
+            if spans:  # recorded before the answer completes
+                await self.spans.write(spans)
 
     async def _follow_weights(self) -> None:
         """Load every newly published policy version (a version that failed to load is not retried: the trainer
