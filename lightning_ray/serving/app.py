@@ -58,7 +58,8 @@ APP_NAME = "policy"
 
 # Each proxy routes a rollout's calls to one replica (its prefix cache), another only if that one is dead or full.
 # A stopping replica checks for requests still running every 0.1 s, not Serve's 2 s: a run's end waits ~2 s less.
-@serve.deployment(logging_config={"enable_access_log": False},
+# Serve's own logging at WARNING: at INFO it builds an access-log record for every request, then drops it.
+@serve.deployment(logging_config={"enable_access_log": False, "log_level": "WARNING"},
                   graceful_shutdown_wait_loop_s=0.1,
                   request_router_config={"request_router_class": RolloutAffinityRouter})
 @serve.ingress(api)
@@ -131,15 +132,15 @@ class PolicyServer:
 
     @api.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        return await create_chat_completion(self, body, await self.trace(request))
+        return http.answer(await create_chat_completion(self, body, await self.trace(request)))
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
-        return await create_completion(self, body, await self.trace(request))
+        return http.answer(await create_completion(self, body, await self.trace(request)))
 
     @api.post("/v1/responses")
     async def responses(self, body: ResponsesRequest, request: Request):
-        return await create_response(self, body, await self.trace(request))
+        return http.answer(await create_response(self, body, await self.trace(request)))
 
     # ---- what the endpoints share: each checks its request, encodes its prompts, then makes one generation -------
     async def check_request(self, body, schema: JsonSchemaFormat | None = None, schema_param: str = "") -> None:

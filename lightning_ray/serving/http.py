@@ -38,6 +38,12 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
 
 
+def answer(result):
+    """An endpoint's result as its response: an answer (a dict of JSON types) straight to JSON, with no pass of
+    FastAPI's jsonable_encoder over it first (a few percent of a call's CPU); a response (a stream) as it is."""
+    return JSONResponse(result) if isinstance(result, dict) else result
+
+
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
