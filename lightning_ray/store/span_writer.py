@@ -19,16 +19,15 @@ class SpanWriter:
     def __init__(self, store, origin: str):
         self.store, self.origin = store, origin
         self.waiting: list[tuple[list[Span], asyncio.Future]] = []
-        self.writing = False
+        self.writing: asyncio.Task | None = None  # the task writing the groups, while there are any
 
     async def write(self, spans: list[Span]) -> None:
         """Store these spans (as the store's add_spans_async, strict): returns once they are, raises if they are
         not. A caller cancelled meanwhile leaves its spans to be written all the same."""
         done = asyncio.get_running_loop().create_future()
         self.waiting.append((spans, done))
-        if not self.writing:
-            self.writing = True
-            asyncio.get_running_loop().create_task(self._write_groups())
+        if self.writing is None:
+            self.writing = asyncio.get_running_loop().create_task(self._write_groups())
         await asyncio.shield(done)
 
     async def _write_groups(self) -> None:
@@ -40,7 +39,7 @@ class SpanWriter:
                     size += len(group[-1][0])
                 await self._write(group)
         finally:
-            self.writing = False
+            self.writing = None
 
     async def _write(self, group: list[tuple[list[Span], asyncio.Future]]) -> None:
         try:
