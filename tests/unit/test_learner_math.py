@@ -173,7 +173,8 @@ def test_a_shared_prefix_runs_once_and_scores_as_each_row_alone(model_class, con
     assert none == 0 and shared >= 30
     for a, b in zip(alone, together):
         assert a is b is None or torch.allclose(a, b, atol=1e-5)
-    assert torch.allclose(grad_alone, grad_together, atol=1e-6, rtol=1e-4)
+    # float32 summed in another order: ~1e-6 of the largest entries (~5), more than 1e-6 absolute on an AVX-512 host
+    assert torch.allclose(grad_alone, grad_together, atol=1e-5, rtol=1e-4)
 
 
 def test_the_shared_prefix_stops_short_of_every_rows_first_action():
