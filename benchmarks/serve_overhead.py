@@ -10,8 +10,8 @@ token counts, in one run.
 VLLM_CPU_NUM_OF_RESERVED_CPU=0), for the direct engine and the Serve replica alike (set before Ray starts, so the
 replica inherits it). Prints one JSON line per concurrency, with the endpoint/direct ratio and each side's CPU
 milliseconds per request (the endpoint's by process it crosses: Serve's proxy, the replica with its engine core, the
-trace store's actor, and the client in this process; the in-process side's: this process with its engine core), and
-the cores each side kept busy on average.
+trace store's actor, and the client in this process; the in-process side's: this process with its engine core), the
+engine core's share on each side, and the cores each side kept busy on average.
 """
 
 from __future__ import annotations
@@ -107,6 +107,12 @@ def cpu_seconds() -> dict[str, float]:
             for role, key in ROLES.items()}
     used["client"] = procs[os.getpid()][1]  # this process alone: the endpoint's client (its engine core idles then)
     used["direct"] = used["client"] + sum(tree(c) for c in children.get(os.getpid(), []) if "EngineCore" in procs[c][2])
+
+    def engine_cores(parents) -> float:  # vLLM's engine core processes under these (named VLLM::EngineCore)
+        return sum(tree(c) for p in parents for c in children.get(p, []) if "EngineCore" in procs[c][2])
+
+    used["direct_engine_core"] = engine_cores([os.getpid()])
+    used["replica_engine_core"] = engine_cores(p for p, (_, _, t) in procs.items() if ROLES["replica"] in t)
     return used
 
 
@@ -129,6 +135,10 @@ async def one_round(args, engine, client, convs, c: int) -> dict:
         "direct_tok_s": round(d_tok / d_s, 1), "endpoint_tok_s": round(e_tok / e_s, 1), "same_tokens": d_tok == e_tok,
         "endpoint_vs_direct": round((e_tok / e_s) / (d_tok / d_s), 3),
         "direct_cpu_ms_per_request": per_request_ms(start, mid, args.requests, ["direct"])["direct"],
+        # of which the engine core's (the model's steps, vLLM's scheduler) on each side; the rest is Python around it
+        "engine_core_cpu_ms_per_request": {
+            "direct": per_request_ms(start, mid, args.requests, ["direct_engine_core"])["direct_engine_core"],
+            "endpoint": per_request_ms(mid, end, args.requests, ["replica_engine_core"])["replica_engine_core"]},
         "endpoint_cpu_ms_per_request": {**endpoint_ms, "total": round(sum(endpoint_ms.values()), 2)},
         # cores kept busy on average (CPU seconds / wall seconds): at the machine's count, the side is CPU-bound
         "direct_cores_busy": round((mid["direct"] - start["direct"]) / d_s, 2),
