@@ -105,13 +105,12 @@ def cpu_seconds() -> dict[str, float]:
 
     used = {role: sum(tree(pid) for pid, (_, _, title) in procs.items() if title.startswith("ray::") and key in title)
             for role, key in ROLES.items()}
-    used["client"] = procs[os.getpid()][1]  # this process alone: the endpoint's client (its engine core idles then)
-    used["direct"] = used["client"] + sum(tree(c) for c in children.get(os.getpid(), []) if "EngineCore" in procs[c][2])
-
     def engine_cores(parents) -> float:  # vLLM's engine core processes under these (named VLLM::EngineCore)
         return sum(tree(c) for p in parents for c in children.get(p, []) if "EngineCore" in procs[c][2])
 
+    used["client"] = procs[os.getpid()][1]  # this process alone: the endpoint's client (its engine core idles then)
     used["direct_engine_core"] = engine_cores([os.getpid()])
+    used["direct"] = used["client"] + used["direct_engine_core"]
     used["replica_engine_core"] = engine_cores(p for p, (_, _, t) in procs.items() if ROLES["replica"] in t)
     return used
 
