@@ -28,7 +28,11 @@ class SpanWriter:
         self.waiting.append((spans, done))
         if self.writing is None:
             self.writing = asyncio.get_running_loop().create_task(self._write_groups())
-        await asyncio.shield(done)
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            done.add_done_callback(lambda f: f.cancelled() or f.exception())  # its outcome read: nobody else will
+            raise
 
     async def _write_groups(self) -> None:
         try:

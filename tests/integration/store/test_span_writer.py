@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from lightning_ray.store.client import StoreClient
 from lightning_ray.store.errors import UnknownRollout
 from lightning_ray.store.span_writer import SpanWriter
@@ -70,3 +72,23 @@ def test_a_group_over_the_stores_batch_limit_still_stores_every_write(ray_cluste
 
     asyncio.run(run())
     assert len(store.query_spans([rollout.rollout_id])) == 8
+
+
+def test_a_caller_cancelled_mid_write_leaves_its_spans_stored(ray_cluster):
+    """The client of a call that goes away while its spans are on their way: the call is still recorded."""
+    store = StoreClient.start()
+    [rollout] = store.enqueue([Task(task_id="t", input={})])
+    spans = [call_span(rollout.rollout_id) for _ in range(3)]
+
+    async def run():
+        writer = SpanWriter(store, origin="server")
+        caller = asyncio.create_task(writer.write(spans))
+        await asyncio.sleep(0)  # the write is on its way
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await writer.writing  # the group goes on to the store all the same
+
+    asyncio.run(run())
+    assert sorted(s.span_id for s in store.query_spans([rollout.rollout_id])) == sorted(s.span_id for s in spans)
+
