@@ -55,11 +55,14 @@ class SpanWriter:
                 return
         except Exception:
             pass
-        # Some span was refused, or the group failed: each call's spans again, alone, for its own answer (the store
-        # ignores a span it already has, so those the group stored are not stored twice).
-        for spans, done in group:
-            try:
-                await self.store.add_spans_async(spans, origin=self.origin)
-                done.set_result(None)
-            except Exception as e:
-                done.set_exception(e)
+        # Some span was refused, or the group failed: each call's spans again, alone and at once, for its own answer
+        # (the store ignores a span it already has, so those the group stored are not stored twice; a refused one is
+        # counted twice among the store's errors).
+        await asyncio.gather(*(self._write_alone(spans, done) for spans, done in group))
+
+    async def _write_alone(self, spans: list[Span], done: asyncio.Future) -> None:
+        try:
+            await self.store.add_spans_async(spans, origin=self.origin)
+            done.set_result(None)
+        except Exception as e:
+            done.set_exception(e)
