@@ -105,6 +105,7 @@ def cpu_seconds() -> dict[str, float]:
 
     used = {role: sum(tree(pid) for pid, (_, _, title) in procs.items() if title.startswith("ray::") and key in title)
             for role, key in ROLES.items()}
+
     def engine_cores(parents) -> float:  # vLLM's engine core processes under these (named VLLM::EngineCore)
         return sum(tree(c) for p in parents for c in children.get(p, []) if "EngineCore" in procs[c][2])
 

@@ -91,4 +91,3 @@ def test_a_caller_cancelled_mid_write_leaves_its_spans_stored(ray_cluster):
 
     asyncio.run(run())
     assert sorted(s.span_id for s in store.query_spans([rollout.rollout_id])) == sorted(s.span_id for s in spans)
-
