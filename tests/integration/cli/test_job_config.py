@@ -86,14 +86,14 @@ def test_the_hf_engine_carries_no_vllm_options(tmp_path):
         compose(["engine=hf", "engine.tensor_parallel_size=2", f"run_dir={tmp_path}"])
 
 
-CPU_BINDING = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # configs/engine/vllm.yaml
+CPU_THREADS = {"OMP_NUM_THREADS": "2"}  # configs/engine/vllm.yaml
 
 
 @pytest.mark.parametrize("override, env", [
     ("engine.env={}", {}),
     ("engine.env={VLLM_CPU_KVCACHE_SPACE: '2'}", {"VLLM_CPU_KVCACHE_SPACE": "2"}),  # replaced, not merged in
-    ("engine.env.VLLM_CPU_NUM_OF_RESERVED_CPU='1'", {**CPU_BINDING, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}),  # in place
-    ("+engine.env.VLLM_CPU_KVCACHE_SPACE='2'", {**CPU_BINDING, "VLLM_CPU_KVCACHE_SPACE": "2"}),
+    ("engine.env.OMP_NUM_THREADS='1'", {"OMP_NUM_THREADS": "1"}),  # in place
+    ("+engine.env.VLLM_CPU_KVCACHE_SPACE='2'", {**CPU_THREADS, "VLLM_CPU_KVCACHE_SPACE": "2"}),
 ])
 def test_a_dict_override_replaces_the_dict(override, env, tmp_path):
     assert compose([override, f"run_dir={tmp_path}"]).engine.env == env

