@@ -28,8 +28,13 @@ from lightning_ray.rollout.routes import rank
 from lightning_ray.serving.http import rollout_of
 
 # Serve's direct ingress, as the environment of every Ray process: replicas serve HTTP on ports of their own; no
-# 30 s drain when a replica stops (Serve's default, for an outside load balancer to notice: the workers ask anew)
-DIRECT_INGRESS = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
+# 30 s drain when a replica stops (Serve's default, for an outside load balancer to notice: the workers ask anew);
+# the replica's code on the loop that receives its HTTP, not on a second loop in a thread of its own (each call
+# crossed between the two loops twice: ~20 ms a call at concurrency 32 on 2 cores, the endpoint 1.05-1.08x req/s,
+# benchmarks/results/serve_user_code_loop.json). Nothing in the replica blocks its loop: engines and weight loads
+# run in threads or processes of their own.
+DIRECT_INGRESS = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+                  "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
 def routing_key(request: PendingRequest | None) -> str | None:
