@@ -186,7 +186,7 @@ class ServeConfig(_Strict):
     max_queued_requests: int = Field(-1, ge=-1)
     # Rollout workers send their agents straight to a replica's own HTTP server, skipping Serve's Python proxy
     # (serving/routing.py; Serve's direct ingress, which a local cluster of the run turns on; on a cluster of your
-    # own, set RAY_SERVE_ENABLE_DIRECT_INGRESS=1 in its nodes' environment). Clients outside the run use serve.port.
+    # own, set routing.DIRECT_INGRESS's variables in its nodes' environment). Clients outside the run use serve.port.
     direct_ingress: bool = True
 
     @model_validator(mode="after")
