@@ -31,8 +31,8 @@ from lightning_ray.serving.http import rollout_of
 # 30 s drain when a replica stops (Serve's default, for an outside load balancer to notice: the workers ask anew);
 # the replica's code on the loop that receives its HTTP, not on a second loop in a thread of its own (each call
 # crossed between the two loops twice: ~20 ms a call at concurrency 32 on 2 cores, the endpoint 1.05-1.08x req/s,
-# benchmarks/results/serve_user_code_loop.json). Nothing in the replica blocks its loop: engines and weight loads
-# run in threads or processes of their own.
+# benchmarks/results/serve_user_code_loop.json). Once it serves, nothing in the replica blocks its loop: engines
+# and weight loads run in threads or processes of their own.
 DIRECT_INGRESS = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
                   "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
