@@ -88,14 +88,16 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 # The settings tests run the loop with, named: on top of the code's defaults (what `make train` runs), the tiny
 # model's positions (model.path null: the tiny model), the HF engine, two short iterations of a few GRPO groups at
-# temperature 1, one sample per call (transition level), a checkpoint after each iteration, one rollout worker (a
-# process fewer to start: a run's start is most of a test's CPU). A test's own dict overrides them key by key.
+# temperature 1, one sample per call (transition level), a checkpoint after each iteration, one rollout worker and
+# no store API (its agents all run in Ray: a process and a Serve app fewer to start, and a run's start is most of a
+# test's CPU; the CLI's tests run it). A test's own dict overrides them key by key.
 SMALL = {
     "engine": {"kind": "hf", "max_model_len": 512},
     "rollout": {"tasks_per_iteration": 4, "num_workers": 1, "agents_per_worker": 8, "temperature": 1.0},
     "algorithm": {"level": "transition"},
     "trainer": {"iterations": 2, "checkpoint_every": 1},
     "learner": {"lr": 1e-5, "step_timeout_s": 600},
+    "store": {"http": False},
 }
 
 

@@ -1,5 +1,5 @@
 """The learner, as the trainer sees it: one TorchTrainer.fit() in a thread (the ranks: learner/worker.py), fed
-batches through Ray queues.
+batches through mailboxes (learner/mailboxes.py).
 
 A rank whose process dies (its node lost, killed, out of host memory) is restarted by Ray Train with every other rank
 (learner.max_restarts, Ray Train's FailureConfig); the new ranks load the run's latest checkpoint and take the
@@ -19,13 +19,15 @@ import numpy as np
 import ray
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
-from ray.util.queue import Empty, Queue
+from ray.train.v2._internal.callbacks import DatasetsCallback
+from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
 from lightning_ray.algorithm.advantages import has_signal
 from lightning_ray.algorithm.loss import token_weights
 from lightning_ray.algorithm.select import by_adapter
 from lightning_ray.config import AlgorithmConfig, LearnerConfig, TrainConfig
 from lightning_ray.learner.checkpoint import Checkpoint
+from lightning_ray.learner.mailboxes import Mailbox, Mailboxes
 from lightning_ray.learner.scoring import MicroBatch, shared_prefix
 from lightning_ray.learner.worker import train_loop_per_worker
 from lightning_ray.metrics import count_error
@@ -46,16 +48,15 @@ class Learner:
         self.registry, self.restarts, self.max_restarts = registry, 0, t.max_restarts
         self.ranks: dict[int, dict] = {}  # rank -> the ready message of its process now attached (nonce, pid, actor)
         self.replaced: set[str] = set()  # the nonces of processes restarted ranks replaced
-        label = cfg.run_path.name  # the queues' names in the Ray dashboard
         # Beside the driver, whose messages they carry: on a cluster, not on whichever node had room for them.
-        self.inboxes = [Queue(actor_options={"num_cpus": 0, "name": f"learner-inbox-{i}@{label}", **ON_HEAD})
-                        for i in range(self.n)]
-        self.outbox = Queue(actor_options={"num_cpus": 0, "name": f"learner-outbox@{label}", **ON_HEAD})
+        self.mailboxes = Mailboxes.options(name=f"learner-mailboxes@{cfg.run_path.name}", **ON_HEAD).remote(self.n + 1)
+        self.inboxes = [Mailbox(self.mailboxes, i) for i in range(self.n)]
+        self.outbox = Mailbox(self.mailboxes, self.n)
         # Ray Train's preemption watcher only logs node drains and offers them to a training function that asks
         # (ray.train.get_preemption_info; ours does not: a lost rank restarts from the checkpoint): an actor and a
         # poll per start for nothing. Set the variable to 1 to have it.
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")  # passed on to Ray Train's controller
-        trainer = TorchTrainer(
+        trainer = LeanTorchTrainer(
             train_loop_per_worker,
             train_loop_config={
                 "model_path": str(model_path), "inboxes": self.inboxes, "outbox": self.outbox, "registry": registry,
@@ -95,7 +96,7 @@ class Learner:
         while True:
             try:
                 msg = self.outbox.get(timeout=1.0)
-            except (Empty, queue.Empty):
+            except queue.Empty:
                 waited += 1.0
                 if not self.thread.is_alive():
                     raise RuntimeError("the training run stopped") from self.error
@@ -208,6 +209,18 @@ class Learner:
         """Stops the ranks and waits for the training run to end."""
         self.stop()
         self.thread.join(timeout=60)
+        ray.kill(self.mailboxes)  # named: in a driver that goes on (the tests' one cluster) it would outlive the run
+
+
+class LeanTorchTrainer(TorchTrainer):
+    """Ray Train's TorchTrainer less two actors each start would add for nothing here (~2 CPU-s each on 2 cores): the
+    dataset manager (no Ray Datasets are passed) and the placement-group cleaner (for a controller that dies while its
+    driver lives on, which ends this run, and the job's placement groups with it). Ray Train's own callbacks, hence
+    private imports: `ray` is pinned (constraints.txt) and the learner's tests would fail on a rename."""
+
+    def _create_default_callbacks(self) -> list:
+        return [c for c in super()._create_default_callbacks()
+                if not isinstance(c, (DatasetsCallback, PlacementGroupCleanerCallback))]
 
 
 def resolved(t: LearnerConfig) -> LearnerConfig:

@@ -153,7 +153,7 @@ def test_each_component_runs_on_the_node_with_its_resources(job):
         return found
 
     assert all(HEAD in r for r in resources_of("TraceStore"))  # beside the driver and its run directory
-    assert all(HEAD in r for r in resources_of("_QueueActor"))  # the learner's inboxes and outbox, the driver's
+    assert all(HEAD in r for r in resources_of("Mailboxes"))  # the learner's inboxes and outbox, the driver's
     assert all(HEAD in r for r in resources_of("WeightRegistry"))  # its versions outlive any worker node
     assert all("policy_gpu" in r for r in resources_of("ServeReplica:policy:PolicyServer"))
     assert all("trainer_gpu" in r for r in resources_of("RayTrainWorker"))
