@@ -157,6 +157,8 @@ def test_each_component_runs_on_the_node_with_its_resources(job):
     assert all(HEAD in r for r in resources_of("WeightRegistry"))  # its versions outlive any worker node
     assert all("policy_gpu" in r for r in resources_of("ServeReplica:policy:PolicyServer"))
     assert all("trainer_gpu" in r for r in resources_of("RayTrainWorker"))
+    # what Ray Train would start per run for nothing here (learner/driver.py LeanTorchTrainer)
+    assert not {a["class_name"] for a in actors} & {"DatasetManager", "PlacementGroupCleaner", "_QueueActor"}
     [worker] = [a for a in actors if a["class_name"] == "RayTrainWorker"]
     assert worker["placement_group_id"]  # Ray Train reserved its workers as a placement group
 
