@@ -38,7 +38,7 @@ class Mailbox:
         """The next message; queue.Empty after `timeout` seconds without one."""
         try:
             return ray.get(self.actor.get.remote(self.box, timeout))
-        except asyncio.TimeoutError:  # raised in the actor, re-raised here as itself (a RayTaskError subclass of it)
+        except asyncio.TimeoutError:  # the actor's, as Ray re-raises it here (a RayTaskError that is one too)
             raise queue.Empty from None
 
     def empty(self) -> bool:
