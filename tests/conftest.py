@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import ray
@@ -22,25 +23,30 @@ def pytest_collection_modifyitems(session, config, items):
     of its own from the start, while the test files that do not need it run first (the unit tier's, then the
     integration tier's: testpaths' order, kept within each part; a test file that waited for the build left a core
     idle). Whoever resolves the model first builds it; the other waits on the cache's lock (models._cached)
-    and finds it built."""
-    global _tiny_build
+    and finds it built. The same process then runs each collected file's `prebuild(tiny_model_path)` (a model
+    that file's fixtures build once per machine from the tiny one) at the lowest priority: on the cycles the tests
+    leave idle, waiting on servers and timeouts, not on theirs."""
+    global _background_build
     needs_model = {item.module for item in items if "tiny_model_path" in item.fixturenames}
     items.sort(key=lambda item: item.module in needs_model)  # stable: each file's tests stay together, in order
     if needs_model:  # a failed build is the fixture's to report
-        _tiny_build = subprocess.Popen(
-            [sys.executable, "-c", "from lightning_ray.config import ModelConfig; "
-             "from lightning_ray.models import resolve_model_path; resolve_model_path(ModelConfig())"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        prebuilds = sorted({m.__file__ for m in needs_model if hasattr(m, "prebuild")})
+        _background_build = subprocess.Popen(
+            [sys.executable, "-c", "import os, runpy, sys; from lightning_ray.config import ModelConfig; "
+             "from lightning_ray.models import resolve_model_path; tiny = resolve_model_path(ModelConfig()); "
+             "os.nice(19); [runpy.run_path(path)['prebuild'](tiny) for path in sys.argv[1:]]", *prebuilds],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})  # the files import helpers by name
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if _tiny_build is not None and _tiny_build.poll() is None:  # the session ended first (-x); models._cached
-        # builds into a temporary directory renamed whole, so a killed build leaves nothing half-written
-        _tiny_build.kill()
-        _tiny_build.wait()
+    if _background_build is not None and _background_build.poll() is None:  # the session ended first (-x);
+        # models._cached builds into a temporary directory renamed whole, so a killed build leaves nothing half-written
+        _background_build.kill()
+        _background_build.wait()
 
 
-_tiny_build: subprocess.Popen | None = None
+_background_build: subprocess.Popen | None = None
 
 
 @pytest.fixture(scope="session")
@@ -74,9 +80,8 @@ def policy_app(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
     "new_rollout"} and deletes the app afterwards. Its settings are a run's config (helpers.small: the tests' preset,
     the model named tiny-calc) with the sections given merged over it, as the job's would be. `app["new_rollout"]()`
     queues a rollout and returns its id (calls for unknown rollouts get a 404)."""
-    from ray import serve
-
     from lightning_ray.serving.app import APP_NAME, deploy_policy
+    from lightning_ray.serving.deploy import delete_apps
     from lightning_ray.store.client import StoreClient
     from lightning_ray.types import Task
     from lightning_ray.weight_sync.registry import WeightRegistry
@@ -94,7 +99,7 @@ def policy_app(ray_cluster, tiny_model_path, serve_port, tmp_path_factory):
             yield {"url": url, "store": store, "registry": registry,
                    "new_rollout": lambda: store.enqueue([Task(task_id="test", input={})])[0].rollout_id}
         finally:
-            serve.delete(APP_NAME)
+            delete_apps([APP_NAME])
             store.close()  # Serve keeps the handles a deleted app was deployed with: they would outlive the test
             if own_registry:
                 ray.kill(registry)
