@@ -130,9 +130,8 @@ def fresh(path: str | Path | None = None):
 
 
 def ours(args) -> list[dict]:
-    from ray import serve
-
     from lightning_ray.client import LightningClient
+    from lightning_ray.serving.deploy import delete_apps
     from lightning_ray.store.http import APP_NAME, deploy_store_api
 
     ray.init(num_cpus=args.senders, include_dashboard=False, log_to_driver=False)
@@ -157,7 +156,7 @@ def ours(args) -> list[dict]:
                                args.batch, args.senders))
         out.append(rollouts_per_s("lightning_ray-http", LightningClient(url), args.http_rollouts))
         out.append(batched_rollouts_per_s("lightning_ray-http", LightningClient(url), args.batched_rollouts, args.k))
-        serve.delete(APP_NAME)
+        delete_apps([APP_NAME])
     ray.shutdown()
     return out
 

@@ -90,10 +90,9 @@ def learner_actor(registry, path: str, kind: str, device: str, dtype: torch.dtyp
 
 
 def run(model: str, path: Path, kind: str, cuda: bool, replicas: int, versions: int, port: int) -> dict:
-    from ray import serve
-
     from lightning_ray.config import validate
     from lightning_ray.serving.app import APP_NAME, deploy_policy
+    from lightning_ray.serving.deploy import delete_apps
     from lightning_ray.store.client import StoreClient
     from lightning_ray.weight_sync.registry import WeightRegistry
 
@@ -123,7 +122,7 @@ def run(model: str, path: Path, kind: str, cuda: bool, replicas: int, versions: 
                 "learner_publish_s": round(statistics.median(publish_seconds[1:]), 4),
                 "host_copy_baseline_s": round(ray.get(learner.host_copy_s.remote()), 4)}
     finally:
-        serve.delete(APP_NAME)
+        delete_apps([APP_NAME])
         ray.kill(learner)
 
 

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from pathlib import Path
 
 import ray
-from ray import serve
 
 from lightning_ray.config import TrainConfig
 from lightning_ray.learner.checkpoint import Checkpoint
@@ -19,6 +17,7 @@ from lightning_ray.placement import ON_HEAD, actor_options
 from lightning_ray.rollout.dispatch import run_to_end
 from lightning_ray.rollout.worker import RolloutWorker
 from lightning_ray.serving.app import APP_NAME, policy_target
+from lightning_ray.serving.deploy import delete_apps, start_apps, wait_running
 from lightning_ray.serving.routing import DIRECT_INGRESS
 from lightning_ray.store.client import StoreClient
 from lightning_ray.store.http import ROUTE_PREFIX as STORE_PREFIX
@@ -115,13 +114,12 @@ class Services:
         apps = [policy_target(cfg, str(served), self.store, self.registry, adapter)]
         if cfg.store.http:
             apps.append(store_api_target(self.store, cfg.serve.api_key))
-        self.apps = [app.name for app in apps]
+        self.apps = [app.name for app in apps]  # deleted at exit, even if one fails to deploy
         self.phase = f"the policy server ({cfg.engine.kind} engine) and the rollout workers"
         with status(f"starting {self.phase}"):
-            serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
-            serve.run_many(apps, wait_for_applications_running=False)
+            start_apps(apps, cfg.serve.host, cfg.serve.port)
             ray.get([w.__ray_ready__.remote() for w in self.workers])
-            _wait_running(self.apps)
+            wait_running(self.apps)
         console.print(f"policy served at {self.server_url}/v1 as {cfg.model.name!r}")
         if cfg.store.http:
             store_url = self.server_url + STORE_PREFIX
@@ -138,7 +136,7 @@ class Services:
         """Stops every part, each whatever happened to the others (a part already gone, its node lost, must not
         leave the rest running); the first failure is raised once all were tried."""
         steps = [self.learner.stop] if self.learner else []  # its ranks shut down while the apps are deleted
-        steps += [lambda app=app: serve.delete(app) for app in self.apps]
+        steps += [lambda: delete_apps(self.apps)] if self.apps else []
         steps += [self.learner.close] if self.learner else []
         # Named, the run's actors would outlive it in a driver that goes on (a notebook, the tests' one cluster):
         # Serve keeps the handles a deleted app was deployed with.
@@ -165,17 +163,6 @@ class Services:
         """Queue a rollout per task and run them all to their end (rollout/dispatch.py)."""
         rollout_ids = [r.rollout_id for r in self.store.enqueue(tasks, self.attempts, self.queue)]
         return run_to_end(self.store, self.workers, self.cfg.rollout.agents_per_worker, rollout_ids, desc)
-
-
-def _wait_running(apps: list[str]) -> None:
-    """Until every app is RUNNING; one whose deploy failed raises with Serve's message (as serve.run would)."""
-    while True:
-        states = serve.status().applications
-        if failed := [f"{name}: {states[name].message}" for name in apps if states[name].status == "DEPLOY_FAILED"]:
-            raise RuntimeError(f"deploying {'; '.join(failed)}")
-        if all(states[name].status == "RUNNING" for name in apps):
-            return
-        time.sleep(0.5)  # a status costs Serve's controller and the driver ~20 ms of CPU each (2-core laptop, idle)
 
 
 def _link_ray_logs(session_dir: str, log_dir: Path) -> None:

@@ -29,6 +29,7 @@ from lightning_ray.serving.adapters import AdapterRoutes
 from lightning_ray.serving.chat import create_chat_completion
 from lightning_ray.serving.completions import create_completion
 from lightning_ray.serving.decoding import ChoiceDelta, choice_jobs, collect, generate_choices
+from lightning_ray.serving.deploy import start_apps, wait_running
 from lightning_ray.serving.engines import SamplingParams, engine_options, make_engine
 from lightning_ray.serving.http import ApiError, CallTrace, trace_ids
 from lightning_ray.serving.gate import DrainTimeout, Gate
@@ -401,6 +402,5 @@ def policy_target(cfg: TrainConfig, model_path: str, store, registry, adapter: P
 
 def deploy_policy(cfg: TrainConfig, model_path: str, store, registry) -> str:
     """Start the policy app (policy_app) on Ray Serve at serve.host:serve.port; its base URL (without /v1)."""
-    serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
-    serve.run_many([policy_target(cfg, model_path, store, registry)])
+    wait_running(start_apps([policy_target(cfg, model_path, store, registry)], cfg.serve.host, cfg.serve.port))
     return f"http://{cfg.serve.host}:{cfg.serve.port}"

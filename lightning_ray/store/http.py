@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field, FiniteFloat
 from ray import serve
 
 from lightning_ray import auth
+from lightning_ray.serving.deploy import start_apps, wait_running
 from lightning_ray.serving.http import ApiError, error_response, install
 from lightning_ray.store.client import StoreClient
 from lightning_ray.store.errors import InvalidLeaseToken, StoreError
@@ -266,6 +267,5 @@ def store_api_target(store: StoreClient, api_key: str | None = None) -> serve.Ru
 def deploy_store_api(store: StoreClient, host: str = "127.0.0.1", port: int = 8000,
                      api_key: str | None = None) -> str:
     """Serve the store over HTTP on the Serve proxy; return its base URL (OTLP exporters post to {url}/v1/traces)."""
-    serve.start(http_options={"host": host, "port": port})
-    serve.run_many([store_api_target(store, api_key)])
+    wait_running(start_apps([store_api_target(store, api_key)], host, port))
     return f"http://{host}:{port}{ROUTE_PREFIX}"

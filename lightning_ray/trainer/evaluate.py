@@ -10,11 +10,14 @@ of its values too (sql: of each question family).
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 from lightning_ray.metrics import metrics
 from lightning_ray.services import Services
-from lightning_ray.trainer.run import Run
 from lightning_ray.types import Rollout, Task
+
+if TYPE_CHECKING:  # a run's TensorBoard writer imports torch (~2 s): `lightning-ray eval` needs neither
+    from lightning_ray.trainer.run import Run
 
 
 def evaluate(services: Services, tasks: list[Task], pass_k: int = 0, desc: str = "eval") -> dict:

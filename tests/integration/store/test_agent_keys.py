@@ -27,14 +27,13 @@ MODEL = "tiny-calc"
 
 @pytest.fixture(scope="module")
 def app(policy_app, serve_port):
-    from ray import serve
-
+    from lightning_ray.serving.deploy import delete_apps
     from lightning_ray.store.http import APP_NAME, deploy_store_api
 
     with policy_app(serve={"api_key": KEY}, rollout={"max_tokens": 8}) as app:
         url = deploy_store_api(app["store"], port=serve_port, api_key=KEY)
         yield {**app, "store_url": url}
-        serve.delete(APP_NAME)
+        delete_apps([APP_NAME])
 
 
 def lease(store, rollout_id: str):

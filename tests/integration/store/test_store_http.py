@@ -34,14 +34,13 @@ MODEL = "tiny-calc"
 
 @pytest.fixture(scope="module")
 def app(policy_app, serve_port):
-    from ray import serve
-
+    from lightning_ray.serving.deploy import delete_apps
     from lightning_ray.store.http import APP_NAME, deploy_store_api
 
     with policy_app(rollout={"max_tokens": 16}) as app:
         url = deploy_store_api(app["store"], port=serve_port)
         yield {**app, "store_url": url}
-        serve.delete(APP_NAME)
+        delete_apps([APP_NAME])
 
 
 OUTSIDE_AGENT = textwrap.dedent("""
