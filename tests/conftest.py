@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import ray
@@ -23,30 +22,25 @@ def pytest_collection_modifyitems(session, config, items):
     of its own from the start, while the test files that do not need it run first (the unit tier's, then the
     integration tier's: testpaths' order, kept within each part; a test file that waited for the build left a core
     idle). Whoever resolves the model first builds it; the other waits on the cache's lock (models._cached)
-    and finds it built. The same process then runs each collected file's `prebuild(tiny_model_path)` (a model
-    that file's fixtures build once per machine from the tiny one) at the lowest priority: on the cycles the tests
-    leave idle, waiting on servers and timeouts, not on theirs."""
-    global _background_build
+    and finds it built."""
+    global _tiny_build
     needs_model = {item.module for item in items if "tiny_model_path" in item.fixturenames}
     items.sort(key=lambda item: item.module in needs_model)  # stable: each file's tests stay together, in order
     if needs_model:  # a failed build is the fixture's to report
-        prebuilds = sorted({m.__file__ for m in needs_model if hasattr(m, "prebuild")})
-        _background_build = subprocess.Popen(
-            [sys.executable, "-c", "import os, runpy, sys; from lightning_ray.config import ModelConfig; "
-             "from lightning_ray.models import resolve_model_path; tiny = resolve_model_path(ModelConfig()); "
-             "os.nice(19); [runpy.run_path(path)['prebuild'](tiny) for path in sys.argv[1:]]", *prebuilds],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})  # the files import helpers by name
+        _tiny_build = subprocess.Popen(
+            [sys.executable, "-c", "from lightning_ray.config import ModelConfig; "
+             "from lightning_ray.models import resolve_model_path; resolve_model_path(ModelConfig())"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if _background_build is not None and _background_build.poll() is None:  # the session ended first (-x);
-        # models._cached builds into a temporary directory renamed whole, so a killed build leaves nothing half-written
-        _background_build.kill()
-        _background_build.wait()
+    if _tiny_build is not None and _tiny_build.poll() is None:  # the session ended first (-x); models._cached
+        # builds into a temporary directory renamed whole, so a killed build leaves nothing half-written
+        _tiny_build.kill()
+        _tiny_build.wait()
 
 
-_background_build: subprocess.Popen | None = None
+_tiny_build: subprocess.Popen | None = None
 
 
 @pytest.fixture(scope="session")

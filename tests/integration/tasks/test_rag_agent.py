@@ -68,18 +68,13 @@ def warm_up_on_rag(base: Path, out: Path, steps: int = 200, seed: int = 0) -> Pa
     return out
 
 
-def prebuild(tiny_model_path: Path) -> Path:
-    """The warmed-up model, once per machine: keyed on the base model's own key, the warm-up's code and the agent's
-    prompts and demonstrations. 200 steps take ~70 s on both cores here, ~130 s on one thread: built in the
-    background while other tests run (conftest), so this file's fixture finds it ready."""
+@pytest.fixture(scope="module")
+def rag_model_path(tiny_model_path) -> Path:
+    # keyed on the base model's own key, the warm-up's code and the agent's prompts and demonstrations; built on
+    # every core (nothing else runs meanwhile): 200 steps in ~70 s here, against ~130 s on one thread
     key = content_key(tiny_model_path.name, inspect.getsource(warm_up_on_rag), Path(rag.__file__).read_text())
     return _cached(Path(ModelConfig().cache_dir).expanduser() / f"tiny-rag-{key}",
                    partial(warm_up_on_rag, tiny_model_path))
-
-
-@pytest.fixture(scope="module")
-def rag_model_path(tiny_model_path) -> Path:
-    return prebuild(tiny_model_path)
 
 
 @pytest.fixture(scope="module")
