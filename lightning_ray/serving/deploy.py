@@ -43,5 +43,5 @@ def _wait(apps: list[str], status: ApplicationStatus, deadline: float = float("i
                 raise RuntimeError(f"deploying {name}: {state.message}")
         if waiting:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"Serve apps not {status.value.lower()} in time: {', '.join(waiting)}")
+                raise TimeoutError(f"Serve apps {', '.join(waiting)} did not reach {status.value} in time")
             time.sleep(0.25)
