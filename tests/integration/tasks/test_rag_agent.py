@@ -38,6 +38,8 @@ def warm_up_on_rag(base: Path, out: Path, steps: int = 200, seed: int = 0) -> Pa
     from agents.models.openai_responses import Converter
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lightning_ray.models.tiny import next_token_loss
+
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
@@ -58,9 +60,9 @@ def warm_up_on_rag(base: Path, out: Path, steps: int = 200, seed: int = 0) -> Pa
         batch = rng.sample(episodes, 8)
         width = max(len(ids) for ids, _ in batch)
         ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in batch])
-        mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
-        labels = torch.tensor([[-100] * n + ids[n:] + [-100] * (width - len(ids)) for ids, n in batch])
-        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        answer = torch.tensor([[False] * n + [True] * (len(ids) - n) + [False] * (width - len(ids))
+                               for ids, n in batch])
+        next_token_loss(model, ids, answer[:, 1:]).backward()
         optimizer.step()
         optimizer.zero_grad()
     model.save_pretrained(out)
