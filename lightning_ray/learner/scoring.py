@@ -81,7 +81,8 @@ def actions_forward(model, input_ids: torch.Tensor, predicts: torch.Tensor,
     into it), its LM head only on the positions `predicts` marks (each position but the last predicts the next
     token): those positions' last hidden states and fp32 logits, flat in row order. No attention mask: causal
     attention never lets a real token see the padding after it, and without one SDPA runs its causal kernel, not
-    its masked one (SmolLM2's forward and backward in 0.87-0.92 of the time on CPU)."""
+    its masked one (SmolLM2's forward and backward on CPU: 0.87-0.92 of the time for 4 rows of ~300 tokens, ~0.97
+    for 13 of ~150, side by side)."""
     kept = {}
 
     def actions_only(decoder, inputs, out):
