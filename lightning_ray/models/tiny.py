@@ -107,6 +107,7 @@ def next_token_loss(model: LlamaForCausalLM, input_ids: torch.Tensor, predicts: 
     """The mean cross-entropy of the tokens `predicts` marks (position i predicts token i + 1) in right-padded rows.
     Causal attention never lets a real token see the padding after it, so no attention mask (SDPA's causal kernel,
     not its masked one), and the LM head runs on the marked positions only (a third of a batch is padding): the
-    same loss as the model's own with a mask and -100 labels, in ~0.65 of the time."""
+    same loss as the model's own with a mask and -100 labels (test_learner_math.py), a step in ~0.65 of the time
+    (the build 165 -> 134 s here)."""
     hidden = model.model(input_ids=input_ids).last_hidden_state[:, :-1][predicts]
     return torch.nn.functional.cross_entropy(model.lm_head(hidden), input_ids[:, 1:][predicts])

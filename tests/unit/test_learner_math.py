@@ -19,6 +19,7 @@ from lightning_ray.learner.driver import batch_plan, micro_batches
 from lightning_ray.learner.digest import parameter_digest
 from lightning_ray.learner.scoring import WithValueHead, collate, score, shared_prefix
 from lightning_ray.learner.worker import deepspeed_engine, train_step
+from lightning_ray.models.tiny import next_token_loss
 from lightning_ray.types import Transition
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -65,6 +66,24 @@ def test_score_is_the_tempered_softmax_of_the_full_forward_pass(model):
     assert torch.allclose(untempered, torch.tensor(expected_u), atol=1e-5)
     assert torch.allclose(entropy, torch.tensor(expected_h), atol=1e-4)
     assert not entropy.requires_grad and score(model, batch, entropy_grad=True)[2].requires_grad
+
+
+def test_the_warm_ups_loss_is_the_models_own_with_a_mask_and_labels(model):
+    """The tiny and rag models' warm-ups skip the attention mask and the LM head on padding (models/tiny.py): on
+    right-padded rows, the loss and its gradient are what the model's own with a mask and -100 labels give."""
+    rows = [torch.randint(1, 97, (n,)) for n in (5, 19, 12)]
+    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
+    real = torch.nn.utils.rnn.pad_sequence([torch.ones(len(r), dtype=torch.bool) for r in rows], batch_first=True)
+    out = []
+    for loss in (lambda: model(input_ids=ids, attention_mask=real.long(), labels=ids.masked_fill(~real, -100)).loss,
+                 lambda: next_token_loss(model, ids, real[:, 1:])):
+        model.zero_grad()
+        value = loss()
+        value.backward()
+        out.append((value.item(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (expected, expected_grad), (ours, grad) = out
+    assert ours == pytest.approx(expected, rel=1e-6) and torch.allclose(grad, expected_grad, atol=1e-6)
+    model.zero_grad()
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "token_sum"])
