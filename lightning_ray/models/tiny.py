@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from lightning_ray.learner.scoring import actions_forward
 from lightning_ray.serving.templates import HERMES_CHATML as CHAT_TEMPLATE
 from lightning_ray.tasks import calc
 
@@ -104,10 +105,9 @@ def _warm_up(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, texts:
 
 
 def next_token_loss(model: LlamaForCausalLM, input_ids: torch.Tensor, predicts: torch.Tensor) -> torch.Tensor:
-    """The mean cross-entropy of the tokens `predicts` marks (position i predicts token i + 1) in right-padded rows.
-    Causal attention never lets a real token see the padding after it, so no attention mask (SDPA's causal kernel,
-    not its masked one), and the LM head runs on the marked positions only (a third of a batch is padding): the
-    same loss as the model's own with a mask and -100 labels (test_learner_math.py), a step in ~0.65 of the time
+    """The mean cross-entropy of the tokens `predicts` marks (position i predicts token i + 1) in right-padded rows,
+    scored as the learner scores actions (`actions_forward`: no attention mask, the LM head on those positions only):
+    the same loss as the model's own with a mask and -100 labels (test_learner_math.py), a step in ~0.65 of the time
     (the build 165 -> 134 s here)."""
-    hidden = model.model(input_ids=input_ids).last_hidden_state[:, :-1][predicts]
-    return torch.nn.functional.cross_entropy(model.lm_head(hidden), input_ids[:, 1:][predicts])
+    _, logits = actions_forward(model, input_ids, predicts)
+    return torch.nn.functional.cross_entropy(logits, input_ids[:, 1:][predicts])
