@@ -5,6 +5,7 @@ for) vs a bare single-process PyTorch step of the same loss on the same hardware
         [--lora]   # and each layout with LoRA (learner.lora={}), its update's speed against full's
         [--lora-layers 15 8]   # and with LoRA on the top 15, then 8 layers only (learner.lora={layers: N})
         [--unshared]   # and each of those with learner.shared_prefix=false, the default's speed against it
+        [--cpu-env]    # and each with configs/placement/cpu.yaml's learner.env, what a run sets on CPUs
         [--task sql]   # the sql writer's calls (a ~470-token schema prompt each) instead of calc episodes
     python benchmarks/update_speed.py --model qwen2.5-0.5b --prompt-tokens 768 --response-tokens 256 \
         --transitions 64 --micro-batch-tokens 8192 --layouts 1x4 --steps 3                      # on a GPU
@@ -37,10 +38,11 @@ from concurrent.futures import ProcessPoolExecutor
 
 import ray
 import torch
+import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from lightning_ray.algorithm.loss import policy_loss, token_weights
-from lightning_ray.config import ModelConfig, validate
+from lightning_ray.config import CONFIGS, ModelConfig, validate
 from lightning_ray.learner.driver import Learner, micro_batches, padded_size, zero_stage
 from lightning_ray.learner.scoring import collate, score, to_device
 from lightning_ray.models import SMOLLM2, resolve_model_path
@@ -195,6 +197,8 @@ def main() -> None:
     parser.add_argument("--unshared", action="store_true",
                         help="each layout also with learner.shared_prefix=false (every row's prompt run whole)")
     parser.add_argument("--task", choices=["calc", "sql"], default="calc", help="the batch's calls (smollm2)")
+    parser.add_argument("--cpu-env", action="store_true",
+                        help="each variant also with configs/placement/cpu.yaml's learner.env (a run's on CPUs)")
     args = parser.parse_args()
     if args.model == "smollm2":
         model_path = resolve_model_path(ModelConfig(path=SMOLLM2))
@@ -220,6 +224,9 @@ def main() -> None:
                 **{f"learner_lora_top{n}": {"lora": {"layers": n}} for n in args.lora_layers}}
     if args.unshared:
         variants |= {f"{side}_unshared": {**learner, "shared_prefix": False} for side, learner in variants.items()}
+    if args.cpu_env:
+        env = yaml.safe_load((CONFIGS / "placement" / "cpu.yaml").read_text())["learner"]["env"]
+        variants |= {f"{side}_cpu_env": {**learner, "env": env} for side, learner in variants.items()}
     for layout in args.layouts:
         workers, threads = map(int, layout.split("x"))
         stage = args.zero_stage if args.zero_stage == "auto" else int(args.zero_stage)

@@ -426,6 +426,7 @@ class LearnerConfig(_Strict):
     # replicas have GPUs, then cuda_ipc where they share one (fractional GPUs on both), else collective (NCCL)
     weight_sync: Literal["auto", "object_store", "cuda_ipc", "collective"] = "auto"
     lora: LoraConfig | None = None  # null: full fine-tuning; learner.lora={} (or {rank:8,...}): LoRA adapters
+    env: dict[str, str] = {}  # environment of the ranks' processes (configs/placement/cpu.yaml: glibc's malloc)
 
     @model_validator(mode="after")
     def _zero_stage_fits(self):

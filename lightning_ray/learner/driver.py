@@ -72,7 +72,8 @@ class Learner:
                                          resources_per_worker=t.resources_per_worker,
                                          placement_strategy=t.placement_strategy),
             run_config=RunConfig(name="learner", storage_path=str(cfg.run_path / "ray_train"),
-                                 failure_config=FailureConfig(max_failures=t.max_restarts)),
+                                 failure_config=FailureConfig(max_failures=t.max_restarts),
+                                 worker_runtime_env={"env_vars": t.env} if t.env else None),
         )
         self.error: BaseException | None = None
         self.stopping = False

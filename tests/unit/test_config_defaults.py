@@ -60,7 +60,7 @@ def test_every_key_can_be_overridden_and_what_make_train_runs_is_stated():
     defaults = code_defaults(TrainConfig)
     changed = {f"{section}.{k}" for section, values in composed.items() if isinstance(values, dict)
                for k, v in values.items() if v != defaults[section][k]}
-    assert changed == {"engine.kind", "engine.gpu_memory_utilization", "engine.env", "model.path",
+    assert changed == {"engine.kind", "engine.gpu_memory_utilization", "engine.env", "learner.env", "model.path",
                        "serve.chat_template", "task.generator",
                        # unset in the code, derived: from rollout.mode (the test below), from the agents
                        "serve.drain", "serve.max_ongoing_requests"}  # (test_policy_app_options.py)

@@ -170,15 +170,17 @@ def test_the_gpu_learner_settings_train_on_cpu_too(ray_cluster, tiny_model_path,
     and activation checkpointing — runs the same code on CPUs: the step moves the weights, and what is published is
     the bf16 policy, whole, and the checkpoint is it. A batch whose loss is not finite then changes nothing: its step
     is skipped (DeepSpeed's bf16 optimizer finds the gradient not finite), and no version is published. A batch the
-    rank raises on (a token outside the vocabulary) fails the step at once with the rank's error, not retried."""
+    rank raises on (a token outside the vocabulary) fails the step at once with the rank's error, not retried. The
+    rank's process runs in learner.env's environment (placement=cpu sets glibc's allocator there)."""
     cfg = small({"run_dir": str(tmp_path), "learner": {
         "num_workers": 1, "threads_per_worker": 1, "dtype": "bfloat16", "gradient_checkpointing": True, "lr": 1e-2,
-        "micro_batch_tokens": 96, "max_logprob_gap": None}})
+        "micro_batch_tokens": 96, "max_logprob_gap": None, "env": {"LIGHTNING_RAY_RANK_ENV": "set"}}})
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     registry = WeightRegistry.remote()
     learner = Learner(cfg, tiny_model_path, registry)
     try:
         [reply] = learner.step(transitions(initial.config.vocab_size))
+        environ = open(f"/proc/{learner.ranks[0]['pid']}/environ", "rb").read().split(b"\0")
         version, payload = ray.get(registry.wait_newer.remote(0, 10.0))
         published = ray.get(payload[0])
         [skipped] = learner.step([t.model_copy(update={"advantage": math.nan})
@@ -190,7 +192,7 @@ def test_the_gpu_learner_settings_train_on_cpu_too(ray_cluster, tiny_model_path,
                           for t in transitions(vocab)])
     finally:
         learner.close()
-    assert learner.restarts == 0
+    assert learner.restarts == 0 and b"LIGHTNING_RAY_RANK_ENV=set" in environ
     assert not skipped["updated"] and skipped["skipped_nonfinite"] == skipped["steps"] == 1
     assert skipped["digest"] == reply["digest"] and learner.version == 1
     assert ray.get(registry.wait_newer.remote(0, 1.0))[0] == 1
