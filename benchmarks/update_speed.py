@@ -38,11 +38,10 @@ from concurrent.futures import ProcessPoolExecutor
 
 import ray
 import torch
-import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from lightning_ray.algorithm.loss import policy_loss, token_weights
-from lightning_ray.config import CONFIGS, ModelConfig, validate
+from lightning_ray.config import ModelConfig, compose, validate
 from lightning_ray.learner.driver import Learner, micro_batches, padded_size, zero_stage
 from lightning_ray.learner.scoring import collate, score, to_device
 from lightning_ray.models import SMOLLM2, resolve_model_path
@@ -225,7 +224,7 @@ def main() -> None:
     if args.unshared:
         variants |= {f"{side}_unshared": {**learner, "shared_prefix": False} for side, learner in variants.items()}
     if args.cpu_env:
-        env = yaml.safe_load((CONFIGS / "placement" / "cpu.yaml").read_text())["learner"]["env"]
+        env = compose(["run_dir=x"]).learner.env  # what a run's config has (placement=cpu, the default)
         variants |= {f"{side}_cpu_env": {**learner, "env": env} for side, learner in variants.items()}
     for layout in args.layouts:
         workers, threads = map(int, layout.split("x"))
