@@ -3,6 +3,7 @@ report it after each step, and tests compare it with checkpoints and engines."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -19,11 +20,20 @@ def parameter_digest(module: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def _bits_checksum(t: torch.Tensor, chunk: int = 1 << 24) -> int:
+def _bits_checksum(t: torch.Tensor, chunk: int | None = None) -> int:
     """Σ bits(x_i) · (i + 1) over the float32 bit patterns, in wrapping int64: exact integer arithmetic, so the same
-    on every device and in any summation order; the position weight tells permutations apart."""
+    on every device and in any summation order; the position weight tells permutations apart. Taken a chunk at a
+    time as Σ bits · (j + 1) + start · Σ bits (j: the place in the chunk): one cached weight vector, and on CPUs
+    chunks whose temporaries stay in cache (SmolLM2: 0.09 s against 0.66-0.84 s with fresh 16M-value ranges)."""
+    chunk = chunk or (1 << 18 if t.device.type == "cpu" else 1 << 22)
     flat, total = t.reshape(-1), torch.zeros((), dtype=torch.int64, device=t.device)
+    weights = _positions(chunk, t.device)
     for start in range(0, flat.numel(), chunk):
         bits = flat[start:start + chunk].float().view(torch.int32).to(torch.int64)
-        total += (bits * torch.arange(start + 1, start + 1 + bits.numel(), device=t.device)).sum()
+        total += (bits * weights[:bits.numel()]).sum() + start * bits.sum()
     return int(total)
+
+
+@functools.cache
+def _positions(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(1, n + 1, dtype=torch.int64, device=device)

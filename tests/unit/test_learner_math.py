@@ -16,7 +16,7 @@ from lightning_ray.algorithm.lightningrl import merge_calls
 from lightning_ray.algorithm.loss import policy_loss, token_weights
 from lightning_ray.config import AlgorithmConfig, LearnerConfig
 from lightning_ray.learner.driver import batch_plan, micro_batches
-from lightning_ray.learner.digest import parameter_digest
+from lightning_ray.learner.digest import _bits_checksum, parameter_digest
 from lightning_ray.learner.scoring import WithValueHead, collate, score, shared_prefix
 from lightning_ray.learner.worker import deepspeed_engine, train_step
 from lightning_ray.models.tiny import next_token_loss
@@ -242,6 +242,16 @@ def test_the_parameter_digest_is_the_values_whatever_their_dtype_or_order(model)
         w = same.model.layers[0].mlp.up_proj.weight
         w[0, 0], w[0, 1] = w[0, 1].clone(), w[0, 0].clone()  # a permutation keeps every plain sum
     assert parameter_digest(same) != parameter_digest(bf16)
+
+
+def test_the_digest_is_the_same_whatever_its_chunks():
+    """The checksum is taken a chunk at a time, each weighted from its own start: any chunk size gives one value,
+    and a swap across a chunk's edge still changes it."""
+    t = torch.randn(1_000)
+    whole = _bits_checksum(t, chunk=4_096)
+    assert {_bits_checksum(t, chunk=c) for c in (7, 64, 999, 1_000)} == {whole}
+    t[63], t[64] = t[64].clone(), t[63].clone()
+    assert _bits_checksum(t, chunk=64) != whole
 
 
 @pytest.mark.parametrize("model_class, config", [
