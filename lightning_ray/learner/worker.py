@@ -186,9 +186,8 @@ def learn(cfg: dict, nonce: str) -> None:
         trained = time.perf_counter()
         with whole_weights(engine) as module:
             policy = served(module)
-            # Before publishing: once published, the replicas load the weights on the same cores, and the digest's
-            # many small multithreaded ops took 2.3-4.9 s beside that load against 0.15-0.18 s before it (SmolLM2,
-            # 2 cores). An adapter per agent: the base and every adapter (the served view is the base alone).
+            # Before publishing, not beside the replicas' load of the weights (SmolLM2, 2 cores: 0.15 s against 2-5 s;
+            # the update no shorter, the barrier waiting for that load). Per agent: the base and every adapter.
             digest = parameter_digest(module if alg.adapters else policy)
             digested = time.perf_counter()
             # copied here: ZeRO-3 frees the gathered parameters when the block ends. Weights that no step moved
