@@ -5,7 +5,9 @@ A rank whose process dies (its node lost, killed, out of host memory) is restart
 (learner.max_restarts, Ray Train's FailureConfig); the new ranks load the run's latest checkpoint and take the
 command that was in flight again, and the run goes on. Updates since that checkpoint are lost (none with
 trainer.checkpoint_every=1): rank 0 publishes the weights the ranks went back to as the next version, so the replicas
-serve what the learner holds; the versions only go up."""
+serve what the learner holds; the versions only go up. Ranks restarted between commands (while the rollouts run) are
+attached as soon as they start, not at the next command: the current version's payload died with the old rank 0, and
+a replica started meanwhile (its node lost too) waits for the new one."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import contextlib
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +40,8 @@ from lightning_ray import weight_sync
 
 
 class Learner:
+    WATCH_S = 2.0  # how often, between commands, the ranks' outbox is looked at for restarted ranks
+
     def __init__(self, cfg: TrainConfig, model_path: Path, registry, resume_from: Checkpoint | None = None):
         """`model_path`: the initial policy; `resume_from`: the checkpoint whose learner state the ranks load."""
         t = cfg.learner
@@ -77,8 +82,13 @@ class Learner:
         )
         self.error: BaseException | None = None
         self.stopping = False
+        # One conversation with the ranks at a time: a command's, or the watcher's attaching ranks restarted between
+        # commands (held by whoever reads the version too, so a republish cannot slip in between).
+        self.lock = threading.RLock()
+        self.watch_error: BaseException | None = None  # the watcher's, raised by the next command
         self.thread = threading.Thread(target=self._fit, args=(trainer,), daemon=True, name="learner-fit")
         self.thread.start()  # returns at once: the ranks start while the caller starts other things (services.py)
+        threading.Thread(target=self._watch, daemon=True, name="learner-watch").start()
 
     def wait_ready(self) -> None:
         """Until every rank has built its DeepSpeed engine and loaded the checkpoint it goes on from, if any (the
@@ -90,6 +100,24 @@ class Learner:
             trainer.fit()
         except BaseException as e:  # surfaced to the driver by _next
             self.error = e
+
+    def _watch(self) -> None:
+        """Between commands, attaches the ranks Ray Train restarted (their start message the one thing the outbox
+        can then hold, but for a replaced process's late reply), so rank 0 republishes within seconds: in
+        iterations without a learning signal no command may come for a long time, and a replica that starts
+        meanwhile cannot fetch the version whose payload the dead rank 0 owned."""
+        while not self.stopping:
+            time.sleep(self.WATCH_S)
+            with self.lock:
+                try:
+                    if self.stopping or not self.ranks or self.outbox.empty():
+                        continue
+                    if (msg := self._next()).get("ready"):
+                        self._command(None, restarted={msg["rank"]: msg})
+                except BaseException as e:  # the next command raises it
+                    if not self.stopping:
+                        self.watch_error = e
+                    return
 
     def _next(self) -> dict:
         """The next message from a rank; fails fast if the training run died or a rank failed."""
@@ -135,38 +163,47 @@ class Learner:
             self.inboxes[rank].put({"kind": "attach", "nonce": msg["nonce"], "load": load, "publish": publish})
         self._gather()
 
-    def _command(self, messages: list[dict] | None) -> list[dict]:
+    def _command(self, messages: list[dict] | None, restarted: dict[int, dict] | None = None) -> list[dict]:
         """Each rank its message (None: none, only attach the ranks); their replies, in rank order. Ranks restarted
-        meanwhile are attached to the latest checkpoint and get the message again."""
-        restarted = None  # the new processes heard from, once the ranks restart
-        while True:
-            try:
-                if not self.ranks:
-                    self._attach({})
-                if restarted is not None:
-                    # The replicas serve the updates the restart lost, from a payload the dead rank 0 owned: a
-                    # replica started now could not fetch it. Rank 0 publishes the weights the ranks went back to as
-                    # the next version (versions only go up; rank 0 may have published the step in flight before it
-                    # died), unless nothing was published yet.
-                    published, payload = ray.get(self.registry.wait_newer.remote(0, 0.0))
-                    self._attach(restarted, publish=published + 1 if payload is not None else None)
-                    if payload is not None:
-                        self.version = published = published + 1
-                    if messages and messages[0]["kind"] == "step":
-                        messages = [{**msg, "version": max(msg["version"], published + 1)} for msg in messages]
-                    restarted = None
-                if messages is None:
-                    return []
-                for inbox, msg in zip(self.inboxes, messages):
-                    inbox.put(msg)
-                return self._gather()
-            except _Restarted as restart:
-                self.restarts, restarted = self.restarts + 1, restart.ready
-                count_error("learner", "ranks_restarted")  # the dashboard's errors panel
-                since = f"{self.checkpoint.path.name} (policy v{self.checkpoint.state.policy_version})" \
-                    if self.checkpoint else "the initial policy"
-                print(f"the learner's ranks were restarted ({self.restarts} of learner.max_restarts="
-                      f"{self.max_restarts}): going on from {since}; the updates after it are lost", flush=True)
+        meanwhile (`restarted`: the new processes heard from) are attached to the latest checkpoint and get the
+        message again."""
+        with self.lock:
+            if self.watch_error is not None:
+                raise self.watch_error
+            if restarted is not None:
+                self._count_restart()
+            while True:
+                try:
+                    if not self.ranks:
+                        self._attach({})
+                    if restarted is not None:
+                        # The replicas serve the updates the restart lost, from a payload the dead rank 0 owned:
+                        # a replica started now could not fetch it. Rank 0 publishes the weights the ranks went back
+                        # to as the next version (versions only go up; rank 0 may have published the step in flight
+                        # before it died), unless nothing was published yet.
+                        published, payload = ray.get(self.registry.wait_newer.remote(0, 0.0))
+                        self._attach(restarted, publish=published + 1 if payload is not None else None)
+                        if payload is not None:
+                            self.version = published = published + 1
+                        if messages and messages[0]["kind"] == "step":
+                            messages = [{**msg, "version": max(msg["version"], published + 1)} for msg in messages]
+                        restarted = None
+                    if messages is None:
+                        return []
+                    for inbox, msg in zip(self.inboxes, messages):
+                        inbox.put(msg)
+                    return self._gather()
+                except _Restarted as restart:
+                    restarted = restart.ready
+                    self._count_restart()
+
+    def _count_restart(self) -> None:
+        self.restarts += 1
+        count_error("learner", "ranks_restarted")  # the dashboard's errors panel
+        since = f"{self.checkpoint.path.name} (policy v{self.checkpoint.state.policy_version})" \
+            if self.checkpoint else "the initial policy"
+        print(f"the learner's ranks were restarted ({self.restarts} of learner.max_restarts={self.max_restarts}): "
+              f"going on from {since}; the updates after it are lost", flush=True)
 
     def _gather(self) -> list[dict]:
         """One reply per rank from its attached process, in rank order. Replies from a process since replaced are
@@ -186,10 +223,11 @@ class Learner:
         were. The caller skips batches without any signal: an empty step would still move the weights (Adam's
         momentum) and bump the version for nothing."""
         plan = batch_plan(transitions, self.algorithm, self.max_tokens, self.token_budget, self.n, self.share_prefix)
-        replies = self._command([{"kind": "step", "version": self.version + 1, "mini_batches": mini_batches,
-                                  "adapters": micro_batch_adapters(plan)} for mini_batches in plan])
-        if replies[0]["updated"]:  # else every rank skipped the same steps
-            self.version = replies[0]["version"]
+        with self.lock:  # the version as the watcher may have moved it
+            replies = self._command([{"kind": "step", "version": self.version + 1, "mini_batches": mini_batches,
+                                      "adapters": micro_batch_adapters(plan)} for mini_batches in plan])
+            if replies[0]["updated"]:  # else every rank skipped the same steps
+                self.version = replies[0]["version"]
         return replies
 
     def save(self, path: Path) -> None:

@@ -4,6 +4,7 @@ one actor beside the driver. A Ray queue each would start a process per rank and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 
 import ray
@@ -35,7 +36,13 @@ class Mailbox:
         ray.get(self.actor.put.remote(self.box, message))
 
     def get(self, timeout: float | None = None):
-        """The next message; queue.Empty after `timeout` seconds without one."""
+        """The next message; queue.Empty after `timeout` seconds without one. None waits, asking again every
+        second: a wait left in the actor by a process that died would take the next message, meant for the process
+        that replaced it (a restarted learner rank's attach), and a process restarts in more than a second."""
+        if timeout is None:
+            while True:
+                with contextlib.suppress(queue.Empty):
+                    return self.get(1.0)
         try:
             return ray.get(self.actor.get.remote(self.box, timeout))
         except asyncio.TimeoutError:  # the actor's, as Ray re-raises it here (a RayTaskError that is one too)

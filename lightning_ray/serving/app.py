@@ -108,8 +108,9 @@ class PolicyServer:
         version, payload = await registry.wait_newer.remote(0, timeout_s=0.0)
         if version > 0 and payload is None:  # nothing published yet: what it loaded is that version (a resumed run's)
             self.seen_version = self.engine.policy_version = version
-        elif version > 0:
-            await self._load(payload, version)
+        # Not routed to before it has the version (a payload whose owner died: the one republished after it)
+        while version > 0 and payload is not None and not await self._load(payload, version):
+            version, payload = await registry.wait_newer.remote(version, timeout_s=30.0)
         self._follower = asyncio.get_running_loop().create_task(self._follow_weights())
         if sleep_while_training:
             epoch = await registry.wait_sleep_request.remote(0, timeout_s=0.0)  # requests before this replica: not its
@@ -347,17 +348,17 @@ class PolicyServer:
                 logger.exception("sleep follower: going on")
                 await asyncio.sleep(1.0)
 
-    async def _load(self, payload, version: int) -> None:
+    async def _load(self, payload, version: int) -> bool:
         """Get the weights by the payload's transport (lightning_ray/weight_sync): checked and, where the transport
         allows, received while serving goes on, then swapped in with admission paused; acknowledged. A failure is
-        reported to the registry (the trainer's barrier raises it) and raised; a version superseded before it could
-        be fetched is neither (the newer one comes next)."""
+        reported to the registry (the trainer's barrier raises it) and raised; a version that could not be fetched,
+        superseded or its publisher dead, is neither (False: the newer one comes next)."""
         self.seen_version = version
         try:
             if self._sleep is not None:  # awake, still paused: no request sees the old weights after the sleep
                 await self.engine.wake_up()
             if not await self.weights.receive(payload, version, self.gate.for_weights):
-                return
+                return False
         except Exception as e:
             await self.registry.fail.remote(self.replica_id, version, f"{type(e).__name__}: {e}")
             raise
@@ -367,6 +368,7 @@ class PolicyServer:
                 await pause.__aexit__(None, None, None)
         await self.registry.ack.remote(self.replica_id, version)
         metrics().policy_version.set(version, tags={"role": "served"})
+        return True
 
 
 def policy_app(cfg: TrainConfig, model_path: str, store, registry, adapter: Path | None = None):

@@ -54,7 +54,8 @@ def update(run: Run, batch: Batch) -> Update:
 
 def save_checkpoint(run: Run, iteration: int) -> None:
     """After the iteration's record: the checkpoint holds it."""
-    with run.phase("checkpoint"), status(f"iter {iteration}: checkpoint", report=False):
+    # the learner's lock: ranks restarted meanwhile are attached to this checkpoint, not the one before
+    with run.phase("checkpoint"), status(f"iter {iteration}: checkpoint", report=False), run.learner.lock:
         staged = checkpoint.staging(run.cfg.run_path, iteration + 1)
         run.learner.save(staged)
         # the run's latest: what restarted learner ranks go on from

@@ -5,7 +5,7 @@ rank 0 with the policy's parameters whole (inside ZeRO-3's gather: it copies wha
 and picklable and goes to the weight registry (weight_sync/registry.py), the one control plane: replicas pull it,
 acknowledge or report a failure, and the trainer's barrier waits on them, whatever the transport. The replica side,
 `Receiver.receive(payload, version, paused)`, gets the tensors into its engine and returns False if the version
-was superseded before it could be fetched (the newer one follows).
+was superseded before it could be fetched, or its publisher died (the newer one follows).
 
 - object_store: a host copy through Ray's object store (the CPU default).
 - cuda_ipc: colocated on one GPU; the replica copies straight from the learner's GPU memory.

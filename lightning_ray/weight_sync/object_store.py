@@ -21,7 +21,11 @@ class ObjectStorePublisher:
 
 
 async def receive(payload: list, version: int, engine, paused) -> bool:
-    await engine.stage_weights(await payload[0])
+    try:
+        state = await payload[0]
+    except ray.exceptions.ObjectLostError:  # its owner, learner rank 0, died: the restarted rank publishes anew
+        return False
+    await engine.stage_weights(state)
     async with paused():
         await engine.swap_weights(version)
     return True

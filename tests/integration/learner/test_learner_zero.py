@@ -120,6 +120,34 @@ def kill_once_taken(learner: Learner, rank: int, registry, republished: dict) ->
     republished["state"] = ray.get(payload[0])
 
 
+def test_a_rank_killed_between_commands_is_restarted_and_republishes_before_the_next_one(ray_cluster,
+                                                                                          tiny_model_path, tmp_path):
+    """A learner rank SIGKILLed while no command is in flight (the rollouts running; iterations without a learning
+    signal send none for as long as they last): its restart is attached and rank 0 publishes the weights it went
+    back to (the initial policy: no checkpoint was saved) without waiting for a command, so a replica that starts
+    meanwhile finds a version it can fetch: the one before died with the old rank 0. The next step goes on."""
+    cfg = small({"run_dir": str(tmp_path), "learner": {"num_workers": 1, "threads_per_worker": 1, "lr": 1e-2,
+                                                       "micro_batch_tokens": 96, "max_logprob_gap": None}})
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    registry = WeightRegistry.remote()
+    learner = Learner(cfg, tiny_model_path, registry)
+    try:
+        learner.step(transitions(initial.config.vocab_size))
+        version, payload = ray.get(registry.wait_newer.remote(0, 10.0))
+        os.kill(learner.ranks[0]["pid"], signal.SIGKILL)
+        republished, fresh = ray.get(registry.wait_newer.remote(version, 120.0))  # no command sent meanwhile
+        state = ray.get(fresh[0])
+        with pytest.raises(ray.exceptions.ObjectLostError):
+            ray.get(payload[0], timeout=30)
+        [reply] = learner.step(transitions(initial.config.vocab_size))
+    finally:
+        learner.close()
+    assert (version, republished, learner.restarts, learner.version) == (1, 2, 1, 3)
+    reloaded = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    reloaded.load_state_dict(state)
+    assert parameter_digest(reloaded) == parameter_digest(initial) != reply["digest"]
+
+
 def test_two_ranks_train_like_one(ray_cluster, tiny_model_path, tmp_path):
     """The same PPO batch on one rank and on two (ZeRO-1: each rank half the batch in its own micro-batches, and half
     the optimizer state), in 4 optimizer steps (2 mini-batches × 2 epochs), every rank in each of them: the loss is

@@ -1,7 +1,8 @@
 """Weight sync under failure, through the real Serve app on the tiny model: a publish that does not fit is refused
 whole and reported to the trainer's barrier; a load that fails part way takes the replica out of service; a replica
-that starts during a publish is waited for; a weight update ends generations that outlive the drain deadline; a
-client that stops reading a stream does not hold a weight update back."""
+that starts during a publish is waited for, and one that starts after the publisher died waits for the next version;
+a weight update ends generations that outlive the drain deadline; a client that stops reading a stream does not hold
+a weight update back."""
 
 from __future__ import annotations
 
@@ -137,6 +138,10 @@ def recording_registry(refs: list):
             self.calls.append(f"look {out[0]}")
             return out
 
+        async def fail(self, replica_id, version, error):
+            self.calls.append(f"fail {version}")
+            await super().fail(replica_id, version, error)
+
         async def log(self) -> list[str]:
             return self.calls
 
@@ -151,6 +156,34 @@ def test_a_replica_that_starts_during_a_publish_starts_on_it(policy_app, base_st
         assert calls[:2] == ["register", "look 1"], calls
         assert httpx.get(deployed["url"] + "/health").json()["policy_version"] == 1
         assert served(deployed["url"])[1]["system_fingerprint"] == "lightning_ray-policy-v1"
+
+
+def test_a_replica_started_after_the_publisher_died_waits_for_the_version_published_next(policy_app, base_state):
+    """A version's payload is owned by the process that published it, learner rank 0. A replica that starts once
+    that process is dead (the soak of 2026-12-04: the learner's node lost, then the policy's) cannot fetch it: it
+    neither fails (Serve would start replica after replica) nor serves the weights it started with, but waits for
+    the version the restarted rank publishes next (learner/driver.py), and serves that."""
+    @ray.remote(num_cpus=0)
+    class Publisher:  # a learner rank 0's part: the owner of what it puts in the object store
+        def publish(self, state: dict) -> list:
+            return [ray.put(state)]
+
+    registry, publisher = recording_registry(None), Publisher.remote()
+    ray.get(registry.publish.remote(1, ray.get(publisher.publish.remote(version_of(base_state, 1)))))
+    ray.kill(publisher)
+
+    def republish():  # once the replica has looked, as the restarted rank would, a while after its start
+        while "look 1" not in ray.get(registry.log.remote()):
+            time.sleep(0.1)
+        time.sleep(1.0)
+        ray.get(registry.publish.remote(2, [ray.put(version_of(base_state, 2))]))
+
+    threading.Thread(target=republish).start()
+    with policy_app(registry) as deployed:
+        calls = ray.get(registry.log.remote())
+        assert calls[:3] == ["register", "look 1", "look 2"] and "fail 1" not in calls, calls
+        assert httpx.get(deployed["url"] + "/health").json()["policy_version"] == 2
+        assert served(deployed["url"])[1]["system_fingerprint"] == "lightning_ray-policy-v2"
 
 
 def test_a_weight_update_ends_generations_past_the_drain_deadline(policy_app, base_state):
