@@ -6,8 +6,8 @@ A rank whose process dies (its node lost, killed, out of host memory) is restart
 command that was in flight again, and the run goes on. Updates since that checkpoint are lost (none with
 trainer.checkpoint_every=1): rank 0 publishes the weights the ranks went back to as the next version, so the replicas
 serve what the learner holds; the versions only go up. Ranks restarted between commands (while the rollouts run) are
-attached as soon as they start, not at the next command: the current version's payload died with the old rank 0, and
-a replica started meanwhile (its node lost too) waits for the new one."""
+attached as soon as they start, not at the next command: the current version's payload died with the old rank 0, a
+replica started meanwhile (its node lost too) waits for the new one, and the rollouts may wait for that replica."""
 
 from __future__ import annotations
 
@@ -103,9 +103,9 @@ class Learner:
 
     def _watch(self) -> None:
         """Between commands, attaches the ranks Ray Train restarted (their start message the one thing the outbox
-        can then hold, but for a replaced process's late reply), so rank 0 republishes within seconds: in
-        iterations without a learning signal no command may come for a long time, and a replica that starts
-        meanwhile cannot fetch the version whose payload the dead rank 0 owned."""
+        can then hold, but for a replaced process's late reply), so rank 0 republishes within seconds. A replica
+        that starts meanwhile cannot fetch the version whose payload the dead rank 0 owned, and the next command
+        waits for the iteration's rollouts, which may wait for that replica (the soak of 2026-12-04)."""
         while not self.stopping:
             time.sleep(self.WATCH_S)
             with self.lock:

@@ -122,10 +122,10 @@ def kill_once_taken(learner: Learner, rank: int, registry, republished: dict) ->
 
 def test_a_rank_killed_between_commands_is_restarted_and_republishes_before_the_next_one(ray_cluster,
                                                                                           tiny_model_path, tmp_path):
-    """A learner rank SIGKILLed while no command is in flight (the rollouts running; iterations without a learning
-    signal send none for as long as they last): its restart is attached and rank 0 publishes the weights it went
-    back to (the initial policy: no checkpoint was saved) without waiting for a command, so a replica that starts
-    meanwhile finds a version it can fetch: the one before died with the old rank 0. The next step goes on."""
+    """A learner rank SIGKILLed while no command is in flight (the rollouts running): its restart is attached and
+    rank 0 publishes the weights it went back to (the initial policy: no checkpoint was saved) without waiting for a
+    command, so a replica that starts meanwhile finds a version it can fetch (the one before died with the old rank
+    0), and the rollouts, which the next command waits for, are not left waiting for it. The next step goes on."""
     cfg = small({"run_dir": str(tmp_path), "learner": {"num_workers": 1, "threads_per_worker": 1, "lr": 1e-2,
                                                        "micro_batch_tokens": 96, "max_logprob_gap": None}})
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_path)
