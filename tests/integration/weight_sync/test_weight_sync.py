@@ -173,12 +173,13 @@ def test_a_replica_started_after_the_publisher_died_waits_for_the_version_publis
     ray.kill(publisher)
 
     def republish():  # once the replica has looked, as the restarted rank would, a while after its start
-        while "look 1" not in ray.get(registry.log.remote()):
+        deadline = time.monotonic() + 120
+        while "look 1" not in ray.get(registry.log.remote()) and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(1.0)
         ray.get(registry.publish.remote(2, [ray.put(version_of(base_state, 2))]))
 
-    threading.Thread(target=republish).start()
+    threading.Thread(target=republish, daemon=True).start()  # daemon: a failed deploy leaves no thread behind
     with policy_app(registry) as deployed:
         calls = ray.get(registry.log.remote())
         assert calls[:3] == ["register", "look 1", "look 2"] and "fail 1" not in calls, calls
