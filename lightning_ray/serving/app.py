@@ -108,8 +108,8 @@ class PolicyServer:
         version, payload = await registry.wait_newer.remote(0, timeout_s=0.0)
         if version > 0 and payload is None:  # nothing published yet: what it loaded is that version (a resumed run's)
             self.seen_version = self.engine.policy_version = version
-        # Not routed to before it has the version (a payload whose owner died: the one republished after it)
-        while version > 0 and payload is not None and not await self._load(payload, version):
+        # A version published: not routed to before it has it (a payload whose owner died: the one published next)
+        while payload is not None and not await self._load(payload, version):
             version, payload = await registry.wait_newer.remote(version, timeout_s=30.0)
         self._follower = asyncio.get_running_loop().create_task(self._follow_weights())
         if sleep_while_training:
