@@ -28,7 +28,7 @@ from lightning_ray.serving import http
 from lightning_ray.serving.adapters import AdapterRoutes
 from lightning_ray.serving.chat import create_chat_completion
 from lightning_ray.serving.completions import create_completion
-from lightning_ray.serving.decoding import ChoiceDelta, choice_jobs, collect, generate_choices
+from lightning_ray.serving.decoding import Choice, ChoiceDelta, choice_jobs, collect, generate_choices
 from lightning_ray.serving.deploy import start_apps, wait_running
 from lightning_ray.serving.engines import SamplingParams, engine_options, make_engine
 from lightning_ray.serving.http import ApiError, CallTrace, trace_ids
@@ -263,13 +263,14 @@ class PolicyServer:
         if self.engine.broken:
             raise ApiError(503, f"this replica is being replaced: {self.engine.broken}", type="server_error",
                            code="replica_unhealthy")
-        start, choices, error, error_type = time.time(), {}, None, None
+        start, choices, error, error_type, admitted = time.time(), {}, None, None, None
         try:
             if trace.rollout_id in self.taught:
                 params = await self.teach(trace, conversation, prompts, params)
                 attrs = {**attrs, semconv.TEACHER: self.teacher.name}
             try:
                 async with self.gate.admit():
+                    admitted = self.engine.policy_version
                     async for d in generate_choices(self.engine, choice_jobs(prompts, params, n), stop):
                         d.span_id = choices[d.index].span_id if d.index in choices else new_span_id()
                         collect(choices, d)
@@ -289,6 +290,11 @@ class PolicyServer:
                 metrics().generated_tokens.inc(generated)
             # a call that ended in an error was never answered: recorded as such, never trained (lightningrl.answered)
             failed = {semconv.ERROR_TYPE: error_type} if error else {}
+            if error and admitted is not None:
+                # a choice ended before its first delta (an engine gives a call that is not streamed its tokens at
+                # the end) is recorded too, without tokens: the trace keeps every call an engine started
+                for i in range(len(prompts) * n):
+                    choices.setdefault(i, Choice(index=i, policy_version=admitted, span_id=new_span_id()))
             adapter = {semconv.ADAPTER: params.adapter} if params.adapter else {}  # the base's calls: none
             spans = [Span(span_id=c.span_id, rollout_id=trace.rollout_id, attempt_id=trace.attempt_id,
                           trace_id=trace.trace_id, parent_id=trace.parent_id, name=semconv.LLM_CALL, start_time=start,

@@ -89,10 +89,15 @@ def test_keep_updates_the_weights_under_a_running_call_and_its_span_says_which_t
 
 def test_abort_ends_the_calls_in_flight_at_once(policy_app, old_model):
     """The stream ends with a 503-style error frame the client can retry, the update goes through at once (not at the
-    60 s drain deadline), and what was generated is recorded as an errored call: never trained."""
+    60 s drain deadline), and each choice is recorded as an errored call, never trained: with what it had generated,
+    or with no tokens where it had not begun (the HF engine generates one choice at a time; so does a call that is
+    not streamed, whose engine gives its tokens at the end)."""
     with policy_app(serve={"drain": "abort"}) as deployed:
         frames, spans, synced, _ = stream_while_publishing(deployed, old_model.state_dict(), 8)
     errors = [json.loads(f[6:])["error"] for f in frames if f.startswith("data: {") and '"error"' in f]
     assert errors and errors[0]["code"] == "weight_update", frames[-3:]
     assert synced < 30, synced
-    assert spans and all(s.status == "error" and s.attributes["error.type"] == "weight_update" for s in spans)
+    assert len(spans) == 8 and all(s.status == "error" and s.attributes["error.type"] == "weight_update"
+                                   for s in spans)
+    generated = sorted(len(s.attributes["lightning_ray.completion_token_ids"]) for s in spans)
+    assert generated[0] == 0 and generated[-1] > 0, generated
