@@ -2,12 +2,12 @@
 # Every GPU check in one go, on a node where lightning_ray runs (`make setup`, or the offline bundle on PYTHONPATH):
 # the `gpu` tests (with each iteration's phase split; LoRA with an adapter per agent among them), the learner's
 # update (full and LoRA) against a bare PyTorch loop and the weight sync against a pinned host copy, on random-init
-# Qwen2.5 shapes, then asynchronous vs synchronous training of the tiny model with learner and engine sharing the
-# GPU. Logs and JSON lines go to OUT.
+# Qwen2.5 shapes, a weight update landing on calls in flight per serve.drain, then asynchronous vs synchronous
+# training of the tiny model with learner and engine sharing the GPU. Logs and JSON lines go to OUT.
 #   scripts/gpu_check.sh [OUT]   (default gpu-check/; PYTHON=... picks the interpreter; NO_BENCH=1: tests only;
 #                                 DEADLINE=<epoch seconds>: each step is cut off there, for a node lent for a while;
 #                                 STEPS="tests async ...": only those of tests, update-0.5b, update-1.5b, weight-sync,
-#                                 async, in that order, for a node lent for less than all of them)
+#                                 drain, async, in that order, for a node lent for less than all of them)
 set -uo pipefail
 py=${PYTHON:-python3}
 out=$(mkdir -p "${1:-gpu-check}" && cd "${1:-gpu-check}" && pwd)
@@ -37,6 +37,9 @@ for model in qwen2.5-0.5b qwen2.5-1.5b; do  # 64 x 1,024 tokens, as the GPU node
         $([ $model = qwen2.5-0.5b ] && echo --lora)
 done
 step weight-sync weight-sync.log $py benchmarks/weight_sync.py --models 0.5b 1.5b --transports cuda_ipc
+# a weight update landing on calls in flight, per serve.drain (the HF engine on the GPU, weights over CUDA IPC)
+step drain drain.log $py benchmarks/partial_rollouts.py --calls 16 --tokens 512 experiment=calc_tiny \
+    placement=colocated engine.sleep_while_training=false
 # one GPU, the engine awake while the learner trains (no sleeping: that is what lets rollouts overlap the update)
 step async async.log $py benchmarks/async_training.py --runs=sync,async experiment=calc_tiny \
     placement=colocated engine.sleep_while_training=false rollout.tasks_per_iteration=16 \
