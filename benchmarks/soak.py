@@ -133,19 +133,22 @@ class Chaos(threading.Thread):
             print(json.dumps(fault), flush=True)
 
 
-def store_counts(run_path: Path) -> dict:
+def store_counts(run_path: Path, last_iteration: int) -> dict:
     """From the run's SQLite store: rollouts by status, those retried, and the policy server's LLM-call spans of the
     training rollouts' final attempts that have a reward (what the adapter reads; the evaluations' rollouts, sampled
-    at temperature 0, left out)."""
+    at temperature 0, left out), of the iterations up to the last one recorded (rollout.mode=async collects batches
+    ahead, which a run's end leaves unread: their rollouts are in the group ids' `@iteration`)."""
     db = sqlite3.connect(f"file:{run_path / 'traces.sqlite'}?mode=ro", uri=True)
     db.execute("ATTACH DATABASE ? AS span_db", (f"file:{run_path / 'traces-spans.sqlite'}?mode=ro",))
     status = dict(db.execute("SELECT status, COUNT(*) FROM rollouts GROUP BY status").fetchall())
     retried = db.execute("SELECT COUNT(*) FROM rollouts WHERE attempts > 1").fetchone()[0]
     training = "json_extract(r.task, '$.sampling.temperature') IS NOT 0"
+    group = "json_extract(r.task, '$.group_id')"
     final_calls = db.execute(
         "SELECT COUNT(*) FROM span_db.spans s JOIN rollouts r "
         "ON s.rollout_id = r.rollout_id AND s.attempt_id = r.attempt_id "
-        f"WHERE s.name = ? AND s.origin = 'server' AND {training} AND r.reward IS NOT NULL", (LLM_CALL,)).fetchone()[0]
+        f"WHERE s.name = ? AND s.origin = 'server' AND {training} AND r.reward IS NOT NULL "
+        f"AND CAST(substr({group}, instr({group}, '@') + 1) AS INTEGER) <= ?", (LLM_CALL, last_iteration)).fetchone()[0]
     return {"rollouts_by_status": status, "rollouts_retried": retried, "final_attempt_llm_spans": final_calls}
 
 
@@ -181,7 +184,7 @@ def main() -> None:
             kill_session(node)
         cluster.shutdown()
     minutes = (time.perf_counter() - start) / 60
-    counts = store_counts(cfg.run_path)
+    counts = store_counts(cfg.run_path, history[-1]["iteration"])
     trained = [h for h in history if h["updated"]]
     read = sum(h["policy_calls"] + h["unanswered_calls"] for h in history)
     synced = [h for h in history if h.get("served_policy_version") is not None]  # the iterations that synced
