@@ -269,8 +269,8 @@ class AlgorithmConfig(_Strict):
     # samples from an older policy version or an engine whose numerics differ from the learner's; null: off (2 under
     # rollout.mode=async)
     tis_cap: float | None = Field(None, gt=0)
-    # rollout.mode=async: how many policy versions a trained transition's sampler may be behind the learner (and how
-    # many batches ahead rollouts run); older transitions are left out, counted
+    # rollout.mode=async: how many updates a trained transition's sampler may be behind the learner (and how many
+    # batches ahead rollouts run); older transitions are left out, counted
     max_staleness: int = Field(1, ge=1)
     loss_aggregation: LossAggregation = "token_mean"  # how token losses add up (algorithm/loss.py)
     # One sample per policy call, or a rollout's calls merged into one sequence where each prompt extends the last

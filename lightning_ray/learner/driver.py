@@ -30,6 +30,7 @@ from lightning_ray.algorithm.loss import token_weights
 from lightning_ray.algorithm.select import by_adapter
 from lightning_ray.config import AlgorithmConfig, LearnerConfig, TrainConfig
 from lightning_ray.learner.checkpoint import Checkpoint
+from lightning_ray.learner.lineage import Lineage
 from lightning_ray.learner.mailboxes import Mailbox, Mailboxes
 from lightning_ray.learner.scoring import MicroBatch, shared_prefix
 from lightning_ray.learner.worker import train_loop_per_worker
@@ -49,6 +50,7 @@ class Learner:
         self.share_prefix = resolved(t).shared_prefix
         self.algorithm, self.max_tokens = cfg.algorithm, cfg.rollout.max_tokens
         self.version = resume_from.state.policy_version if resume_from else 0
+        self.lineage = Lineage()  # which versions were updates: a restart publishes a checkpoint's weights again
         self.checkpoint = resume_from  # what a (re)started rank loads: the run's latest (set as each one is made)
         self.registry, self.restarts, self.max_restarts = registry, 0, t.max_restarts
         self.ranks: dict[int, dict] = {}  # rank -> the ready message of its process now attached (nonce, pid, actor)
@@ -184,6 +186,8 @@ class Learner:
                         published, payload = ray.get(self.registry.wait_newer.remote(0, 0.0))
                         self._attach(restarted, publish=published + 1 if payload is not None else None)
                         if payload is not None:
+                            kept = self.checkpoint.state.policy_version if self.checkpoint else 0
+                            self.lineage.republished(published + 1, kept, published)
                             self.version = published = published + 1
                         if messages and messages[0]["kind"] == "step":
                             messages = [{**msg, "version": max(msg["version"], published + 1)} for msg in messages]
@@ -229,6 +233,12 @@ class Learner:
             if replies[0]["updated"]:  # else every rank skipped the same steps
                 self.version = replies[0]["version"]
         return replies
+
+    def behind(self, version: int) -> int | None:
+        """How many updates the learner's weights are past policy `version`'s (None: that version's were lost in a
+        restart): a sample's staleness."""
+        with self.lock:  # the version as the watcher may have moved it
+            return self.lineage.behind(version, self.version)
 
     def save(self, path: Path) -> None:
         """The policy (HF) into path/policy, the learner's whole state into path/learner (learner/checkpoint.py)."""

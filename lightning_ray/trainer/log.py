@@ -21,9 +21,9 @@ def record_iteration(run: Run, batch: Batch, update: Update, idle: dict[str, flo
     record["idle_seconds"] = idle
     if run.cfg.rollout.mode == "async":
         record.update({"staleness": dict(sorted(update.staleness.items())), "stale_dropped": update.stale_dropped})
-    if update.probe_after:
+    if update.probe_after:  # (none where the API did not answer the probe)
         record.update({"served_policy_version": update.probe_after["version"],
-                       "probe_logprob_before": update.probe_before["logprob_mean"],
+                       "probe_logprob_before": (update.probe_before or {}).get("logprob_mean"),
                        "probe_logprob_after": update.probe_after["logprob_mean"]})
     if i == 0 and run.evals and run.evals[0]["after"] == 0:  # (none where trainer.eval_before=false)
         record["eval_before"] = run.evals[0]

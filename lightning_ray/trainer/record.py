@@ -66,10 +66,10 @@ class IterationRecord(BaseModel):
         "`learner`: waiting for the batch (`sync`: its whole collection); `rollouts`: no batch collecting (rollout "
         "workers and engines waiting for the update)")
     staleness: dict[int, int] | None = described(
-        "`rollout.mode=async`: transitions by how many versions their sampler was behind the learner", optional=True)
+        "`rollout.mode=async`: transitions by how many updates their sampler was behind the learner", optional=True)
     stale_dropped: int | None = described(
-        "`rollout.mode=async`: transitions left out, sampled more than `algorithm.max_staleness` versions behind",
-        optional=True)
+        "`rollout.mode=async`: transitions left out, sampled more than `algorithm.max_staleness` updates behind "
+        "(or by weights a learner restart gave up)", optional=True)
     loss: float | None = described("PPO-clip loss of the batch, averaged over its optimizer steps", optional=True)
     clip_frac: float | None = described("share of clipped tokens, averaged over the steps", optional=True)
     logprob_abs_diff: float | None = described(

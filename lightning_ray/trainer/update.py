@@ -7,11 +7,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import ray
-from openai import OpenAI
+from openai import APIError, OpenAI
 
 from lightning_ray.config import TrainConfig
 from lightning_ray.learner import checkpoint
-from lightning_ray.metrics import metrics
+from lightning_ray.metrics import count_error, metrics
 from lightning_ray.terminal import status
 from lightning_ray.trainer.collect import Batch
 from lightning_ray.trainer.run import Run
@@ -24,21 +24,22 @@ class Update:
     results: list[dict] = field(default_factory=list)  # each learner rank's reply; none when nothing was trained
     probe_before: dict | None = None  # the probe's version and logprobs, served before and after the sync
     probe_after: dict | None = None
-    staleness: Counter = field(default_factory=Counter)  # transitions by versions their sampler is behind the learner
-    stale_dropped: int = 0  # transitions left out, sampled more than algorithm.max_staleness versions behind
+    staleness: Counter = field(default_factory=Counter)  # transitions by updates their sampler is behind the learner
+    stale_dropped: int = 0  # transitions left out: sampled more than algorithm.max_staleness updates behind, or lost
 
 
 def update(run: Run, batch: Batch) -> Update:
     """No step when no group has a learning signal: the policy stays as it is, no new version. Transitions sampled
-    more than `algorithm.max_staleness` versions behind the learner are left out (rollout.mode=async)."""
+    more than `algorithm.max_staleness` updates behind the learner are left out (rollout.mode=async), and those
+    sampled by weights a restart gave up (learner/lineage.py)."""
     cfg, learner, services = run.cfg, run.learner, run.services
-    behind = [learner.version - tr.policy_version for tr in batch.transitions]
-    staleness = Counter(behind)
-    fresh = [tr for tr, b in zip(batch.transitions, behind) if b <= cfg.algorithm.max_staleness]
+    behind = [learner.behind(tr.policy_version) for tr in batch.transitions]  # in updates; None: lost in a restart
+    staleness = Counter(b for b in behind if b is not None)
+    fresh = [tr for tr, b in zip(batch.transitions, behind) if b is not None and b <= cfg.algorithm.max_staleness]
     stale_dropped, batch.transitions = len(batch.transitions) - len(fresh), fresh
     if not batch.sampling["groups_with_signal"] or not fresh:
         return Update(staleness=staleness, stale_dropped=stale_dropped)
-    metrics().staleness.set(max(staleness))  # versions the learner is ahead of the oldest policy in the batch
+    metrics().staleness.set(max(staleness))  # updates the learner is ahead of the oldest policy in the batch
     probe_before = run.probe or probe(services.server_url, cfg)
     with run.phase("train"), status(f"iter {batch.iteration}: training on {len(batch.transitions)} transitions",
                                     report=False):
@@ -62,11 +63,18 @@ def save_checkpoint(run: Run, iteration: int) -> None:
         run.learner.checkpoint = checkpoint.commit(staged, run.state(iteration), run.cfg.trainer.keep_checkpoints)
 
 
-def probe(server_url: str, cfg: TrainConfig) -> dict:
-    """Greedy-decode a fixed prompt through the real API: its logprobs move when the served weights do."""
-    client = OpenAI(base_url=f"{server_url}/v1", api_key=cfg.serve.api_key or "EMPTY", max_retries=0)
+def probe(server_url: str, cfg: TrainConfig) -> dict | None:
+    """Greedy-decode a fixed prompt through the real API: its logprobs move when the served weights do. None when the
+    API did not answer it, retries included (the replica lost meanwhile: the soak's faults): a measurement, the run
+    goes on without it."""
+    client = OpenAI(base_url=f"{server_url}/v1", api_key=cfg.serve.api_key or "EMPTY", max_retries=2)
     # an adapter per agent: the first adapter's policy (the base, which a call naming none gets, never moves)
     model = f"{cfg.model.name}/{next(iter(cfg.algorithm.adapters))}" if cfg.algorithm.adapters else cfg.model.name
-    out = client.chat.completions.create(model=model, messages=PROBE, temperature=0, max_tokens=8, logprobs=True)
+    try:
+        out = client.chat.completions.create(model=model, messages=PROBE, temperature=0, max_tokens=8, logprobs=True)
+    except APIError as e:
+        count_error("trainer", "probe_failed")
+        print(f"the served policy's probe failed ({type(e).__name__}: {e}); going on without it", flush=True)
+        return None
     lps = [c.logprob for c in out.choices[0].logprobs.content]
     return {"version": int(out.system_fingerprint.rsplit("v", 1)[1]), "logprob_mean": sum(lps) / max(len(lps), 1)}

@@ -143,6 +143,8 @@ def test_a_rank_killed_between_commands_is_restarted_and_republishes_before_the_
     finally:
         learner.close()
     assert (version, republished, learner.restarts, learner.version) == (1, 2, 1, 3)
+    # staleness in updates: 2 repeats the initial weights (0), 1's were given up, 3 is one update past 0 and 2
+    assert [learner.behind(v) for v in range(4)] == [1, None, 1, 0]
     reloaded = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     reloaded.load_state_dict(state)
     assert parameter_digest(reloaded) == parameter_digest(initial) != reply["digest"]

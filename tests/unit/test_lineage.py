@@ -1,0 +1,32 @@
+"""Staleness in updates across learner restarts (learner/lineage.py): a version published again after a restart is
+no update, and a sample of an update the restart gave up is never counted as fresh."""
+
+from lightning_ray.learner.lineage import Lineage
+
+
+def test_no_restart_counts_every_version_as_an_update():
+    assert [Lineage().behind(v, 5) for v in (5, 4, 2)] == [0, 1, 3]
+
+
+def test_a_restart_from_the_latest_checkpoint_republishes_without_an_update():
+    """Checkpoint at 91 (checkpoint_every=1), a rank lost: 92 repeats 91's weights, 93 is the next step. The batch
+    sampled by 91 while 93 trained is one update behind, not two: max_staleness=1 keeps it."""
+    lineage = Lineage()
+    lineage.republished(92, kept=91, latest=91)
+    assert [lineage.behind(v, 93) for v in (93, 92, 91, 90)] == [0, 1, 1, 2]
+
+
+def test_the_updates_after_the_checkpoint_are_lost():
+    """Checkpoint at 10, updates 11 and 12 published, then a restart: 13 repeats 10, 14 steps from it. 11's and 12's
+    samples are of weights the learner no longer descends from; 9's are two updates behind (10, 14)."""
+    lineage = Lineage()
+    lineage.republished(13, kept=10, latest=12)
+    assert [lineage.behind(v, 14) for v in (14, 13, 12, 11, 10, 9)] == [0, 1, None, None, 1, 2]
+
+
+def test_a_second_restart_before_any_update_keeps_the_first_republish_as_the_checkpoint():
+    """Two restarts in a row from checkpoint 91: 92 and 93 both repeat 91 (92 was no update, so it is not lost)."""
+    lineage = Lineage()
+    lineage.republished(92, kept=91, latest=91)
+    lineage.republished(93, kept=91, latest=92)
+    assert [lineage.behind(v, 94) for v in (94, 93, 92, 91)] == [0, 1, 1, 1]
