@@ -203,7 +203,10 @@ def main() -> None:
                "rollouts_per_s": round(sum(h["rollouts"] for h in history) / (minutes * 60), 2),
                "faults": len(chaos.faults), "faults_by_kind": {k: sum(f["fault"] == k for f in chaos.faults)
                                                                for k in [*TARGETS, *NODES]},
-               "calls_read": read, **counts, "checks": checks,
+               "calls_read": read, **counts,
+               # rollout.mode=async: calls a weight update landed in (serve.drain=keep), and samples left out as stale
+               "calls_across_updates": sum(h["calls_across_updates"] for h in history),
+               "stale_dropped": sum(h.get("stale_dropped", 0) for h in history), "checks": checks,
                "passed": all(checks.values())}
     print(json.dumps(summary), flush=True)
     (root / "soak.json").write_text(json.dumps({**summary, "fault_log": chaos.faults,
