@@ -208,13 +208,10 @@ class CollectiveReceiver:
             try:
                 if answer["new_group"]:
                     self.group, self.learner = None, (offer.host, offer.port)
-                    await asyncio.wait_for(engine.init_weight_transfer({
-                        "master_address": offer.host, "master_port": answer["port"], "rank_offset": 1,
-                        "world_size": 1 + peers, "packed": True, "packed_num_buffers": 1,
-                        # one bucket, one broadcast: vLLM cuts a chunk only past this size
-                        "packed_buffer_size_bytes": max(b.nbytes for b in offer.buckets)}), self.timeout_s)
+                    await asyncio.wait_for(engine.init_weight_transfer(
+                        vllm_init_info(offer.host, answer["port"], peers, offer.buckets)), self.timeout_s)
                     self.group = _RemoteGroup(answer["group"])
-                updates = [{k: v for k, v in b.update_info().items() if k != "tensor_sizes"} for b in offer.buckets]
+                updates = [vllm_update_info(b) for b in offer.buckets]
                 await asyncio.wait_for(engine.apply_weight_update(updates, version), self.timeout_s)
             except BaseException as e:
                 self._drop()
@@ -228,6 +225,19 @@ class CollectiveReceiver:
         if self.group is not None:
             self.group.close()
         self.group, self.learner = None, None
+
+
+def vllm_init_info(host: str, port: int, peers: int, buckets: list[bk.Bucket]) -> dict:
+    """What a vLLM engine's NCCL weight-transfer engine joins the learner's group with: the learner rank 0, vLLM's
+    `peers` (tensor-parallel) workers after it; one broadcast a bucket."""
+    return {"master_address": host, "master_port": port, "rank_offset": 1, "world_size": 1 + peers, "packed": True,
+            "packed_num_buffers": 1,
+            # one bucket, one broadcast: vLLM cuts a chunk only past this size
+            "packed_buffer_size_bytes": max(b.nbytes for b in buckets)}
+
+
+def vllm_update_info(bucket: bk.Bucket) -> dict:
+    return {k: v for k, v in bucket.update_info().items() if k != "tensor_sizes"}  # sizes: IPC's only
 
 
 # ---- groups of two: rank 0 the learner, rank 1 a replica ------------------------------------------------------
@@ -281,7 +291,10 @@ class _VllmNcclGroup(_Group):
                  world_size: int):
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
-        from vllm.utils.nccl import unpinned_nccl_env
+        try:
+            from vllm.utils.nccl import unpinned_nccl_env
+        except ImportError:  # vLLM 0.25 pins no NCCL settings in its processes: nothing to undo
+            from contextlib import nullcontext as unpinned_nccl_env
 
         self.key = key
         port = listener.getsockname()[1]

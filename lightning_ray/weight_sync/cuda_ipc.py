@@ -23,6 +23,8 @@ import torch
 
 from lightning_ray.weight_sync import buckets as bk
 
+VLLM_INIT_INFO = {"packed": True}  # what vLLM's IPC weight-transfer engine reads: a flat buffer a bucket
+
 
 @dataclass(frozen=True)
 class IpcOffer:
@@ -83,7 +85,7 @@ async def receive(offer: IpcOffer, version: int, engine, paused) -> bool:
     async with paused():
         if hasattr(engine, "apply_weight_update"):  # vLLM: its own IPC weight-transfer engine reads the handles
             # (a replica on another GPU fails there, on the first bucket, and is reported and replaced)
-            await engine.init_weight_transfer({"packed": True})
+            await engine.init_weight_transfer(VLLM_INIT_INFO)
             async with engine.drained():
                 await engine.apply_weight_update(offer.updates, version)
         else:

