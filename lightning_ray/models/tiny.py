@@ -119,7 +119,7 @@ def _warm_up(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, texts:
             opt.zero_grad()
         model.eval()
         quality = sum(correct_probabilities(model, tokenizer, probe, PROBE_TEMPERATURE)) / len(probe)
-        if quality >= floor or extra == max_extra_steps:
+        if quality >= floor or extra + 50 > max_extra_steps:
             return steps + extra
 
 
