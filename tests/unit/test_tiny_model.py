@@ -20,7 +20,7 @@ def test_a_warm_up_ending_below_the_floor_trains_on_until_above_it_or_the_cap(to
     texts = tiny._corpus(8, seed=1)
     assert tiny._warm_up(small_model(tokenizer), tokenizer, texts, steps=3, seed=0, floor=0.0) == 3
     assert tiny._warm_up(small_model(tokenizer), tokenizer, texts, steps=3, seed=0, floor=1.01,
-                         max_extra_steps=120) == 103  # a probability never reaches 1.01; no 50 more past 120
+                         max_extra_steps=60) == 53  # a probability never reaches 1.01; no 50 more past 60
 
 
 def test_the_probability_of_a_correct_transcript_is_the_product_of_its_turns_tokens(tokenizer):
