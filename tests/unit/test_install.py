@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import zipfile
 
 import pytest
@@ -74,15 +75,38 @@ REPORT = {"environment": ENV, "install": [
 ]}
 
 
-def test_cuda_torch_211_node_keeps_torch_and_gets_the_hf_engine():
+SETS = ob.gpu_sets((ROOT / "constraints.txt").read_text())
+VLLM_FOR = {torch: vllm for torch, (vllm, _) in SETS.items()}
+
+
+def test_each_gpu_set_is_the_vllm_for_one_torch():
+    assert VLLM_FOR == {"2.13.0": "0.32.0", "2.11.0": "0.25.1"}
+    base = ob.parse_pins((ROOT / "constraints.txt").read_text())
+    for torch, (_, merged) in SETS.items():
+        pins = ob.parse_pins(merged)
+        assert pins["torch"] == torch and set(base) <= set(pins)  # every CPU pin is pinned, some overridden
+    old = ob.parse_pins(SETS["2.11.0"][1])
+    # vLLM 0.25.1's exact pins, and the xgrammar that takes its apache-tvm-ffi
+    assert (old["torchvision"], old["apache-tvm-ffi"], old["xgrammar"], old["triton"]) == ("0.26.0", "0.1.9", "0.2.3",
+                                                                                         "3.6.0")
+
+
+def test_cuda_torch_211_node_keeps_torch_and_gets_vllm_025():
     node = ob.parse_freeze(NODE_FREEZE)
     assert node["torch"] == "2.11.0+cu130" and node["huggingface-hub"] == "1.33.0"
-    engine, why = ob.choose_engine(node, None, "2.13.0")
-    assert engine == "hf" and "pins torch exactly" in why and "0.25.1" in why and "2.11.0+cu130" in why
+    engine, why, torch = ob.choose_engine(node, None, VLLM_FOR)
+    assert (engine, torch) == ("vllm", "2.11.0") and "0.25.1" in why and "2.11.0+cu130" in why
+    assert ob.choose_engine(node, "hf", VLLM_FOR)[0] == "hf"
+
+
+def test_a_node_whose_torch_no_vllm_pins_keeps_it_and_gets_the_hf_engine():
+    node = {**ob.parse_freeze(NODE_FREEZE), "torch": "2.10.0+cu128"}
+    engine, why, _ = ob.choose_engine(node, None, VLLM_FOR)
+    assert engine == "hf" and "pins torch exactly" in why and "2.10.0+cu128" in why and "0.25.1 for torch 2.11.0" in why
     with pytest.raises(SystemExit, match="cannot work"):
-        ob.choose_engine(node, "vllm", "2.13.0")
+        ob.choose_engine(node, "vllm", VLLM_FOR)
     sel = ob.select(REPORT, node)
-    assert "torch" not in sel["bundle"] and sel["node"]["torch"] == ("2.11.0+cu130", "2.13.0")
+    assert "torch" not in sel["bundle"] and sel["node"]["torch"] == ("2.10.0+cu128", "2.13.0")
     # what only torch needs stays out; the node's older transformers and numpy are replaced (pinned ==)
     assert sel["unreached"] == ["mpmath"] and {"sympy", "triton"} <= sel["node"].keys()
     assert set(sel["bundle"]) == {"lightning-ray", "ray", "fastapi", "numpy", "transformers"}
@@ -91,8 +115,8 @@ def test_cuda_torch_211_node_keeps_torch_and_gets_the_hf_engine():
 
 def test_torch_213_node_gets_vllm():
     node = {"torch": "2.13.0"}
-    assert ob.choose_engine(node, None, "2.13.0")[0] == "vllm"
-    assert ob.choose_engine({}, None, "2.13.0")[0] == "vllm"  # no torch: ours is shipped
+    assert ob.choose_engine(node, None, VLLM_FOR)[::2] == ("vllm", "2.13.0")
+    assert ob.choose_engine({}, None, VLLM_FOR)[::2] == ("vllm", "2.13.0")  # no torch: the newest set's is shipped
     report = json.loads(json.dumps(REPORT))
     report["install"][0]["requested_extras"] = ["vllm"]
     report["install"].append(item("vllm", "0.32.0", ["torch==2.13.0"]))
@@ -166,6 +190,19 @@ def make_dry_run(*args: str) -> str:
                           capture_output=True, text=True, check=True).stdout
 
 
+@pytest.mark.parametrize("xz", [True, False])
+def test_the_bundle_packs_into_one_tar_xz_with_or_without_the_xz_command(tmp_path, monkeypatch, xz):
+    (tmp_path / "b" / "wheels").mkdir(parents=True)
+    (tmp_path / "b" / "wheels" / "a.whl").write_bytes(b"wheel" * 1000)
+    (tmp_path / "b" / "install.sh").write_text("#!/bin/sh\n")
+    if not xz:
+        monkeypatch.setenv("PATH", str(tmp_path))  # no xz command on it: Python's lzma writes the same format
+    ob.pack(tmp_path / "b", tmp_path / "out.tar.xz", 6)
+    with tarfile.open(tmp_path / "out.tar.xz", "r:xz") as tar:
+        assert tar.extractfile("lightning_ray-bundle/wheels/a.whl").read() == b"wheel" * 1000
+        assert "lightning_ray-bundle/install.sh" in tar.getnames()
+
+
 def test_make_setup_gpu_and_cpu_dry_run():
     gpu = make_dry_run("STACK=gpu")
     assert "pip --isolated install -q -c .venv/constraints-gpu.txt -e \".[test,vllm]\" accelerate gguf" in gpu
@@ -201,16 +238,19 @@ def pypi_reachable():
 
 @pytest.mark.network
 @pytest.mark.skipif(not pypi_reachable(), reason="needs PyPI (pypi.org:443 unreachable)")
-def test_gpu_set_resolves_against_pypi(tmp_path):
-    """The Makefile's GPU install, as a dry run: vllm 0.32's CUDA stack on torch 2.13.0 from PyPI, not a local wheel."""
-    (tmp_path / "c.txt").write_text(ob.merge_constraints((ROOT / "constraints.txt").read_text(),
-                                                         (ROOT / "constraints-gpu.txt").read_text()))
+@pytest.mark.parametrize("torch", sorted(SETS))
+def test_gpu_set_resolves_against_pypi(tmp_path, torch):
+    """Each GPU set, as a dry run: its vLLM's CUDA stack on its torch from PyPI, not a local wheel (2.13.0: the
+    Makefile's; 2.11.0: the bundle's for a node with that torch)."""
+    vllm, constraints = SETS[torch]
+    (tmp_path / "c.txt").write_text(constraints)
     p = subprocess.run([sys.executable, "-m", "pip", "--isolated", "install", "--dry-run", "--ignore-installed", "-q",
                         "--no-deps", "--report", tmp_path / "r.json", "-c", tmp_path / "c.txt", "vllm", "torch",
-                        "torchvision", "flashinfer-python"], capture_output=True, text=True, timeout=300, check=False)
+                        "torchvision", "flashinfer-python", "xgrammar"], capture_output=True, text=True, timeout=300,
+                       check=False)
     if p.returncode and re.search(r"ConnectionError|Read timed out|HTTPSConnectionPool|Could not fetch", p.stderr):
         pytest.skip(f"PyPI did not answer the resolve: {p.stderr.strip().splitlines()[-1]}")
     assert p.returncode == 0, p.stderr
     got = {i["metadata"]["name"]: i for i in json.loads((tmp_path / "r.json").read_text())["install"]}
-    assert got["torch"]["metadata"]["version"] == "2.13.0" and got["vllm"]["metadata"]["version"] == "0.32.0"
+    assert got["torch"]["metadata"]["version"] == torch and got["vllm"]["metadata"]["version"] == vllm
     assert got["torch"]["download_info"]["url"].startswith("https://")  # PyPI's CUDA build, not /opt/wheels' +cpu
