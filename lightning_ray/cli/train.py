@@ -11,14 +11,18 @@ from lightning_ray.config import ConfigError, TrainConfig, job
 
 def run_training(cfg: TrainConfig) -> None:
     """Evaluate, then iterations of rollouts → transitions → update → weight sync (the imitation job's too)."""
+    from lightning_ray.learner.checkpoint import resume_point
+
+    try:  # before the loop's imports (~5 s): a resume= with no checkpoint, or nothing left to train, ends at once
+        resume = resume_point(cfg)
+    except ConfigError as e:  # the key named, no traceback
+        raise SystemExit(str(e)) from None
     from lightning_ray.terminal import route_logs  # imported late: `--help` and config errors stay instant
     from lightning_ray.trainer import train
 
     route_logs(cfg.run_path / "logs", cfg.verbose)
     try:
-        history = train(cfg)
-    except ConfigError as e:  # found once the run directory is read (resume=): the key named, no traceback
-        raise SystemExit(str(e)) from None
+        history = train(cfg, resume)
     except (Exception, KeyboardInterrupt) as e:  # hours of training need not be lost: say how to go on
         # at exit: below the traceback (Ray's OOM report is pages long)
         if hint := resume_hint(cfg.run_path, e, auto=cfg.resume_auto):

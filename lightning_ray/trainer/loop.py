@@ -6,6 +6,7 @@ while the updates before it train (async)."""
 from __future__ import annotations
 
 import json
+from types import EllipsisType
 
 from lightning_ray.config import TrainConfig
 from lightning_ray.learner import checkpoint
@@ -19,8 +20,10 @@ from lightning_ray.trainer.schedule import Batches
 from lightning_ray.trainer.update import save_checkpoint, update
 
 
-def train(cfg: TrainConfig) -> list[dict]:
-    resume = checkpoint.resume_point(cfg)
+def train(cfg: TrainConfig, resume: checkpoint.Checkpoint | None | EllipsisType = ...) -> list[dict]:
+    """`resume`: the checkpoint to go on from, as checkpoint.resume_point(cfg) found it (found here if not given)."""
+    if resume is ...:
+        resume = checkpoint.resume_point(cfg)
     with Services(cfg, learner=True, resume=resume) as services:
         run = Run(cfg, services, resume)
         if resume:  # metrics.jsonl as the checkpoint's history has it: later lines go
