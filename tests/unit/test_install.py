@@ -182,6 +182,19 @@ def test_slim_repack_keeps_record_consistent_and_installs(tmp_path):
     assert (tmp_path / "t" / "ray" / "__init__.py").exists() and not (tmp_path / "t" / "ray" / "rllib").exists()
 
 
+def test_cuda_arch_leaves_out_the_kernels_of_other_gpus():
+    """flashinfer-cubin's kernels are named for their GPU (vLLM 0.25.1's 0.6.13: all Blackwell's): on an H100 (9.0)
+    those of sm_100, Sm103a, sm_120 go, Sm90a's and what names no GPU stay."""
+    names = ["flashinfer_cubin/cubins/h/fmha/trtllm-gen/fmhaSm100aKernel_QE4m3H128.cubin",
+             "flashinfer_cubin/cubins/h/fmha/trtllm-gen/fmhaSm103aKernel_QE4m3H128.cubin",
+             "flashinfer_cubin/cubins/h/gemm/gemm_sm_120_bf16.cubin", "flashinfer_cubin/cubins/h/gemm/Sm90aGemm.cubin",
+             "flashinfer_cubin/cubins/h/fmha/trtllm-gen/checksums.txt", "flashinfer_cubin/__init__.py"]
+    hopper = ob.other_gpus_kernels("9.0")
+    assert [n for n in names if not hopper.search(n)] == names[3:]
+    blackwell = ob.other_gpus_kernels("10.0")
+    assert [n for n in names if not blackwell.search(n)] == [names[0], *names[4:]]
+
+
 def make_dry_run(*args: str) -> str:
     """`make -n -B setup ...` as from a shell: under `make test` (CI) the outer make's MAKELEVEL and MAKEFLAGS would
     reach this one, which then prints "Entering directory" lines."""
