@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
+from packaging.version import Version
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lightning_ray.config.secrets import masked
@@ -485,8 +486,7 @@ def default_drain(mode: str, engine: str, vllm: str | None) -> str:
     vLLM 0.32, not 0.25, the vLLM for torch 2.11: serving/engines/vllm.py), else `abort` them (the clients retry)."""
     if mode != "async":
         return "wait"
-    old_vllm = engine == "vllm" and vllm is not None and tuple(int(x) for x in re.findall(r"\d+", vllm)[:2]) < (0, 32)
-    return "abort" if old_vllm else "keep"
+    return "abort" if engine == "vllm" and vllm and Version(vllm).release[:2] < (0, 32) else "keep"
 
 
 RESUME_AUTO = "auto"  # resume= naming no directory: run_dir's own checkpoint, if any
