@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 
 import ray
@@ -42,15 +43,27 @@ class Services:
         cfg.save(cfg.run_path / "config.yaml")
         print(f"run directory: {cfg.run_path}", flush=True)
         self.owns_ray, self.phase = not ray.is_initialized(), "Ray"
+        self.start_seconds: dict[str, float] = {}  # each part's start, in order: where a slow start's time went
+        self._since = time.perf_counter()
         try:
             if self.owns_ray:
                 self._start_ray(cfg)
             self._start(cfg, rollout_workers, learner, resume)
+            self._starting(None)
         except BaseException as e:
             e.add_note(f"while starting {self.phase} (what had started is stopped)")  # the part, in the traceback
             with contextlib.suppress(Exception):  # the start's own error is the one to see
                 self.__exit__()
             raise
+
+    def _starting(self, phase: str | None) -> None:
+        """The part started last is timed, `phase` is next (None: all started, said on the terminal)."""
+        now = time.perf_counter()
+        self.start_seconds[self.phase] = round(now - self._since, 2)
+        self.phase, self._since = phase, now
+        if phase is None:
+            parts = ", ".join(f"{name} {s:.1f}" for name, s in self.start_seconds.items() if s >= 0.05)
+            console.print(f"started in {sum(self.start_seconds.values()):.1f} s ({parts})")
 
     def _start_ray(self, cfg: TrainConfig) -> None:
         local = cfg.ray.address is None
@@ -67,14 +80,14 @@ class Services:
             console.print(f"Ray dashboard at http://{context.dashboard_url} (metrics: lightning_ray_*)")
 
     def _start(self, cfg: TrainConfig, rollout_workers: bool, learner: bool, resume: Checkpoint | None) -> None:
-        self.phase = "the model"
+        self._starting("the model")
         with status("building the model"):
             self.model_path: Path = resolve_model_path(cfg.model)
             adapter = resolve_adapter(cfg.model)  # before anything starts: a wrong one fails here, named
         label = cfg.run_path.name  # names that read well in the Ray dashboard, unique per run
         self.queue = f"run@{label}"  # this run's rollouts, taken by its own workers only (types.Rollout.queue)
         # On the head, beside the driver: the store's SQLite files are the run directory's.
-        self.phase = "the trace store"
+        self._starting("the trace store")
         self.store = StoreClient.start(cfg.run_path, cfg.store.num_shards, label=label, actor_options=ON_HEAD)
         # a training run going on in its directory (resume=, auto too where it found no checkpoint): the stopped
         # run's unfinished rollouts, which no worker is waiting for
@@ -86,20 +99,20 @@ class Services:
                                       timeout_policy=cfg.rollout.timeout_policy)
         # on the head too: the versions and who holds them die with no worker node (a node's death took it, and
         # the run, in benchmarks/soak.py)
-        self.phase = "the weight registry"
+        self._starting("the weight registry")
         self.registry = WeightRegistry.options(name=f"weight-registry@{label}", **ON_HEAD).remote(
             resume.state.policy_version if resume else 0)
         if learner:  # ~5 s sooner ready than one after the other, on 2 cores
             # imported here: torch and Ray Train take ~2 CPU-s, which `eval` and `serve` need not pay
             from lightning_ray.learner.driver import Learner
-            self.phase = "the learner"
+            self._starting("the learner")
             self.learner = Learner(cfg, self.model_path, self.registry, resume)
         # The rollout workers and both apps start at once, their processes booting while the policy's replica loads;
         # an agent that cannot load fails the start before the engine is up, named. Each worker runs
         # agents_per_worker agents at once (threads): the engine batches their calls. A worker that dies is
         # restarted by Ray, and its attempts retried by the store (rollout.max_attempts).
         self.server_url = f"http://{cfg.serve.host}:{cfg.serve.port}"
-        self.phase = "the rollout workers"
+        self._starting("the rollout workers")
         for i in range(cfg.rollout.num_workers if rollout_workers else 0):  # one by one: a failure stops those before
             self.workers.append(RolloutWorker.options(
                 name=f"rollout-worker-{i}@{label}", max_concurrency=cfg.rollout.agents_per_worker, max_restarts=-1,
@@ -115,7 +128,7 @@ class Services:
         if cfg.store.http:
             apps.append(store_api_target(self.store, cfg.serve.api_key))
         self.apps = [app.name for app in apps]  # deleted at exit, even if one fails to deploy
-        self.phase = f"the policy server ({cfg.engine.kind} engine) and the rollout workers"
+        self._starting(f"the policy server ({cfg.engine.kind} engine) and the rollout workers")
         with status(f"starting {self.phase}"):
             start_apps(apps, cfg.serve.host, cfg.serve.port)
             ray.get([w.__ray_ready__.remote() for w in self.workers])
@@ -125,7 +138,7 @@ class Services:
             store_url = self.server_url + STORE_PREFIX
             console.print(f"trace store at {store_url} (OTLP/HTTP: {store_url}/v1/traces)")
         if self.learner:
-            self.phase = "the learner (Ray Train, DeepSpeed)"
+            self._starting("the learner's ranks (Ray Train with DeepSpeed)")
             with status(f"starting {self.phase}"):
                 self.learner.wait_ready()
 

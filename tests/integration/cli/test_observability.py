@@ -26,6 +26,11 @@ def test_the_terminal_shows_progress_and_a_line_per_iteration(cli_run):
     assert [s.split(":")[0] for s in summaries] == ["iter 0", "iter 1"]
     assert f"reward {cli_run['history'][1]['reward_mean']:.3f}" in summaries[1]
     assert "held-out accuracy before training" in cli_run["output"]
+    # where the start's time went, part by part, adding up to the whole
+    [(total, parts)] = re.findall(r"^started in ([\d.]+) s \((.*)\)$", cli_run["output"], re.M)
+    seconds = dict(re.findall(r"(\S[^,]*?) ([\d.]+)(?:, |$)", parts))
+    assert {"Ray", "the trace store", "the policy server (hf engine) and the rollout workers"} <= seconds.keys(), parts
+    assert sum(map(float, seconds.values())) == pytest.approx(float(total), abs=0.05 * (len(seconds) + 1))
     print(f"\nterminal lines of a 2-iteration run: {len(lines)}")
 
 
