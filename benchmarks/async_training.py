@@ -2,7 +2,8 @@
 Serve + vLLM, Ray Train + DeepSpeed) run three times in one process — `rollout.mode=sync`, then `async` with partial
 rollouts (`serve.drain=keep`, async's default: a weight update lets the calls in flight go on under the new
 weights), then `async` with `serve.drain=wait` (an update waits for them) — with the same iterations, batch, seed and
-loss (truncated importance sampling on in all, so only the schedule differs).
+loss (truncated importance sampling on in all, so only the schedule differs). `--runs=sync,async_split`: async with
+one torch thread for the learner and one OpenMP thread for vLLM-CPU (2 cores shared out, not oversubscribed).
 
     python benchmarks/async_training.py [--runs=sync,async] [key=value ...]   # Hydra overrides, for every run
     python benchmarks/async_training.py --runs=sync,async experiment=calc_tiny placement=colocated \
@@ -29,7 +30,11 @@ DEFAULTS = ["trainer.iterations=8", "trainer.eval_every=8", "task.eval_size=100"
 
 
 RUNS = {"sync": ["rollout.mode=sync"], "async": ["rollout.mode=async", "serve.drain=keep"],
-        "async_wait": ["rollout.mode=async", "serve.drain=wait"]}
+        "async_wait": ["rollout.mode=async", "serve.drain=wait"],
+        # async with the cores shared out, not oversubscribed: the learner's torch and vLLM-CPU's OpenMP threads, two
+        # each by default, are four busy threads on 2 cores while both phases run; one each here
+        "async_split": ["rollout.mode=async", "serve.drain=keep", "learner.threads_per_worker=1",
+                        "engine.env.OMP_NUM_THREADS='1'"]}
 
 
 def run(mode: str, overrides: list[str], root: Path) -> dict:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from packaging.version import Version
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from lightning_ray.config.secrets import masked
 from lightning_ray.placement import results_base
@@ -120,6 +120,16 @@ class TaskConfig(_Strict):
         return self
 
 
+def _env_text(value: Any) -> Any:
+    """An environment variable's value as the command line gave it: Hydra reads OMP_NUM_THREADS=1 as a number."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value) if isinstance(value, int | float) else value
+
+
+EnvValue = Annotated[str, BeforeValidator(_env_text)]
+
+
 class EngineConfig(_Strict):
     kind: Literal["hf", "vllm"] = "hf"
     # auto: bfloat16 on CUDA, float32 on CPUs (bf16 is unusably slow on CPUs without AMX)
@@ -135,7 +145,7 @@ class EngineConfig(_Strict):
     # wakes it. Serving waits meanwhile. Nothing to free on CPUs.
     sleep_while_training: bool = False
     options: dict[str, Any] = {}  # vLLM's other engine arguments, passed as they are (max_num_seqs, ...)
-    env: dict[str, str] = {}  # environment of the serving replicas (vLLM-CPU's thread binding, ...)
+    env: dict[str, EnvValue] = {}  # environment of the serving replicas (vLLM-CPU's thread binding, ...)
 
     @model_validator(mode="after")
     def _tensor_parallel_is_vllms(self):
@@ -429,7 +439,7 @@ class LearnerConfig(_Strict):
     # replicas have GPUs, then cuda_ipc where they share one (fractional GPUs on both), else collective (NCCL)
     weight_sync: Literal["auto", "object_store", "cuda_ipc", "collective"] = "auto"
     lora: LoraConfig | None = None  # null: full fine-tuning; learner.lora={} (or {rank:8,...}): LoRA adapters
-    env: dict[str, str] = {}  # environment of the ranks' processes (configs/placement/cpu.yaml: glibc's malloc)
+    env: dict[str, EnvValue] = {}  # environment of the ranks' processes (configs/placement/cpu.yaml: glibc's malloc)
 
     @model_validator(mode="after")
     def _zero_stage_fits(self):

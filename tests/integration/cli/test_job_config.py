@@ -93,10 +93,16 @@ CPU_THREADS = {"OMP_NUM_THREADS": "2"}  # configs/engine/vllm.yaml
     ("engine.env={}", {}),
     ("engine.env={VLLM_CPU_KVCACHE_SPACE: '2'}", {"VLLM_CPU_KVCACHE_SPACE": "2"}),  # replaced, not merged in
     ("engine.env.OMP_NUM_THREADS='1'", {"OMP_NUM_THREADS": "1"}),  # in place
+    ("engine.env.OMP_NUM_THREADS=1", {"OMP_NUM_THREADS": "1"}),  # a number, as the environment has it: text
     ("+engine.env.VLLM_CPU_KVCACHE_SPACE='2'", {**CPU_THREADS, "VLLM_CPU_KVCACHE_SPACE": "2"}),
 ])
 def test_a_dict_override_replaces_the_dict(override, env, tmp_path):
     assert compose([override, f"run_dir={tmp_path}"]).engine.env == env
+
+
+def test_environment_values_given_as_numbers_or_booleans_are_their_text(tmp_path):
+    cfg = compose(["+learner.env.MALLOC_ARENA_MAX=2", "+engine.env.VLLM_CPU_SGL_KERNEL=true", f"run_dir={tmp_path}"])
+    assert cfg.learner.env["MALLOC_ARENA_MAX"] == "2" and cfg.engine.env["VLLM_CPU_SGL_KERNEL"] == "true"
 
 
 def test_a_dict_override_of_an_empty_dict_needs_no_plus(tmp_path):
