@@ -62,7 +62,7 @@ class Services:
         self.start_seconds[self.phase] = round(now - self._since, 2)
         self.phase, self._since = phase, now
         if phase is None:
-            parts = ", ".join(f"{name} {s:.1f}" for name, s in self.start_seconds.items() if s >= 0.05)
+            parts = ", ".join(f"{name} {s:.1f}" for name, s in self.start_seconds.items())
             console.print(f"started in {sum(self.start_seconds.values()):.1f} s ({parts})")
 
     def _start_ray(self, cfg: TrainConfig) -> None:
