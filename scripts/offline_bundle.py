@@ -140,8 +140,8 @@ def choose_engine(node: dict[str, str], requested: str | None,
     base = Version(torch).base_version if torch else None
     newest = max(sets, key=Version)
     vllm_for = {t: vllm for t, (vllm, _) in sets.items()}
-    cuda = torch_cuda(torch) if torch else None
-    same_cuda = base not in sets or cuda is None or cuda == set_cuda(sets[base][1])
+    cuda, set_cuda_of_base = torch_cuda(torch) if torch else None, set_cuda(sets[base][1]) if base in sets else None
+    same_cuda = None in (cuda, set_cuda_of_base) or cuda == set_cuda_of_base
     fits = torch is None or (base in sets and same_cuda)
     chosen = base if torch and fits else newest
     if torch is None:
@@ -150,7 +150,7 @@ def choose_engine(node: dict[str, str], requested: str | None,
         why = f"the node's torch {torch} is the torch=={base} that vLLM {vllm_for[base]} pins"
     elif not same_cuda:
         why = (f"the node's torch {torch} is a CUDA {cuda} build, and vLLM {vllm_for[base]}'s (PyPI's) is a CUDA "
-               f"{set_cuda(sets[base][1])} build: its kernels need torch's CUDA; the node's torch stays and the HF "
+               f"{set_cuda_of_base} build: its kernels need torch's CUDA; the node's torch stays and the HF "
                "engine serves")
     else:
         other = VLLM_FOR_TORCH.get(".".join(base.split(".")[:2]))
