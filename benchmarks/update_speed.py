@@ -32,19 +32,19 @@ import json
 import multiprocessing
 import random
 import tempfile
-from pathlib import Path
 import time
 from concurrent.futures import ProcessPoolExecutor
 
 import ray
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from lightning_ray.algorithm.loss import policy_loss, token_weights
 from lightning_ray.config import ModelConfig, compose, validate
 from lightning_ray.learner.driver import Learner, micro_batches, padded_size, zero_stage
 from lightning_ray.learner.scoring import collate, score, to_device
 from lightning_ray.models import SMOLLM2, resolve_model_path
+from lightning_ray.models.shaped import QWEN2_5, shaped_model
 from lightning_ray.tasks import calc
 from lightning_ray.types import Transition
 from lightning_ray.weight_sync.registry import WeightRegistry
@@ -155,27 +155,6 @@ def learner_steps(model_path, batch, steps: int, token_budget: int, workers: int
                    **{k: round(v, 2) for k, v in replies[0].items() if k.endswith("_s")}}
 
 
-# Qwen2.5-Instruct shapes (their config.json), random-init: the anchors of the GPU node's notes use the same
-QWEN_SHAPES = {
-    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-}
-
-
-def random_model(name: str) -> Path:
-    """A random-init model of a real shape, in bf16, with the tiny model's tokenizer (only its pad id is read)."""
-    path = Path(tempfile.gettempdir()) / f"lightning-ray-bench-{name}"
-    if not (path / "config.json").exists():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(Qwen2Config(max_position_embeddings=32768, **QWEN_SHAPES[name]),
-                                                 dtype=torch.bfloat16)
-        model.save_pretrained(path)
-        AutoTokenizer.from_pretrained(resolve_model_path(ModelConfig())).save_pretrained(path)
-    return path
-
-
 DEVICE = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
@@ -187,7 +166,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2, help="the bare step's torch threads (the cores)")
-    parser.add_argument("--model", default="smollm2", choices=["smollm2", "tiny", *QWEN_SHAPES])
+    parser.add_argument("--model", default="smollm2", choices=["smollm2", "tiny", *QWEN2_5])
     parser.add_argument("--prompt-tokens", type=int, default=256, help="synthetic batch (all but smollm2)")
     parser.add_argument("--response-tokens", type=int, default=64)
     parser.add_argument("--lora", action="store_true", help="each layout also with LoRA (learner.lora={})")
@@ -203,7 +182,7 @@ def main() -> None:
         model_path = resolve_model_path(ModelConfig(path=SMOLLM2))
         batch = (sql_batch if args.task == "sql" else make_batch)(model_path, args.transitions)
     else:
-        model_path = resolve_model_path(ModelConfig()) if args.model == "tiny" else random_model(args.model)
+        model_path = resolve_model_path(ModelConfig()) if args.model == "tiny" else shaped_model(args.model)
         vocab = AutoConfig.from_pretrained(model_path).vocab_size
         batch = synthetic_batch(vocab, args.transitions, args.prompt_tokens, args.response_tokens)
     work = {"transitions": len(batch), "response_tokens": sum(len(t.response_ids) for t in batch),

@@ -23,30 +23,12 @@ from pathlib import Path
 import ray
 import torch
 
-# Qwen2.5's shapes (transformers Qwen2Config), tied embeddings, random init: the bytes and tensor count are what count
-QWEN_SHAPES = {
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960),
-}
-
-
-def model_dir(name: str, dtype: torch.dtype, root: Path) -> Path:
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
+def model_dir(name: str, dtype: torch.dtype) -> Path:
     from lightning_ray.config import ModelConfig
     from lightning_ray.models import resolve_model_path
+    from lightning_ray.models.shaped import shaped_model
 
-    tiny = resolve_model_path(ModelConfig())
-    if name == "tiny":
-        return Path(tiny)
-    path = root / name
-    config = Qwen2Config(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096,
-                         **QWEN_SHAPES[name])
-    Qwen2ForCausalLM(config).to(dtype).save_pretrained(path)
-    AutoTokenizer.from_pretrained(tiny).save_pretrained(path)  # the engine needs one; its ids fit the vocabulary
-    return path
+    return resolve_model_path(ModelConfig()) if name == "tiny" else shaped_model(f"qwen2.5-{name}", str(dtype)[6:])
 
 
 def learner_actor(registry, path: str, kind: str, device: str, dtype: torch.dtype, num_gpus: float):
@@ -130,7 +112,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="+", default=["0.5b", "1.5b"] if cuda else ["tiny"],
-                        choices=["tiny", *QWEN_SHAPES])
+                        choices=["tiny", "0.5b", "1.5b"])
     parser.add_argument("--transports", nargs="+", default=None)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--versions", type=int, default=3)
@@ -140,11 +122,10 @@ def main() -> None:
     if cuda and not args.transports:  # collective between two GPUs: the learner's and the replica's
         transports = ["object_store", "cuda_ipc"] + (["collective"] if torch.cuda.device_count() > 1 else [])
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    with tempfile.TemporaryDirectory() as root:
-        for model in args.models:
-            path = model_dir(model, torch.bfloat16 if cuda else torch.float32, Path(root))
-            for kind in transports:
-                print(json.dumps(run(model, path, kind, cuda, args.replicas, args.versions, args.port)), flush=True)
+    for model in args.models:
+        path = model_dir(model, torch.bfloat16 if cuda else torch.float32)
+        for kind in transports:
+            print(json.dumps(run(model, path, kind, cuda, args.replicas, args.versions, args.port)), flush=True)
 
 
 if __name__ == "__main__":
