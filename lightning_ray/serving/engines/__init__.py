@@ -31,8 +31,10 @@ def engine_options(e: EngineConfig) -> dict:
     """What make_engine takes: the settings both engines read, vLLM's own, then engine.options as they are."""
     vllm = {"tensor_parallel_size": e.tensor_parallel_size, "enable_prefix_caching": e.prefix_caching,
             "sleep_mode": e.sleep_while_training}
-    return {"dtype": e.dtype, "gpu_memory_utilization": e.gpu_memory_utilization,
-            **(vllm if e.kind == "vllm" else {}), **e.options}
+    both = {"dtype": e.dtype, "gpu_memory_utilization": e.gpu_memory_utilization}
+    if e.max_num_seqs is not None:
+        both["max_num_seqs"] = e.max_num_seqs
+    return {**both, **(vllm if e.kind == "vllm" else {}), **e.options}
 
 
 __all__ = ["Engine", "Generation", "SamplingParams", "TokenDelta", "engine_options", "generate", "make_engine"]

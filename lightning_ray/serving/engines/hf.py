@@ -1,11 +1,15 @@
 """HF transformers engine: the small embedded engine, CPU-friendly, and on a CUDA device where the replica has one.
 
 A plain sampling loop over the KV cache rather than `model.generate`: it streams token by token, reports the
-raw (untempered) logprob of every sampled token, and seeds a per-request generator. One request runs at a time
-(the model is shared); a weight load lands between two decoding steps, and a generation that goes on across it
-(serve.drain=keep) re-reads its context under the new weights: each token is sampled by one version, the one its
-delta names. A JSON constraint masks
-the logits each step with an xgrammar matcher (grammar.JsonGrammars), which accepts every sampled token.
+raw (untempered) logprob of every sampled token, and seeds a per-request generator. The requests in flight decode
+together, one batch (continuous batching): each step runs every request's next token through the model at once,
+a request that arrives joins at the next step (its prompt run on its own, its KV cache then laid beside the others',
+left-padded), and one that ends leaves. So agents calling at once share each step, where one request at a time made
+their calls wait in turn. A weight load lands between two steps, and the generations that go on across it
+(serve.drain=keep) re-read their contexts under the new weights: each token is sampled by one version, the one its
+delta names. A batch runs one LoRA adapter; a request for another waits until the batch has drained. A JSON
+constraint masks the logits each step with an xgrammar matcher (grammar.JsonGrammars), which accepts every sampled
+token.
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
+import torch.nn.functional as F
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
@@ -25,13 +31,39 @@ from lightning_ray.serving.engines.grammar import JsonGrammars, apply_bitmask
 from lightning_ray.weight_sync.adapter import Adapter, read_all
 
 
+@dataclass(eq=False)
+class _Request:
+    """One generation in the batch: its context (the prompt and the tokens sampled so far, the last of them not yet
+    in the KV cache), its sampling state, and where its deltas go."""
+    context: list[int]
+    params: SamplingParams
+    stop: set[int]
+    steps: int  # tokens to generate at most
+    emit: Callable[[TokenDelta | BaseException | None], None]  # None: the end
+    cancelled: threading.Event
+    adapter: str | None = None
+    rng: torch.Generator | None = None
+    matcher: object = None
+    bitmask: torch.Tensor | None = None
+    step: int = 0
+
+
+@dataclass(eq=False)
+class _Batch:
+    """The requests decoding together and their KV cache, left-padded: `mask` is 0 over each row's padding."""
+    requests: list[_Request] = field(default_factory=list)
+    cache: DynamicCache | None = None
+    mask: torch.Tensor | None = None  # [rows, cached tokens]
+    version: int | None = None  # the weights the cache was computed under
+
+
 class HFEngine(WeightLoading):
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, gpu_memory_utilization: float = 0.9,
-                 adapter: str | None = None, lora_rank: int | None = None):
+                 adapter: str | None = None, lora_rank: int | None = None, max_num_seqs: int = 64):
         """adapter: a directory of LoRA adapters (peft's), served on the model from the start (a resumed LoRA run);
         lora_rank: the rank LoRA runs train (vLLM's setting: the HF engine takes any). Each request is served with
         the adapter it names (SamplingParams.adapter), or by the base; one not loaded yet is the base too (an
-        adapter starts as the base: its B is zero)."""
+        adapter starts as the base: its B is zero). max_num_seqs: requests decoding at once (the rest wait)."""
         transformers.logging.disable_progress_bar()
         torch.manual_seed(seed)  # requests without a seed of their own draw from the process's generator
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -46,7 +78,6 @@ class HFEngine(WeightLoading):
         configured = self.model.generation_config.eos_token_id
         self.eos_ids = {i for i in [self.tokenizer.eos_token_id, *(configured if isinstance(configured, list)
                                                                     else [configured])] if i is not None}
-        self.turn = threading.Lock()  # one generation at a time
         self.lock = threading.Lock()  # the weights: held for one decoding step, or for a load
         self.policy_version = 0
         self._shapes = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
@@ -55,6 +86,10 @@ class HFEngine(WeightLoading):
         self._active: str | None = None  # the adapter the model runs with (None: the base)
         if adapter:
             self._apply(read_all(adapter))
+        self.max_num_seqs = max_num_seqs
+        self._waiting: list[_Request] = []  # arrived, not yet in the batch (in order)
+        self._arrived = threading.Condition()
+        threading.Thread(target=self._decode, name="hf-engine-decode", daemon=True).start()
 
     @cached_property
     def grammars(self) -> JsonGrammars:
@@ -64,16 +99,25 @@ class HFEngine(WeightLoading):
     async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         loop, deltas = asyncio.get_running_loop(), asyncio.Queue()
         cancelled = threading.Event()
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
 
-        def produce():
-            try:
-                for delta in self._sample(prompt_ids, params, cancelled):
-                    loop.call_soon_threadsafe(deltas.put_nowait, delta)
-            except BaseException as e:  # surfaced to the awaiting request
-                loop.call_soon_threadsafe(deltas.put_nowait, e)
-            loop.call_soon_threadsafe(deltas.put_nowait, None)
+        def emit(item):
+            if not cancelled.is_set():
+                try:
+                    loop.call_soon_threadsafe(deltas.put_nowait, item)
+                except RuntimeError:  # its event loop is closed: nobody is waiting any more
+                    cancelled.set()
 
-        threading.Thread(target=produce, daemon=True).start()
+        request = _Request(
+            context=list(prompt_ids), params=params, stop=stop, emit=emit, cancelled=cancelled,
+            steps=min(params.max_tokens, len(params.forced_token_ids or ()) or params.max_tokens),
+            rng=torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None else None)
+        if params.json_schema is not None:  # compiled (or found in the cache) off the decoding thread
+            request.matcher = await asyncio.to_thread(self.grammars.matcher, params.json_schema, stop)
+            request.bitmask = self.grammars.bitmask()
+        with self._arrived:
+            self._waiting.append(request)
+            self._arrived.notify()
         try:
             while (delta := await deltas.get()) is not None:
                 if isinstance(delta, BaseException):
@@ -82,47 +126,155 @@ class HFEngine(WeightLoading):
         finally:
             cancelled.set()  # a client that hung up stops the generation
 
+    # ---- the decoding thread: one batch, a step at a time ----------------------------------------------------
+    def _decode(self) -> None:
+        batch = _Batch()
+        while True:
+            with self._arrived:
+                while not self._waiting and not batch.requests:
+                    self._arrived.wait()
+                joining = self._admit(batch)
+            everyone = batch.requests + joining
+            try:
+                self._step(batch, joining)
+            except Exception as e:  # the model failed (out of memory, ...): every request in the step gets it
+                for r in everyone:
+                    r.emit(e)
+                    r.emit(None)
+                batch = _Batch()
+
+    def _admit(self, batch: _Batch) -> list[_Request]:
+        """The waiting requests that join the batch at this step, in order: those for the batch's adapter (any, when
+        the batch is empty: the first one's), up to max_num_seqs; none past the first that needs another adapter, so
+        it waits only for the batch to drain."""
+        self._waiting = [r for r in self._waiting if not r.cancelled.is_set()]
+        for r in self._waiting:
+            r.adapter = self._served(r.params.adapter)
+        if not self._waiting:
+            return []
+        adapter = (batch.requests or self._waiting)[0].adapter
+        room, joining = self.max_num_seqs - len(batch.requests), []
+        while self._waiting and len(joining) < room and self._waiting[0].adapter == adapter:
+            joining.append(self._waiting.pop(0))
+        return joining
+
+    def _served(self, adapter: str | None) -> str | None:
+        return adapter if adapter in self._adapter_shapes else None  # one not loaded yet: the base
+
     @torch.inference_mode()
-    def _sample(self, prompt_ids: list[int], params: SamplingParams, cancelled: threading.Event):
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        rng = torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None else None
-        matcher = None
-        if params.json_schema is not None:  # compiled (or found in the cache) before taking the model
-            matcher, bitmask = self.grammars.matcher(params.json_schema, stop), self.grammars.bitmask()
-        with self.turn:
-            self._use_adapter(params.adapter)
-            context, version = list(prompt_ids), None
-            steps = min(params.max_tokens, len(params.forced_token_ids or ()) or params.max_tokens)
-            for step in range(steps):
-                if cancelled.is_set():
-                    return
-                with self.lock:
-                    if version != self.policy_version:  # the first step, or new weights: the context read under them
-                        version, cache = self.policy_version, DynamicCache()
-                        inputs = torch.tensor([context], device=self.device)
-                    logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1].float()
-                if matcher is not None:  # tokens the grammar rules out get -inf: never sampled, probability 0
-                    matcher.fill_next_token_bitmask(bitmask)
-                    apply_bitmask(logits, bitmask.to(logits.device))  # the mask is filled on the host
-                logprobs = torch.log_softmax(logits, -1)
-                token = (params.forced_token_ids[step] if params.forced_token_ids else
-                         _sample_token(logits, params.temperature, params.top_p, rng))
+    def _step(self, batch: _Batch, joining: list[_Request]) -> None:
+        """One token for every request in the batch, and the first for those joining it."""
+        gone = [i for i, r in enumerate(batch.requests) if r.cancelled.is_set()]
+        if gone:
+            self._drop(batch, gone)
+        if not batch.requests and not joining:
+            return
+        with self.lock:
+            if batch.requests and batch.version != self.policy_version:
+                # new weights: every context is read anew, under the adapter its request now resolves to (one
+                # loaded with these weights, maybe); those for another adapter than the first wait for the next batch
+                joining, batch.requests, batch.cache, batch.mask = batch.requests + joining, [], None, None
+                for r in joining:
+                    r.adapter = self._served(r.params.adapter)
+                with self._arrived:
+                    self._waiting[:0] = [r for r in joining if r.adapter != joining[0].adapter]
+                joining = [r for r in joining if r.adapter == joining[0].adapter]
+            if joining and not batch.requests:
+                self._use_adapter(joining[0].adapter)
+            logits = []
+            if batch.requests:  # each request's last token, not yet in the cache
+                batch.mask = F.pad(batch.mask, (0, 1), value=1)
+                tokens = torch.tensor([[r.context[-1]] for r in batch.requests], device=self.device)
+                out = self.model(input_ids=tokens, attention_mask=batch.mask, past_key_values=batch.cache,
+                                 position_ids=batch.mask.sum(-1, keepdim=True) - 1, use_cache=True)
+                logits.append(out.logits[:, -1])
+            if joining:
+                cache, mask, first = self._prefill([r.context for r in joining])
+                logits.append(first)
+                self._join(batch, cache, mask)
+                batch.requests += joining
+            batch.version = self.policy_version
+        finished = self._sample(batch.requests, torch.cat(logits).float(), batch.version)
+        if finished:
+            self._drop(batch, finished)
+
+    def _prefill(self, contexts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """The contexts through the model together, left-padded: their KV cache, its mask and each one's next-token
+        logits."""
+        width = max(map(len, contexts))
+        ids = torch.tensor([[0] * (width - len(c)) + c for c in contexts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=self.device)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                         position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+        return cache, mask, out.logits[:, -1]
+
+    @staticmethod
+    def _join(batch: _Batch, cache: DynamicCache, mask: torch.Tensor) -> None:
+        """The joining rows' cache beside the batch's, both left-padded to the longer."""
+        if batch.cache is None:
+            batch.cache, batch.mask = cache, mask
+            return
+        width = max(batch.mask.shape[1], mask.shape[1])
+        pad = (lambda t, dim: F.pad(t, (0, 0) * (t.dim() - 1 - dim) + (width - t.shape[dim], 0)))
+        for mine, theirs in zip(batch.cache.layers, cache.layers):
+            mine.keys = torch.cat([pad(mine.keys, 2), pad(theirs.keys, 2)])
+            mine.values = torch.cat([pad(mine.values, 2), pad(theirs.values, 2)])
+        batch.mask = torch.cat([pad(batch.mask, 1), pad(mask, 1)])
+
+    @staticmethod
+    def _drop(batch: _Batch, rows: list[int]) -> None:
+        """Rows out of the batch, and the padding no row needs any more."""
+        keep = sorted(set(range(len(batch.requests))) - set(rows))
+        batch.requests = [batch.requests[i] for i in keep]
+        if not keep:
+            batch.cache = batch.mask = None
+            return
+        index = torch.tensor(keep, device=batch.mask.device)
+        batch.cache.batch_select_indices(index)
+        batch.mask = batch.mask[index]
+        if unused := int(batch.mask.argmax(-1).min()):  # left columns that are padding in every row
+            batch.mask = batch.mask[:, unused:]
+            for layer in batch.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
+
+    def _sample(self, requests: list[_Request], logits: torch.Tensor, version: int) -> list[int]:
+        """Each request's next token from its row of logits, sent as a delta; the rows whose generation ended."""
+        finished = []
+        for i, r in enumerate(requests):
+            row = logits[i]
+            try:
+                if r.matcher is not None:  # tokens the grammar rules out get -inf: never sampled, probability 0
+                    r.matcher.fill_next_token_bitmask(r.bitmask)
+                    apply_bitmask(row, r.bitmask.to(row.device))  # the mask is filled on the host
+                logprobs = torch.log_softmax(row, -1)
+                p = r.params
+                token = (p.forced_token_ids[r.step] if p.forced_token_ids else
+                         _sample_token(row, p.temperature, p.top_p, r.rng))
                 top = {}
-                if params.top_logprobs:
-                    values, ids = logprobs.topk(params.top_logprobs)
-                    top = {i: v for i, v in zip(ids.tolist(), values.tolist()) if v > -math.inf}
+                if p.top_logprobs:
+                    values, ids = logprobs.topk(p.top_logprobs)
+                    top = {t: v for t, v in zip(ids.tolist(), values.tolist()) if v > -math.inf}
                 # The matcher's stop tokens are ours: once the JSON is complete it allows only them, and accepting
                 # one terminates it, so the generation ends as "stop" exactly when the matcher terminates.
-                if matcher is not None and not matcher.accept_token(token):
+                if r.matcher is not None and not r.matcher.accept_token(token):
                     raise RuntimeError(f"the JSON grammar rejected token {token}, which its own mask allowed")
-                finish = "stop" if token in stop else "length" if step + 1 == steps else None
-                yield TokenDelta(token_ids=[token], logprobs=[logprobs[token].item()],
-                                 top_logprobs=[top] if params.top_logprobs else [], finish_reason=finish,
-                                 policy_version=version)
-                if finish:
-                    return
-                context.append(token)
-                inputs = torch.tensor([[token]], device=self.device)
+            except Exception as e:  # this request's alone
+                r.emit(e)
+                r.emit(None)
+                finished.append(i)
+                continue
+            r.step += 1
+            finish = "stop" if token in r.stop else "length" if r.step == r.steps else None
+            r.emit(TokenDelta(token_ids=[token], logprobs=[logprobs[token].item()],
+                              top_logprobs=[top] if p.top_logprobs else [], finish_reason=finish,
+                              policy_version=version))
+            if finish:
+                r.emit(None)
+                finished.append(i)
+            else:
+                r.context.append(token)
+        return finished
 
     async def stage_weights(self, weights: dict | tuple[Adapter, ...]) -> None:
         """A whole state dict, or (learner.lora) adapters, each checked against the one served under its name once
@@ -167,19 +319,15 @@ class HFEngine(WeightLoading):
             self._adapter_shapes[adapter.name] = {n: tuple(t.shape) for n, t in tensors.items()}  # later ones: the same
 
     def _use_adapter(self, name: str | None) -> None:
-        """The model runs with this adapter from now on (None, or one not loaded: the base); one generation at a
-        time, so it holds for the whole of one."""
-        if not self._adapter_shapes:
-            return
-        name = name if name in self._adapter_shapes else None
+        """The model runs with this adapter from now on (None: the base); called between two steps with the batch
+        empty, the weights' lock held, so it holds for every generation in the batch."""
         if name != self._active:
-            with self.lock:
-                if name is None:
-                    self.model.base_model.disable_adapter_layers()
-                else:
-                    self.model.base_model.enable_adapter_layers()
-                    self.model.base_model.set_adapter(name)
-                self._active = name
+            if name is None:
+                self.model.base_model.disable_adapter_layers()
+            else:
+                self.model.base_model.enable_adapter_layers()
+                self.model.base_model.set_adapter(name)
+            self._active = name
 
     # ---- sleep while a colocated learner trains (engine.sleep_while_training) --------------------------------
     async def sleep(self) -> None:

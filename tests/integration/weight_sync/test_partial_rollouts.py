@@ -67,9 +67,9 @@ def stream_while_publishing(deployed, state: dict, n: int) -> tuple[list[str], l
 
 def test_keep_updates_the_weights_under_a_running_call_and_its_span_says_which_tokens_are_whose(policy_app,
                                                                                                 old_model):
-    """Four choices of 400 tokens each, generated one after another (the HF engine runs one at a time): the update is
-    synced while they run, not after them, and no choice is cut; the one the update landed in is recorded with both
-    versions, each choice's tokens covered by its version spans."""
+    """Four choices of 400 tokens each, decoded together: the update is synced while they run, not after them, and no
+    choice is cut; the ones the update landed in are recorded with both versions, each choice's tokens covered by its
+    version spans."""
     new_state = {k: v * 1.05 if k == "lm_head.weight" else v for k, v in old_model.state_dict().items()}
     with policy_app(serve={"drain": "keep"}) as deployed:
         frames, spans, synced, ended = stream_while_publishing(deployed, new_state, 4)
@@ -90,9 +90,9 @@ def test_keep_updates_the_weights_under_a_running_call_and_its_span_says_which_t
 def test_abort_ends_the_calls_in_flight_at_once(policy_app, old_model):
     """The stream ends with a 503-style error frame the client can retry, the update goes through at once (not at the
     60 s drain deadline), and each choice is recorded as an errored call, never trained: with what it had generated,
-    or with no tokens where it had not begun (the HF engine generates one choice at a time; so does a call that is
-    not streamed, whose engine gives its tokens at the end)."""
-    with policy_app(serve={"drain": "abort"}) as deployed:
+    or with no tokens where it had not begun (here the 4 choices the engine's batch has no room for; so does a call
+    that is not streamed, whose engine gives its tokens at the end)."""
+    with policy_app(serve={"drain": "abort"}, engine={"max_num_seqs": 4}) as deployed:
         frames, spans, synced, _ = stream_while_publishing(deployed, old_model.state_dict(), 8)
     errors = [json.loads(f[6:])["error"] for f in frames if f.startswith("data: {") and '"error"' in f]
     assert errors and errors[0]["code"] == "weight_update", frames[-3:]

@@ -1,0 +1,114 @@
+"""The HF engine's continuous batching on the tiny model: requests in flight decode together, requests that arrive
+mid-way join the batch, ones that end or hang up leave it, and every request gets what it would get alone (the same
+tokens; logprobs within float32 rounding of a plain HF forward pass)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers import ATOL, logprob_error
+from lightning_ray.serving.engines import SamplingParams, generate, make_engine
+from lightning_ray.tasks import calc
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    return make_engine("hf", str(tiny_model_path), max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+def prompts(engine, n: int) -> list[list[int]]:
+    """calc questions of different lengths (the batch is left-padded to the longest)."""
+    tok = engine.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t.input["question"]}], tokenize=False,
+                                               add_generation_prompt=True)) for t in calc.make_tasks(n, seed=7)]
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def test_concurrent_requests_get_what_each_gets_alone(engine, model):
+    ps = prompts(engine, 8)
+    assert len({len(p) for p in ps}) > 1  # the batch needs padding
+    alone = [asyncio.run(generate(engine, p, GREEDY)) for p in ps]
+
+    async def together():  # half at once, the rest joining while the first are mid-way
+        first = [asyncio.create_task(generate(engine, p, GREEDY)) for p in ps[:4]]
+        await asyncio.sleep(0.05)
+        return await asyncio.gather(*first, *(generate(engine, p, GREEDY) for p in ps[4:]))
+
+    for p, a, b in zip(ps, alone, asyncio.run(together())):
+        assert b.token_ids == a.token_ids and len(b.token_ids) == 24
+        assert logprob_error(model, p, b.token_ids, b.logprobs) < ATOL
+
+
+def test_requests_decode_in_the_same_steps(engine):
+    """Each request's tokens come while the others' do, not one request after another."""
+    ps, order = prompts(engine, 4), []
+
+    async def consume(i, p):
+        async for _ in engine.stream(p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)):
+            order.append(i)
+
+    async def main():
+        await asyncio.gather(*(consume(i, p) for i, p in enumerate(ps)))
+
+    asyncio.run(main())
+    assert len(order) == 64
+    # one at a time would give 0 ×16, 1 ×16, ...: decoding together, every request has its first tokens out before
+    # any has its last
+    assert max(order.index(i) for i in range(4)) < min(len(order) - 1 - order[::-1].index(i) for i in range(4))
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(engine):
+    ps = prompts(engine, 4)
+    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=i) for i in range(4)]
+    alone = [asyncio.run(generate(engine, p, s)) for p, s in zip(ps, params)]
+
+    async def together():
+        return await asyncio.gather(*(generate(engine, p, s) for p, s in zip(ps, params)))
+
+    assert [g.token_ids for g in asyncio.run(together())] == [g.token_ids for g in alone]
+
+
+def test_a_request_that_hangs_up_leaves_the_others_going(engine, model):
+    ps = prompts(engine, 3)
+    expected = asyncio.run(generate(engine, ps[1], GREEDY))
+
+    async def main():
+        async def hang_up_after(n):
+            seen = 0
+            params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+            async with contextlib.aclosing(engine.stream(ps[0], params)) as deltas:  # closed as a server does
+                async for _ in deltas:
+                    seen += 1
+                    if seen == n:
+                        return seen
+
+        return await asyncio.gather(hang_up_after(3), generate(engine, ps[1], GREEDY),
+                                    generate(engine, ps[2], GREEDY))
+
+    seen, kept, other = asyncio.run(main())
+    assert seen == 3
+    assert kept.token_ids == expected.token_ids
+    assert len(other.token_ids) == 24 and logprob_error(model, ps[2], other.token_ids, other.logprobs) < ATOL
+
+
+def test_max_num_seqs_makes_the_rest_wait_their_turn(tiny_model_path):
+    small = make_engine("hf", str(tiny_model_path), max_num_seqs=2)
+    ps = prompts(small, 5)
+
+    async def together():
+        return await asyncio.gather(*(generate(small, p, GREEDY) for p in ps))
+
+    gens = asyncio.run(together())
+    assert [g.token_ids for g in gens] == [asyncio.run(generate(small, p, GREEDY)).token_ids for p in ps]
