@@ -137,7 +137,8 @@ class HFEngine(WeightLoading):
             everyone = batch.requests + joining
             try:
                 self._step(batch, joining)
-            except Exception as e:  # the model failed (out of memory, ...): every request in the step gets it
+            except BaseException as e:  # the model failed (out of memory, ...): every request in the step gets it,
+                # and the thread goes on for the next ones (a dead one would leave every later request waiting)
                 for r in everyone:
                     r.emit(e)
                     r.emit(None)

@@ -112,3 +112,12 @@ def test_max_num_seqs_makes_the_rest_wait_their_turn(tiny_model_path):
 
     gens = asyncio.run(together())
     assert [g.token_ids for g in gens] == [asyncio.run(generate(small, p, GREEDY)).token_ids for p in ps]
+
+
+def test_a_step_that_fails_fails_its_requests_and_the_engine_serves_the_next(engine):
+    """A prompt id past the vocabulary fails the model's forward pass: its request gets the error, not a hang, and
+    the decoding thread goes on."""
+    vocab = engine.model.config.vocab_size
+    with pytest.raises(IndexError):
+        asyncio.run(generate(engine, [1, 2, vocab + 5], GREEDY))
+    assert len(asyncio.run(generate(engine, prompts(engine, 1)[0], GREEDY)).token_ids) == 24
