@@ -7,7 +7,7 @@ a request that arrives joins at the next step (its prompt run on its own, its KV
 left-padded), and one that ends leaves. So agents calling at once share each step, where one request at a time made
 their calls wait in turn. A weight load lands between two steps, and the generations that go on across it
 (serve.drain=keep) re-read their contexts under the new weights: each token is sampled by one version, the one its
-delta names. A batch runs one LoRA adapter; a request for another waits until the batch has drained. A JSON
+delta names. With LoRA adapters each request in a batch runs with its own (peft's mixed-adapter batches). A JSON
 constraint masks the logits each step with an xgrammar matcher (grammar.JsonGrammars), which accepts every sampled
 token.
 """
@@ -41,7 +41,6 @@ class _Request:
     steps: int  # tokens to generate at most
     emit: Callable[[TokenDelta | BaseException | None], None]  # None: the end
     cancelled: threading.Event
-    adapter: str | None = None
     rng: torch.Generator | None = None
     matcher: object = None
     bitmask: torch.Tensor | None = None
@@ -83,7 +82,6 @@ class HFEngine(WeightLoading):
         self._shapes = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
         self._staged: dict | tuple[Adapter, ...] | None = None
         self._adapter_shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # learner.lora: each adapter's tensors
-        self._active: str | None = None  # the adapter the model runs with (None: the base)
         if adapter:
             self._apply(read_all(adapter))
         self.max_num_seqs = max_num_seqs
@@ -145,22 +143,20 @@ class HFEngine(WeightLoading):
                 batch = _Batch()
 
     def _admit(self, batch: _Batch) -> list[_Request]:
-        """The waiting requests that join the batch at this step, in order: those for the batch's adapter (any, when
-        the batch is empty: the first one's), up to max_num_seqs; none past the first that needs another adapter, so
-        it waits only for the batch to drain."""
+        """The waiting requests that join the batch at this step, in order, up to max_num_seqs in all."""
         self._waiting = [r for r in self._waiting if not r.cancelled.is_set()]
-        for r in self._waiting:
-            r.adapter = self._served(r.params.adapter)
-        if not self._waiting:
-            return []
-        adapter = (batch.requests or self._waiting)[0].adapter
-        room, joining = self.max_num_seqs - len(batch.requests), []
-        while self._waiting and len(joining) < room and self._waiting[0].adapter == adapter:
-            joining.append(self._waiting.pop(0))
+        room = self.max_num_seqs - len(batch.requests)
+        joining, self._waiting = self._waiting[:room], self._waiting[room:]
         return joining
 
-    def _served(self, adapter: str | None) -> str | None:
-        return adapter if adapter in self._adapter_shapes else None  # one not loaded yet: the base
+    def _adapters(self, requests: list[_Request]) -> dict:
+        """peft's adapter per row, once the model has adapters: each request's, or the base for one naming none or
+        one not loaded yet (an adapter starts as the base); read at each step, so a request goes on under an adapter
+        loaded with new weights."""
+        if not self._adapter_shapes:
+            return {}
+        return {"adapter_names": [r.params.adapter if r.params.adapter in self._adapter_shapes else "__base__"
+                                  for r in requests]}
 
     @torch.inference_mode()
     def _step(self, batch: _Batch, joining: list[_Request]) -> None:
@@ -171,26 +167,18 @@ class HFEngine(WeightLoading):
         if not batch.requests and not joining:
             return
         with self.lock:
-            if batch.requests and batch.version != self.policy_version:
-                # new weights: every context is read anew, under the adapter its request now resolves to (one
-                # loaded with these weights, maybe); those for another adapter than the first wait for the next batch
+            if batch.requests and batch.version != self.policy_version:  # new weights: every context read anew
                 joining, batch.requests, batch.cache, batch.mask = batch.requests + joining, [], None, None
-                for r in joining:
-                    r.adapter = self._served(r.params.adapter)
-                with self._arrived:
-                    self._waiting[:0] = [r for r in joining if r.adapter != joining[0].adapter]
-                joining = [r for r in joining if r.adapter == joining[0].adapter]
-            if joining and not batch.requests:
-                self._use_adapter(joining[0].adapter)
             logits = []
             if batch.requests:  # each request's last token, not yet in the cache
                 batch.mask = F.pad(batch.mask, (0, 1), value=1)
                 tokens = torch.tensor([[r.context[-1]] for r in batch.requests], device=self.device)
                 out = self.model(input_ids=tokens, attention_mask=batch.mask, past_key_values=batch.cache,
-                                 position_ids=batch.mask.sum(-1, keepdim=True) - 1, use_cache=True)
+                                 position_ids=batch.mask.sum(-1, keepdim=True) - 1, use_cache=True,
+                                 **self._adapters(batch.requests))
                 logits.append(out.logits[:, -1])
             if joining:
-                cache, mask, first = self._prefill([r.context for r in joining])
+                cache, mask, first = self._prefill(joining)
                 logits.append(first)
                 self._join(batch, cache, mask)
                 batch.requests += joining
@@ -199,15 +187,16 @@ class HFEngine(WeightLoading):
         if finished:
             self._drop(batch, finished)
 
-    def _prefill(self, contexts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-        """The contexts through the model together, left-padded: their KV cache, its mask and each one's next-token
-        logits."""
+    def _prefill(self, requests: list[_Request]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """The requests' contexts through the model together, left-padded: their KV cache, its mask and each one's
+        next-token logits."""
+        contexts = [r.context for r in requests]
         width = max(map(len, contexts))
         ids = torch.tensor([[0] * (width - len(c)) + c for c in contexts], device=self.device)
         mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=self.device)
         cache = DynamicCache()
         out = self.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
-                         position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+                         position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **self._adapters(requests))
         return cache, mask, out.logits[:, -1]
 
     @staticmethod
@@ -309,7 +298,6 @@ class HFEngine(WeightLoading):
         for adapter in weights:  # a new one's layers go on the base, which stays
             if not isinstance(self.model, peft.PeftModel):
                 self.model = peft.get_peft_model(self.model, adapter.config(), adapter_name=adapter.name).eval()
-                self._active = adapter.name
             elif adapter.name not in self.model.peft_config:
                 self.model.add_adapter(adapter.name, adapter.config())
             tensors = adapter.tensors()
@@ -318,17 +306,6 @@ class HFEngine(WeightLoading):
             if extra := loaded.unexpected_keys:
                 raise ValueError(f"adapter {adapter.name!r} does not fit the served model: {extra[:5]}")
             self._adapter_shapes[adapter.name] = {n: tuple(t.shape) for n, t in tensors.items()}  # later ones: the same
-
-    def _use_adapter(self, name: str | None) -> None:
-        """The model runs with this adapter from now on (None: the base); called between two steps with the batch
-        empty, the weights' lock held, so it holds for every generation in the batch."""
-        if name != self._active:
-            if name is None:
-                self.model.base_model.disable_adapter_layers()
-            else:
-                self.model.base_model.enable_adapter_layers()
-                self.model.base_model.set_adapter(name)
-            self._active = name
 
     # ---- sleep while a colocated learner trains (engine.sleep_while_training) --------------------------------
     async def sleep(self) -> None:
