@@ -28,7 +28,9 @@ def model_dir(name: str, dtype: torch.dtype) -> Path:
     from lightning_ray.models import resolve_model_path
     from lightning_ray.models.shaped import shaped_model
 
-    return resolve_model_path(ModelConfig()) if name == "tiny" else shaped_model(f"qwen2.5-{name}", str(dtype)[6:])
+    if name == "tiny":
+        return resolve_model_path(ModelConfig())
+    return shaped_model(f"qwen2.5-{name}", str(dtype).removeprefix("torch."))
 
 
 def learner_actor(registry, path: str, kind: str, device: str, dtype: torch.dtype, num_gpus: float):

@@ -140,7 +140,8 @@ def choose_engine(node: dict[str, str], requested: str | None,
     base = Version(torch).base_version if torch else None
     newest = max(sets, key=Version)
     vllm_for = {t: vllm for t, (vllm, _) in sets.items()}
-    cuda, set_cuda_of_base = torch_cuda(torch) if torch else None, set_cuda(sets[base][1]) if base in sets else None
+    cuda = torch_cuda(torch) if torch else None
+    set_cuda_of_base = set_cuda(sets[base][1]) if base in sets else None
     same_cuda = None in (cuda, set_cuda_of_base) or cuda == set_cuda_of_base
     fits = torch is None or (base in sets and same_cuda)
     chosen = base if torch and fits else newest
