@@ -2,15 +2,15 @@
 # Every GPU check in one go, on a node where lightning_ray runs (`make setup`, or the offline bundle on PYTHONPATH):
 # the `gpu` tests (with each iteration's phase split; LoRA with an adapter per agent among them), a whole iteration's
 # phase split on a Qwen2.5-0.5B-shaped model (random init, PPO: the colocated job at a real model's size), the HF
-# engine's batched decoding against one call at a time on that model, the learner's
+# engine's batched decoding against one call at a time on that model and its sampler, the learner's
 # update (full and LoRA) against a bare PyTorch loop and the weight sync against a pinned host copy, on random-init
 # Qwen2.5 shapes, a weight update landing on calls in flight per serve.drain, then asynchronous vs synchronous
 # training of the tiny model with learner and engine sharing the GPU. Logs and JSON lines go to OUT.
 #   scripts/gpu_check.sh [OUT]   (default gpu-check/; PYTHON=... picks the interpreter; NO_BENCH=1: tests only;
 #                                 DEADLINE=<epoch seconds>: each step is cut off there, for a node lent for a while;
 #                                 STEPS="tests async ...": only those of tests, iteration-0.5b, engine-0.5b,
-#                                 update-0.5b, update-1.5b, weight-sync, drain, async, in that order, for a node
-#                                 lent for less than all of them)
+#                                 sampling, update-0.5b, update-1.5b, weight-sync, drain, async, in that order,
+#                                 for a node lent for less than all of them)
 set -uo pipefail
 py=${PYTHON:-python3}
 out=$(mkdir -p "${1:-gpu-check}" && cd "${1:-gpu-check}" && pwd)
@@ -37,6 +37,8 @@ step iteration-0.5b iteration-0.5b.log $py benchmarks/iteration.py --models qwen
 # the HF engine's batch against the same engine one call at a time, at that size (random outputs: max_tokens each)
 step engine-0.5b engine-0.5b.log $py benchmarks/engine_throughput.py --model qwen2.5-0.5b --engines hf hf_one \
     --prompts digits --requests 32 --concurrency 32 --max-tokens 64
+# its sampler: a batch's rows at once against a row at a time (Qwen2.5's vocabulary; seconds)
+step sampling sampling.log $py benchmarks/sampling.py
 for model in qwen2.5-0.5b qwen2.5-1.5b; do  # 64 x 1,024 tokens, as the GPU node's bare-PyTorch anchors
     # on the 0.5B, LoRA's update on the same batch too (against full fine-tuning's: 1.30x on 2 CPU cores)
     step "update-${model#qwen2.5-}" "update-$model.log" $py benchmarks/update_speed.py --model $model --prompt-tokens 768 \

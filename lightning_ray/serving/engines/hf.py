@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from lightning_ray.serving.engines.base import SamplingParams, TokenDelta, WeightLoading, check_weights
 from lightning_ray.serving.engines.grammar import JsonGrammars, apply_bitmask
+from lightning_ray.serving.engines.sampling import sample
 from lightning_ray.weight_sync.adapter import Adapter, read_all
 
 
@@ -229,36 +230,43 @@ class HFEngine(WeightLoading):
                 layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
 
     def _sample(self, requests: list[_Request], logits: torch.Tensor, version: int) -> list[int]:
-        """Each request's next token from its row of logits, sent as a delta; the rows whose generation ended."""
+        """Each request's next token from its row of logits, sent as a delta; the rows whose generation ended. The
+        batch is sampled at once and read back in one go: a round trip per row would stall a GPU at every row."""
+        failed = {}
+        for i, r in enumerate(requests):  # tokens the grammar rules out get -inf: never sampled, probability 0
+            if r.matcher is not None:
+                try:
+                    r.matcher.fill_next_token_bitmask(r.bitmask)
+                    apply_bitmask(logits[i], r.bitmask.to(logits.device))  # the mask is filled on the host
+                except Exception as e:  # this request's alone
+                    failed[i] = e
+        logprobs = torch.log_softmax(logits, -1)
+        forced = torch.tensor([r.params.forced_token_ids[r.step] if r.params.forced_token_ids else -1
+                               for r in requests], device=logits.device)
+        chosen = sample(logits, [r.params.temperature for r in requests], [r.params.top_p for r in requests],
+                        [r.rng for r in requests])
+        tokens = torch.where(forced >= 0, forced, chosen)
+        token_logprobs = logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
+        tokens = tokens.tolist()
+        top_values, top_ids = logprobs.topk(max(r.params.top_logprobs or 0 for r in requests))
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
         finished = []
         for i, r in enumerate(requests):
-            row = logits[i]
-            try:
-                if r.matcher is not None:  # tokens the grammar rules out get -inf: never sampled, probability 0
-                    r.matcher.fill_next_token_bitmask(r.bitmask)
-                    apply_bitmask(row, r.bitmask.to(row.device))  # the mask is filled on the host
-                logprobs = torch.log_softmax(row, -1)
-                p = r.params
-                token = (p.forced_token_ids[r.step] if p.forced_token_ids else
-                         _sample_token(row, p.temperature, p.top_p, r.rng))
-                top = {}
-                if p.top_logprobs:
-                    values, ids = logprobs.topk(p.top_logprobs)
-                    top = {t: v for t, v in zip(ids.tolist(), values.tolist()) if v > -math.inf}
-                # The matcher's stop tokens are ours: once the JSON is complete it allows only them, and accepting
-                # one terminates it, so the generation ends as "stop" exactly when the matcher terminates.
-                if r.matcher is not None and not r.matcher.accept_token(token):
-                    raise RuntimeError(f"the JSON grammar rejected token {token}, which its own mask allowed")
-            except Exception as e:  # this request's alone
-                r.emit(e)
+            token, p = tokens[i], r.params
+            # The matcher's stop tokens are ours: once the JSON is complete it allows only them, and accepting one
+            # terminates it, so the generation ends as "stop" exactly when the matcher terminates.
+            if i not in failed and r.matcher is not None and not r.matcher.accept_token(token):
+                failed[i] = RuntimeError(f"the JSON grammar rejected token {token}, which its own mask allowed")
+            if i in failed:
+                r.emit(failed[i])
                 r.emit(None)
                 finished.append(i)
                 continue
+            top = {t: v for t, v in zip(top_ids[i][:p.top_logprobs], top_values[i][:p.top_logprobs]) if v > -math.inf}
             r.step += 1
             finish = "stop" if token in r.stop else "length" if r.step == r.steps else None
-            r.emit(TokenDelta(token_ids=[token], logprobs=[logprobs[token].item()],
-                              top_logprobs=[top] if p.top_logprobs else [], finish_reason=finish,
-                              policy_version=version))
+            r.emit(TokenDelta(token_ids=[token], logprobs=[token_logprobs[i]], top_logprobs=[top] if p.top_logprobs
+                              else [], finish_reason=finish, policy_version=version))
             if finish:
                 r.emit(None)
                 finished.append(i)
@@ -352,16 +360,3 @@ class HFEngine(WeightLoading):
 
         await asyncio.to_thread(copy)
 
-
-GREEDY_BELOW = 1e-5  # as vLLM: a smaller temperature would overflow logits / T (found by the fuzz test)
-
-
-def _sample_token(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator | None) -> int:
-    if temperature < GREEDY_BELOW:
-        return int(logits.argmax())
-    probs = torch.softmax(logits / temperature, -1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # the smallest prefix whose mass reaches top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs, 1, generator=rng))
