@@ -33,6 +33,6 @@ def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
     for row, generator in enumerate(generators):
         if generator is not None:
             noise[row].uniform_(generator=generator)
-    # -log U ~ Exp(1) (torch's exponential_ takes ~6x as long on CPUs); tiny at the least: p / 0 could be NaN
+    # -log U ~ Exp(1) (torch's exponential_ takes 3x as long on CPUs); tiny at the least: 0 / 0 would be NaN
     race = (probs / noise.log_().neg_().clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
     return torch.where(torch.tensor(sampled_rows, device=device), race, greedy)
