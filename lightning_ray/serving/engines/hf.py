@@ -15,6 +15,7 @@ token.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from lightning_ray.serving.engines.grammar import JsonGrammars, apply_bitmask
 from lightning_ray.serving.engines.sampling import sample
 from lightning_ray.weight_sync.adapter import Adapter, read_all
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(eq=False)
 class _Request:
@@ -46,6 +49,13 @@ class _Request:
     matcher: object = None
     bitmask: torch.Tensor | None = None
     step: int = 0
+    ended: bool = False
+
+    def end(self, error: BaseException | None = None) -> None:
+        if error is not None:
+            self.emit(error)
+        self.emit(None)
+        self.ended = True
 
 
 @dataclass(eq=False)
@@ -63,7 +73,8 @@ class HFEngine(WeightLoading):
         """adapter: a directory of LoRA adapters (peft's), served on the model from the start (a resumed LoRA run);
         lora_rank: the rank LoRA runs train (vLLM's setting: the HF engine takes any). Each request is served with
         the adapter it names (SamplingParams.adapter), or by the base; one not loaded yet is the base too (an
-        adapter starts as the base: its B is zero). max_num_seqs: requests decoding at once (the rest wait)."""
+        adapter starts as the base: its B is zero). max_num_seqs: requests decoding at once (the rest wait), halved
+        each time the device runs out of memory."""
         transformers.logging.disable_progress_bar()
         torch.manual_seed(seed)  # requests without a seed of their own draw from the process's generator
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -136,12 +147,31 @@ class HFEngine(WeightLoading):
             everyone = batch.requests + joining
             try:
                 self._step(batch, joining)
-            except BaseException as e:  # the model failed (out of memory, ...): every request in the step gets it,
-                # and the thread goes on for the next ones (a dead one would leave every later request waiting)
+            except torch.OutOfMemoryError as e:
+                batch = _Batch()  # its KV cache freed
+                self._back_off(everyone, e)
+            except BaseException as e:  # the model failed: every request in the step gets the error, and the thread
+                # goes on for the next ones (a dead one would leave every later request waiting)
                 for r in everyone:
-                    r.emit(e)
-                    r.emit(None)
+                    r.end(e)
                 batch = _Batch()
+
+    def _back_off(self, requests: list[_Request], error: torch.OutOfMemoryError) -> None:
+        """The device ran out of memory in a step: half as many requests decode at once from now on, and the step's
+        go back to the front of the queue, to read their contexts anew (no token lost or sampled twice). A lone
+        request that does not fit gets the error."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        going = [r for r in requests if not r.ended]
+        if len(going) <= 1:
+            for r in going:
+                r.end(error)
+            return
+        self.max_num_seqs = len(going) // 2
+        log.warning("the HF engine ran out of memory decoding %d requests at once: max_num_seqs is now %d",
+                    len(going), self.max_num_seqs)
+        with self._arrived:
+            self._waiting[:0] = going
 
     def _admit(self, batch: _Batch) -> list[_Request]:
         """The waiting requests that join the batch at this step, in order, up to max_num_seqs in all."""
@@ -258,8 +288,7 @@ class HFEngine(WeightLoading):
             if i not in failed and r.matcher is not None and not r.matcher.accept_token(token):
                 failed[i] = RuntimeError(f"the JSON grammar rejected token {token}, which its own mask allowed")
             if i in failed:
-                r.emit(failed[i])
-                r.emit(None)
+                r.end(failed[i])
                 finished.append(i)
                 continue
             top = {t: v for t, v in zip(top_ids[i][:p.top_logprobs], top_values[i][:p.top_logprobs]) if v > -math.inf}
@@ -268,7 +297,7 @@ class HFEngine(WeightLoading):
             r.emit(TokenDelta(token_ids=[token], logprobs=[token_logprobs[i]], top_logprobs=[top] if p.top_logprobs
                               else [], finish_reason=finish, policy_version=version))
             if finish:
-                r.emit(None)
+                r.end()
                 finished.append(i)
             else:
                 r.context.append(token)

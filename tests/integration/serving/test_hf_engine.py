@@ -121,3 +121,29 @@ def test_a_step_that_fails_fails_its_requests_and_the_engine_serves_the_next(eng
     with pytest.raises(IndexError):
         asyncio.run(generate(engine, [1, 2, vocab + 5], GREEDY))
     assert len(asyncio.run(generate(engine, prompts(engine, 1)[0], GREEDY)).token_ids) == 24
+
+
+def test_out_of_memory_halves_the_batch_and_loses_no_request(tiny_model_path):
+    """A device that runs out of memory in a step (raised here by a hook whenever more than 2 rows go through the
+    model: this machine has no GPU to fill): the step's requests go back to the queue and decode fewer at a time,
+    each with the tokens it gets alone."""
+    small = make_engine("hf", str(tiny_model_path), max_num_seqs=8)
+    ps = prompts(small, 6)
+    alone = [asyncio.run(generate(small, p, GREEDY)).token_ids for p in ps]
+    raised = []
+
+    def too_many_rows(module, args, kwargs):
+        if kwargs["input_ids"].shape[0] > 2:
+            raised.append(kwargs["input_ids"].shape[0])
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+
+    async def together():
+        return await asyncio.gather(*(generate(small, p, GREEDY) for p in ps))
+
+    hook = small.model.register_forward_pre_hook(too_many_rows, with_kwargs=True)
+    try:
+        gens = asyncio.run(together())
+    finally:
+        hook.remove()
+    assert raised and small.max_num_seqs <= 2
+    assert [g.token_ids for g in gens] == alone
