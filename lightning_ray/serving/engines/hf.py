@@ -153,13 +153,15 @@ class HFEngine(WeightLoading):
             except BaseException as e:  # the model failed: every request in the step gets the error, and the thread
                 # goes on for the next ones (a dead one would leave every later request waiting)
                 for r in everyone:
-                    r.end(e)
+                    if not r.ended:
+                        r.end(e)
                 batch = _Batch()
 
     def _back_off(self, requests: list[_Request], error: torch.OutOfMemoryError) -> None:
         """The device ran out of memory in a step: half as many requests decode at once from now on, and the step's
         go back to the front of the queue, to read their contexts anew (no token lost or sampled twice). A lone
         request that does not fit gets the error."""
+        error.with_traceback(None)  # its frames hold the step's tensors: let them go
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         going = [r for r in requests if not r.ended]
