@@ -287,8 +287,12 @@ class HFEngine(WeightLoading):
             token, p = tokens[i], r.params
             # The matcher's stop tokens are ours: once the JSON is complete it allows only them, and accepting one
             # terminates it, so the generation ends as "stop" exactly when the matcher terminates.
-            if i not in failed and r.matcher is not None and not r.matcher.accept_token(token):
-                failed[i] = RuntimeError(f"the JSON grammar rejected token {token}, which its own mask allowed")
+            if i not in failed and r.matcher is not None:
+                try:
+                    if not r.matcher.accept_token(token):
+                        raise RuntimeError(f"the JSON grammar rejected token {token}, which its own mask allowed")
+                except Exception as e:  # this request's alone
+                    failed[i] = e
             if i in failed:
                 r.end(failed[i])
                 finished.append(i)
