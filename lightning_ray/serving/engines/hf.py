@@ -75,7 +75,7 @@ class HFEngine(WeightLoading):
         lora_rank: the rank LoRA runs train (vLLM's setting: the HF engine takes any). Each request is served with
         the adapter it names (SamplingParams.adapter), or by the base; one not loaded yet is the base too (an
         adapter starts as the base: its B is zero). max_num_seqs: requests decoding at once (the rest wait), halved
-        each time the device runs out of memory."""
+        each time the device runs out of memory, doubled back towards it after `regrow_after` steps that fit."""
         transformers.logging.disable_progress_bar()
         torch.manual_seed(seed)  # requests without a seed of their own draw from the process's generator
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -101,7 +101,8 @@ class HFEngine(WeightLoading):
         self._adapter_shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # learner.lora: each adapter's tensors
         if adapter:
             self._apply(read_all(adapter))
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = self.configured_max_num_seqs = max_num_seqs
+        self._fitted = 0  # steps run since max_num_seqs last changed
         self._waiting: list[_Request] = []  # arrived, not yet in the batch (in order)
         self._arrived = threading.Condition()
         threading.Thread(target=self._decode, name="hf-engine-decode", daemon=True).start()
@@ -161,6 +162,8 @@ class HFEngine(WeightLoading):
                     if not r.ended:
                         r.end(e)
                 batch = _Batch()
+            else:
+                self._regrow()
 
     def _back_off(self, requests: list[_Request], error: torch.OutOfMemoryError) -> None:
         """The device ran out of memory in a step: half as many requests decode at once from now on, and the step's
@@ -174,11 +177,25 @@ class HFEngine(WeightLoading):
             for r in going:
                 r.end(error)
             return
-        self.max_num_seqs = len(going) // 2
+        self.max_num_seqs, self._fitted = len(going) // 2, 0
         log.warning("the HF engine ran out of memory decoding %d requests at once: max_num_seqs is now %d",
                     len(going), self.max_num_seqs)
         with self._arrived:
             self._waiting[:0] = going
+
+    regrow_after = 256  # steps
+
+    def _regrow(self) -> None:
+        """max_num_seqs doubles back towards the configured one after `regrow_after` steps that fit: what a step
+        needs changes (long contexts end; a colocated learner frees what it held), so one step out of memory does
+        not cap the replica for good. Should the larger batch not fit, the next back-off halves it again (its cost:
+        one step's requests read their contexts anew, once per `regrow_after` steps at most)."""
+        if self.max_num_seqs >= self.configured_max_num_seqs:
+            return
+        self._fitted += 1
+        if self._fitted >= self.regrow_after:
+            self.max_num_seqs, self._fitted = min(2 * self.max_num_seqs, self.configured_max_num_seqs), 0
+            log.info("the HF engine tries %d requests at once again", self.max_num_seqs)
 
     def _admit(self, batch: _Batch) -> list[_Request]:
         """The waiting requests that join the batch at this step, in order, up to max_num_seqs in all."""

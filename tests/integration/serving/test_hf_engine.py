@@ -126,7 +126,7 @@ def test_a_step_that_fails_fails_its_requests_and_the_engine_serves_the_next(eng
 def test_out_of_memory_halves_the_batch_and_loses_no_request(tiny_model_path):
     """A device that runs out of memory in a step (raised here by a hook whenever more than 2 rows go through the
     model: this machine has no GPU to fill): the step's requests go back to the queue and decode fewer at a time,
-    each with the tokens it gets alone."""
+    each with the tokens it gets alone; the batch grows back once steps fit again."""
     small = make_engine("hf", str(tiny_model_path), max_num_seqs=8)
     ps = prompts(small, 6)
     alone = [asyncio.run(generate(small, p, GREEDY)).token_ids for p in ps]
@@ -146,4 +146,9 @@ def test_out_of_memory_halves_the_batch_and_loses_no_request(tiny_model_path):
     finally:
         hook.remove()
     assert raised and small.max_num_seqs <= 2
+    assert [g.token_ids for g in gens] == alone
+    # once steps fit again (the hook gone), it doubles back to the configured 8, every 3 steps that fit here
+    small.regrow_after = 3
+    gens = asyncio.run(together())
+    assert small.max_num_seqs == 8
     assert [g.token_ids for g in gens] == alone
