@@ -33,9 +33,9 @@ import torch  # noqa: E402
 # older compile cache (~/.cache/vllm/torch_compile_cache) loads: the first start compiles, later ones take seconds.
 if not torch.cuda.is_available():
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-# On CUDA vLLM samples top-p/top-k with FlashInfer's kernels by default, and fails to start where FlashInfer is not
-# installed: a lean offline bundle leaves it out (docs/08-gpus.md; on Hopper its kernels need nvcc at run time).
-# There, vLLM's own PyTorch sampler.
+# On CUDA vLLM samples top-p/top-k with FlashInfer's kernels by default, and its engine fails to start where FlashInfer
+# is not installed (vllm-project/vllm#49314, open): a lean offline bundle leaves it out (docs/08-gpus.md; on Hopper
+# its kernels need nvcc at run time). There, vLLM's own PyTorch sampler.
 if importlib.util.find_spec("flashinfer") is None:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 from safetensors.torch import save_file  # noqa: E402
