@@ -10,7 +10,8 @@
 #                                 DEADLINE=<epoch seconds>: each step is cut off there, for a node lent for a while;
 #                                 STEPS="tests async ...": only those of tests, iteration-0.5b, engine-0.5b,
 #                                 sampling, update-0.5b, update-1.5b, weight-sync, drain, async, in that order,
-#                                 for a node lent for less than all of them)
+#                                 for a node lent for less than all of them; PYTEST_ARGS="-k vllm": the tests'
+#                                 step runs only those)
 set -uo pipefail
 py=${PYTHON:-python3}
 out=$(mkdir -p "${1:-gpu-check}" && cd "${1:-gpu-check}" && pwd)
@@ -30,8 +31,8 @@ step() {  # step NAME LOG COMMAND...: runs it (if STEPS names it) until the dead
 }
 nvidia-smi -L | tee "$out/summary.txt" || { echo "no NVIDIA GPU answers here" >&2; exit 1; }
 
-step tests pytest.log $py -m pytest -m gpu -rP -p no:cacheprovider tests/integration/trainer/test_gpu.py \
-    tests/integration/weight_sync/test_weight_transports.py
+step tests pytest.log $py -m pytest -m gpu -rP -p no:cacheprovider ${PYTEST_ARGS:-} \
+    tests/integration/trainer/test_gpu.py tests/integration/weight_sync/test_weight_transports.py
 [ -f "$out/pytest.log" ] && tail -1 "$out/pytest.log" | tee -a "$out/summary.txt"
 step iteration-0.5b iteration-0.5b.log $py benchmarks/iteration.py --models qwen2.5-0.5b
 # the HF engine's batch against the same engine one call at a time, at that size (random outputs: max_tokens each)
