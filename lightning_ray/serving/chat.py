@@ -10,9 +10,11 @@ from typing import Any
 
 from lightning_ray.serving.decoding import ChoiceDelta, collect_all, usage
 from lightning_ray.serving.http import ApiError, CallTrace
-from lightning_ray.serving.schemas import ChatCompletionRequest, ChatMessage
+from lightning_ray.serving.schemas import (ChatCompletionRequest, ChatMessage, JsonSchemaFormat, ResponseFormat,
+                                           check_schema)
 from lightning_ray.serving.sse import sse_response
-from lightning_ray.serving.tools import ToolCallStreamParser, parse_tool_calls, resolve_tool_choice
+from lightning_ray.serving.tools import (FORCED_OPENING, ToolCallStreamParser, forced_call, parse_tool_calls,
+                                         resolve_tool_choice)
 
 
 def template_messages(messages: list[ChatMessage | dict]) -> list[dict]:
@@ -34,24 +36,38 @@ def template_messages(messages: list[ChatMessage | dict]) -> list[dict]:
     return out
 
 
+async def enforce_tool_choice(server, tool_choice, offered: list[dict] | None, prompt_ids: list[int],
+                              trace: CallTrace) -> tuple[list[int], ResponseFormat | None]:
+    """tool_choice "required" or a named function, enforced (tools.forced_call): the prompt with the call's opening
+    at its end, and the constraint on the rest; else the prompt as it is and None. Not for a taught rollout's call:
+    the teacher's answer is its own."""
+    if trace.rollout_id in server.taught or not (schema := forced_call(tool_choice, offered)):
+        return prompt_ids, None
+    fmt = ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(schema=schema))
+    await check_schema(fmt.json_schema, "tools")  # a tool's parameters that decoding cannot enforce: 400
+    return prompt_ids + server.tokenizer.encode(FORCED_OPENING, add_special_tokens=False), fmt
+
+
 async def create_chat_completion(server, body: ChatCompletionRequest, trace: CallTrace):
     await server.check_request(body, body.response_format and body.response_format.json_schema,
                                "response_format.json_schema.schema")
     offered = resolve_tool_choice(body.tool_choice, [t.model_dump(exclude_none=True) for t in body.tools or []])
     use_tools = bool(offered)  # tools rendered into the prompt, and tool calls parsed from the answer
     messages = template_messages(body.messages)
-    prompt_ids = server.encode_chat(messages, offered)
+    prompt_ids, forced = await enforce_tool_choice(server, body.tool_choice, offered,
+                                                   server.encode_chat(messages, offered), trace)
     requested = body.max_completion_tokens or body.max_tokens
     _, deltas = server.generate("chat", body, trace, [prompt_ids], requested, requested is not None, n=body.n,
-                                stop=body.stop_list, top_logprobs=body.top_logprobs or 0, fmt=body.response_format,
-                                conversation=(messages, offered))
+                                stop=body.stop_list, top_logprobs=body.top_logprobs or 0,
+                                fmt=forced or body.response_format, conversation=(messages, offered))
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
     if body.stream:
-        return sse_response(_chunks(server, body, deltas, meta, prompt_ids, use_tools))
+        return sse_response(_chunks(server, body, deltas, meta, prompt_ids, use_tools, bool(forced)))
     choices = await collect_all(deltas)
     out = []
     for c in choices:
-        content, calls = parse_tool_calls(c.text, span_id=c.span_id) if use_tools else (c.text, [])
+        content, calls = parse_tool_calls(c.text, span_id=c.span_id, forced=bool(forced)) if use_tools \
+            else (c.text, [])
         message = {"role": "assistant", "content": content, "refusal": None, "annotations": []}
         if calls:
             message["tool_calls"] = calls
@@ -67,7 +83,8 @@ async def create_chat_completion(server, body: ChatCompletionRequest, trace: Cal
             "system_fingerprint": server.fingerprint(choices[0].policy_version), "prompt_token_ids": prompt_ids}
 
 
-async def _chunks(server, body: ChatCompletionRequest, deltas, meta: dict, prompt_ids: list[int], use_tools: bool):
+async def _chunks(server, body: ChatCompletionRequest, deltas, meta: dict, prompt_ids: list[int], use_tools: bool,
+                  forced: bool):
     chunk = {**meta, "object": "chat.completion.chunk", "system_fingerprint": server.fingerprint(server.engine.policy_version)}
     parsers: dict[int, ToolCallStreamParser] = {}
     called: set[int] = set()  # choices that produced tool calls: they finish with "tool_calls"
@@ -86,7 +103,7 @@ async def _chunks(server, body: ChatCompletionRequest, deltas, meta: dict, promp
         completion_tokens += len(d.token_ids)
         content, calls = d.text, []
         if use_tools:
-            parser = parsers.setdefault(d.index, ToolCallStreamParser(span_id=d.span_id))
+            parser = parsers.setdefault(d.index, ToolCallStreamParser(span_id=d.span_id, forced=forced))
             parsed = parser.feed(d.text)
             content, calls = parsed.content, parsed.tool_calls
             if d.finish_reason:

@@ -202,6 +202,9 @@ def install(app: FastAPI) -> None:
         if count := getattr(request.app.state, "count_rejected", None):
             count("invalid_request")
         err = e.errors()[0]
+        if err["type"] == "json_invalid":  # loc: ("body", the character where parsing failed)
+            return error_response(ApiError(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')} "
+                                                f"(at character {err['loc'][-1]})"))
         param = ".".join(str(p) for p in err["loc"] if p != "body") or None
         return error_response(ApiError(400, f"{param or 'body'}: {err['msg']}", param=param))
 
@@ -211,7 +214,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def _value(_: Request, e: ValueError):
-        return error_response(ApiError(400, str(e)))
+        head, _, rest = str(e).partition(": ")  # "tool_choice: ..." names its param
+        return error_response(ApiError(400, str(e), param=head if rest and " " not in head else None))
 
     @app.exception_handler(Exception)
     async def _crash(_: Request, e: Exception):

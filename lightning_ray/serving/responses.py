@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lightning_ray.serving.chat import template_messages
+from lightning_ray.serving.chat import enforce_tool_choice, template_messages
 from lightning_ray.serving.decoding import collect_all
 from lightning_ray.serving.engines import SamplingParams
 from lightning_ray.serving.http import ApiError, CallTrace
@@ -330,27 +330,29 @@ async def create_response(server, req: ResponsesRequest, trace: CallTrace):
     messages, tools, tool_choice = to_chat(req)
     offered = resolve_tool_choice(tool_choice, tools)
     messages = template_messages(messages)
-    prompt_ids = server.encode_chat(messages, offered)
+    prompt_ids, forced = await enforce_tool_choice(server, tool_choice, offered, server.encode_chat(messages, offered),
+                                                   trace)
     params, deltas = server.generate("responses", req, trace, [prompt_ids], req.max_output_tokens,
-                                     req.max_output_tokens is not None, fmt=req.text and req.text.format,
+                                     req.max_output_tokens is not None, fmt=forced or (req.text and req.text.format),
                                      conversation=(messages, offered))
     if req.stream:
         events = ResponseEventStream(req, params=params)
-        return sse_response(_events(events, deltas, prompt_ids, bool(offered)), done_marker=False, named=True,
-                            failed=events.fail)
+        return sse_response(_events(events, deltas, prompt_ids, bool(offered), bool(forced)), done_marker=False,
+                            named=True, failed=events.fail)
     [c] = await collect_all(deltas)
-    content, calls = parse_tool_calls(c.text, span_id=c.span_id) if offered else (c.text or None, [])
+    content, calls = parse_tool_calls(c.text, span_id=c.span_id, forced=bool(forced)) if offered \
+        else (c.text or None, [])
     out = to_response(req, content=content, tool_calls=calls, input_tokens=len(prompt_ids),
                       output_tokens=len(c.token_ids), finish_reason=c.finish_reason or "stop", params=params)
     return {**out, "prompt_token_ids": prompt_ids, "token_ids": c.token_ids}  # extension fields
 
 
-async def _events(events: ResponseEventStream, deltas, prompt_ids: list[int], parse_tools: bool):
+async def _events(events: ResponseEventStream, deltas, prompt_ids: list[int], parse_tools: bool, forced: bool):
     parser, output_tokens, finish = None, 0, "stop"
     for e in events.start():
         yield e
     async for d in deltas:
-        parser = parser or ToolCallStreamParser(span_id=d.span_id)  # the answer's span names its tool calls
+        parser = parser or ToolCallStreamParser(span_id=d.span_id, forced=forced)  # its span names its tool calls
         output_tokens, finish = output_tokens + len(d.token_ids), d.finish_reason or finish
         for e in events.delta(parser.feed(d.text)) if parse_tools else events.text(d.text) if d.text else []:
             yield e

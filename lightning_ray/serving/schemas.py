@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lightning_ray.serving.engines.grammar import check_json_schema
 from lightning_ray.serving.http import ApiError
@@ -135,11 +135,12 @@ class _Sampling(_Request):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks, tests)
 
-    @model_validator(mode="after")
-    def _check_stop(self):
-        if isinstance(self.stop, list) and len(self.stop) > 4:
-            raise ValueError("stop: at most 4 sequences")
-        return self
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop):
+        if isinstance(stop, list) and len(stop) > 4:
+            raise ValueError("at most 4 sequences")
+        return stop
 
     @property
     def stop_list(self) -> list[str]:

@@ -87,12 +87,15 @@ class ToolCallStreamParser:
     - finish() flushes what is held. Concatenating the content of all deltas gives what parse_tool_calls returns.
     """
 
-    def __init__(self, fmt: str = "hermes", span_id: str = ""):
+    def __init__(self, fmt: str = "hermes", span_id: str = "", forced: bool = False):
         if fmt not in TOOL_CALL_FORMATS:
             raise ValueError(f"unknown tool call format {fmt!r}: expected one of {sorted(TOOL_CALL_FORMATS)}")
         self.fmt = TOOL_CALL_FORMATS[fmt]
         self._buf = ""  # text received but not yet classified
-        self._in_block = False
+        # The open block's markers as the text has them. `forced` (forced_call): the server wrote the opening at
+        # the prompt's end and the answer is the block's body, so a body that does not parse is passed on as it is.
+        self._in_block = forced
+        self._opening, self._closing = ("", None) if forced else (self.fmt.start, self.fmt.end)
         self._ws_held = ""  # trailing whitespace of the content so far, not yet sent
         self._ws_before_block = ""  # what _ws_held was when the current block opened (sent if the block is bad)
         self._sent_content = False
@@ -125,17 +128,18 @@ class ToolCallStreamParser:
                 self._buf = self._buf[i + len(start):]
                 self._in_block, self._ws_before_block, self._ws_held = True, self._ws_held, ""
             else:
-                j = self._buf.find(end) if end else (len(self._buf) if final else -1)
+                opening, closing = self._opening, self._closing
+                j = self._buf.find(closing) if closing else (len(self._buf) if final else -1)
                 if j < 0:
                     if final:  # unclosed block (e.g. cut by max_tokens): it was text after all
-                        self._emit_text(self._ws_before_block + start + self._buf)
+                        self._emit_text(self._ws_before_block + opening + self._buf)
                         self._buf, self._in_block = "", False
                     break
-                body, self._buf = self._buf[:j], self._buf[j + len(end or ""):]
-                self._in_block = False
+                body, self._buf = self._buf[:j], self._buf[j + len(closing or ""):]
+                self._in_block, self._opening, self._closing = False, start, end
                 calls = self.fmt.parse(body.strip())
                 if calls is None:
-                    self._emit_text(self._ws_before_block + start + body + (end or ""))
+                    self._emit_text(self._ws_before_block + opening + body + (closing or ""))
                 for name, arguments in calls or []:
                     self._out.tool_calls.append({"index": self._n_calls, "id": tool_call_id(self._span_id, self._n_calls),
                                                  "type": "function",
@@ -163,10 +167,11 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def parse_tool_calls(text: str, fmt: str = "hermes", span_id: str = "") -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(text: str, fmt: str = "hermes", span_id: str = "",
+                     forced: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
     """Split a completion into its content (None if empty) and OpenAI tool calls {"id", "type", "function"}; `span_id`:
-    the answer's span, which the calls' ids name (tool_call_id)."""
-    parser = ToolCallStreamParser(fmt, span_id)
+    the answer's span, which the calls' ids name (tool_call_id); `forced`: the answer of a forced_call."""
+    parser = ToolCallStreamParser(fmt, span_id, forced)
     first, last = parser.feed(text), parser.finish()
     calls = [{k: v for k, v in c.items() if k != "index"} for c in first.tool_calls + last.tool_calls]
     return (first.content + last.content) or None, calls
@@ -176,8 +181,8 @@ def resolve_tool_choice(tool_choice: str | dict | None, tools: list[dict] | None
     """Check a chat-completions `tool_choice` against `tools`; return the tools to offer the model (None: none).
 
     The result is what to render into the prompt and whether to parse calls out of the completion (parse iff not
-    None). "none" offers no tools; a named function offers only that one. Without constrained decoding, "required"
-    and a named function are requests the prompt makes, not guarantees. Raises ValueError (HTTP 400) on bad input.
+    None). "none" offers no tools; a named function offers only that one ("required" and a named function are
+    then enforced: forced_call). Raises ValueError (HTTP 400, its param the text before ": ") on bad input.
     """
     names = []
     for i, tool in enumerate(tools or []):
@@ -190,15 +195,32 @@ def resolve_tool_choice(tool_choice: str | dict | None, tools: list[dict] | None
         if tool_choice not in ("none", "auto", "required"):
             raise ValueError(f"tool_choice: expected 'none', 'auto', 'required' or a function, got {tool_choice!r}")
         if tool_choice == "required" and not names:
-            raise ValueError("tool_choice 'required' needs at least one tool in tools")
+            raise ValueError("tool_choice: 'required' needs at least one tool in tools")
         return list(tools) if tools and tool_choice != "none" else None
     if not _is_function_ref(tool_choice):
         raise ValueError("tool_choice: expected {'type': 'function', 'function': {'name': ...}}")
     name = tool_choice["function"]["name"]
     if name not in names:
         known = ", ".join(names) or "none given"
-        raise ValueError(f"tool_choice names function {name!r}, which is not in tools ({known})")
+        raise ValueError(f"tool_choice: function {name!r} is not in tools ({known})")
     return [t for t in tools if t["function"]["name"] == name]
+
+
+FORCED_OPENING = TOOL_CALL_FORMATS["hermes"].start + "\n"  # as Hermes and Qwen templates write a call
+
+
+def forced_call(tool_choice: str | dict | None, offered: list[dict] | None) -> dict | None:
+    """The JSON schema that enforces tool_choice "required" or a named function (None for "auto", "none"): one call
+    {"name", "arguments"} of an offered tool, its arguments per the tool's parameters. The server writes the call's
+    opening marker (FORCED_OPENING) at the prompt's end, the model continues from it as from its own, decoding
+    constrained to this schema, and the call ends the answer (the end-of-sequence token is all the grammar allows
+    after it) — a call whatever the model's size, as OpenAI and vLLM guarantee it."""
+    if not offered or tool_choice in (None, "auto", "none"):
+        return None
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                               "arguments": t["function"].get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in offered]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
 def _is_function_ref(obj: Any) -> bool:

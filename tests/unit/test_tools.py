@@ -10,7 +10,8 @@ from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from lightning_ray.models.tiny import CHAT_TEMPLATE
-from lightning_ray.serving.tools import ToolCallStreamParser, parse_tool_calls, resolve_tool_choice
+from lightning_ray.serving.engines.grammar import check_json_schema
+from lightning_ray.serving.tools import ToolCallStreamParser, forced_call, parse_tool_calls, resolve_tool_choice
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers",
                                         "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}
@@ -181,9 +182,10 @@ def test_tool_choice_modes():
 
 
 @pytest.mark.parametrize("choice, tools, message", [
-    ({"type": "function", "function": {"name": "sub"}}, [ADD, MUL], "'sub', which is not in tools (add, mul)"),
+    ({"type": "function", "function": {"name": "sub"}}, [ADD, MUL],
+     "tool_choice: function 'sub' is not in tools (add, mul)"),
     ({"type": "function", "function": {"name": "add"}}, None, "not in tools (none given)"),
-    ("required", None, "needs at least one tool"),
+    ("required", None, "tool_choice: 'required' needs at least one tool"),
     ("sometimes", [ADD], "expected 'none', 'auto', 'required'"),
     ({"type": "function", "name": "add"}, [ADD], "expected {'type': 'function', 'function'"),
     (7, [ADD], "expected {'type': 'function'"),
@@ -194,6 +196,33 @@ def test_tool_choice_errors_are_clear(choice, tools, message):
     with pytest.raises(ValueError) as e:
         resolve_tool_choice(choice, tools)
     assert message in str(e.value)
+
+
+# --- tool_choice enforced (forced_call) ------------------------------------------------------------------------
+
+def test_forced_call_schema_allows_exactly_a_call_of_an_offered_tool():
+    assert forced_call("auto", [ADD]) is None and forced_call("none", None) is None and forced_call(None, [ADD]) is None
+    named = forced_call({"type": "function", "function": {"name": "add"}}, [ADD])
+    assert named["properties"]["name"] == {"const": "add"}
+    assert named["properties"]["arguments"] == ADD["function"]["parameters"]
+    either = forced_call("required", [ADD, MUL])
+    assert [branch["properties"]["name"]["const"] for branch in either["anyOf"]] == ["add", "mul"]
+    check_json_schema(either)  # constrained decoding can enforce it (both engines compile it with xgrammar)
+    no_parameters = {"type": "function", "function": {"name": "now"}}
+    assert forced_call("required", [no_parameters])["properties"]["arguments"] == {"type": "object"}
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_a_forced_answer_is_the_call_itself_and_a_broken_one_its_text(chunks):
+    """Under a forced call the server wrote the opening marker: the answer is the block's body, with no closing."""
+    answer = '{"name":"add","arguments":{"a":2}}'
+    for text, expected in ((answer, (None, [("add", {"a": 2})])), ('{"name":"add","argu', ('{"name":"add","argu', []))):
+        parser = ToolCallStreamParser(forced=True)
+        size = -(-len(text) // chunks)
+        out = [parser.feed(text[i:i + size]) for i in range(0, len(text), size)] + [parser.finish()]
+        content = "".join(d.content for d in out) or None
+        assert (content, fn([c for d in out for c in d.tool_calls])) == expected
+        assert parse_tool_calls(text, forced=True)[0] == expected[0]
 
 
 # --- the tiny model's chat template -------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from openai_schema import AsyncCheckedTransport, CheckedTransport
 KEY = "test-key"
 MODEL = "tiny-calc"
 MESSAGES = [{"role": "system", "content": "Solve the arithmetic."}, {"role": "user", "content": "What is 3 + 4?"}]
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
 def _vllm_missing() -> bool:
@@ -351,8 +352,49 @@ def test_responses_text_format_json_schema(server):
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
 
 
+OPERATE = {"name": "operate", "parameters": {"type": "object", "properties": {"op": {"enum": ["+", "-", "*"]}},
+                                             "required": ["op"]}}
+UNIT = {"name": "unit", "parameters": {"type": "object", "properties": {"metric": {"type": "boolean"}},
+                                       "required": ["metric"]}}
+TOOLS = [{"type": "function", "function": f} for f in (OPERATE, UNIT)]
+
+
+def test_tool_choice_required_or_named_always_gets_a_call(server):
+    """OpenAI guarantees a call when tool_choice is "required" or names a function: enforced by constrained decoding
+    whatever the model (the tiny one never calls a tool on its own), from the call's opening, which the server
+    writes at the prompt's end, streamed or not, on both APIs."""
+    c = client(server)
+
+    def check(call, names=("operate", "unit")):
+        assert call.name in names
+        jsonschema.validate(json.loads(call.arguments), (OPERATE if call.name == "operate" else UNIT)["parameters"])
+
+    named = c.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=40, n=4, seed=3,
+                                      temperature=1.0, tool_choice={"type": "function", "function": {"name": "unit"}})
+    required = c.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=40, n=8, seed=3,
+                                         temperature=1.0, tool_choice="required")
+    for choice in named.choices + required.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        check(call.function, ["unit"] if choice in named.choices else ["operate", "unit"])
+    chunks = list(c.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=40, seed=4,
+                                            tool_choice="required", stream=True))
+    [call] = [t for chunk in chunks for choice in chunk.choices for t in choice.delta.tool_calls or []]
+    check(call.function)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    response = c.responses.create(model=MODEL, input="What is 3 + 4?", max_output_tokens=40, tool_choice="required",
+                                  tools=[{"type": "function", **OPERATE}])
+    [item] = response.output
+    assert item.type == "function_call"
+    check(item, ["operate"])
+    asked = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 2}
+    auto, forced = (http().post(server["url"] + CHAT, headers={"Authorization": f"Bearer {KEY}"},
+                                json={**asked, "tool_choice": choice}).json()["prompt_token_ids"]
+                    for choice in ("auto", "required"))
+    assert forced[:len(auto)] == auto and len(forced) > len(auto)  # the call's opening, at the prompt's end
+
+
 # ---- bad input ---------------------------------------------------------------------------------------------------
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
 @pytest.mark.parametrize("path, body, status, param", [
@@ -364,10 +406,13 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
     (CHAT, {"model": MODEL, "messages": MESSAGES, "temperature": 5}, 400, "temperature"),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "top_logprobs": 2}, 400, None),
-    (CHAT, {"model": MODEL, "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, None),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 1000}, 400, "messages"),  # over the context
     (CHAT, {"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
-            "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, None),
+            "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "tool_choice": "required", "tools": [{"type": "function",
+            "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}]},
+     400, "tools"),  # a call that decoding cannot enforce
     (CHAT, {"model": MODEL, "messages": MESSAGES, "presence_penalty": 1.0}, 422, "presence_penalty"),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
         "name": "a", "schema": {"type": "object", "properties": {"a": {"type": "integr"}}}}}},  # not a JSON schema
