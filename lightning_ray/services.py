@@ -112,7 +112,8 @@ class Services:
         # agents_per_worker agents at once (threads): the engine batches their calls. A worker that dies is
         # restarted by Ray, and its attempts retried by the store (rollout.max_attempts).
         self.server_url = f"http://{cfg.serve.host}:{cfg.serve.port}"
-        self._starting("the rollout workers")
+        if rollout_workers:  # `serve`, `eval` from a store: none
+            self._starting("the rollout workers")
         for i in range(cfg.rollout.num_workers if rollout_workers else 0):  # one by one: a failure stops those before
             self.workers.append(RolloutWorker.options(
                 name=f"rollout-worker-{i}@{label}", max_concurrency=cfg.rollout.agents_per_worker, max_restarts=-1,
@@ -128,7 +129,8 @@ class Services:
         if cfg.store.http:
             apps.append(store_api_target(self.store, cfg.serve.api_key))
         self.apps = [app.name for app in apps]  # deleted at exit, even if one fails to deploy
-        self._starting(f"the policy server ({cfg.engine.kind} engine) and the rollout workers")
+        self._starting(f"the policy server ({cfg.engine.kind} engine)" + (" and the rollout workers" if self.workers
+                                                                           else ""))
         with status(f"starting {self.phase}"):
             start_apps(apps, cfg.serve.host, cfg.serve.port)
             ray.get([w.__ray_ready__.remote() for w in self.workers])
