@@ -9,6 +9,7 @@ import pytest
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from openai import OpenAI
+from pydantic import BaseModel, Field
 
 from lightning_ray.serving.tools import asking_span_id
 from lightning_ray.tasks import calc
@@ -55,6 +56,22 @@ def test_langchain_chat_model_plain_streaming_and_tools(server):
     call = with_tools.bind_tools([calc.CALCULATOR_TOOL]).invoke([("system", calc.TOOL_SYSTEM_PROMPT),
                                                                 ("user", "Calculate 3 + 20.")])
     assert call.tool_calls and call.tool_calls[0]["name"] == "calculator"
+
+
+class Sum(BaseModel):
+    """The sum asked for."""
+    value: int = Field(ge=-1000, le=1000)
+
+
+def test_langchain_structured_output_by_a_forced_function_call(server):
+    """LangChain's with_structured_output(method="function_calling") names the schema's function in tool_choice and
+    parses the call's arguments: the endpoint guarantees that call (constrained decoding), where before a model that
+    answered in prose (any small one) failed LangChain's parser."""
+    llm = ChatOpenAI(model=MODEL, base_url=server["url"] + "/v1", api_key="EMPTY", max_retries=0, max_tokens=40)
+    # under the plain-text system prompt the tiny model answers in prose (the test above) unless the call is forced
+    out = llm.with_structured_output(Sum, method="function_calling").invoke([("system", calc.SYSTEM_PROMPT),
+                                                                            ("user", "Calculate 3 + 20.")])
+    assert isinstance(out, Sum)
 
 
 def test_langgraph_react_agent_runs_tools_to_an_answer(server):
