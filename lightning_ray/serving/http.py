@@ -205,8 +205,10 @@ def install(app: FastAPI) -> None:
         if err["type"] == "json_invalid":  # loc: ("body", the character where parsing failed)
             return error_response(ApiError(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')} "
                                                 f"(at character {err['loc'][-1]})"))
-        param = ".".join(str(p) for p in err["loc"] if p != "body") or None
-        return error_response(ApiError(400, f"{param or 'body'}: {err['msg']}", param=param))
+        if param := ".".join(str(p) for p in err["loc"] if p != "body"):
+            return error_response(ApiError(400, f"{param}: {err['msg']}", param=param))
+        message = err["msg"].removeprefix("Value error, ")  # a check across fields (a model validator's)
+        return error_response(ApiError(400, message, param=_named_param(message)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):
@@ -214,10 +216,15 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def _value(_: Request, e: ValueError):
-        head, _, rest = str(e).partition(": ")  # "tool_choice: ..." names its param
-        return error_response(ApiError(400, str(e), param=head if rest and " " not in head else None))
+        return error_response(ApiError(400, str(e), param=_named_param(str(e))))
 
     @app.exception_handler(Exception)
     async def _crash(_: Request, e: Exception):
         logger.exception("request failed")
         return error_response(ApiError(500, f"internal error: {type(e).__name__}", type="server_error"))
+
+
+def _named_param(message: str) -> str | None:
+    """The param an error's message starts by naming ("tool_choice: ..."), if it does."""
+    head, _, rest = message.partition(": ")
+    return head if rest and " " not in head else None

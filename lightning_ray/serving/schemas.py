@@ -175,7 +175,7 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     # A string, strings, token ids, or lists of token ids (token-in/token-out for RL clients).
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, gt=0)
+    max_tokens: int | None = Field(16, ge=0)  # 0: the prompt alone, with echo (scored, with logprobs)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -185,6 +185,8 @@ class CompletionRequest(_Sampling):
     def _check_prompt(self):
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 generates nothing; it is for echo (a prompt scored with logprobs)")
         return self
 
     def prompts(self) -> list[str | list[int]]:

