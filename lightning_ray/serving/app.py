@@ -111,6 +111,8 @@ class PolicyServer:
         # A version published: not routed to before it has it (a payload whose owner died: the one published next)
         while payload is not None and not await self._load(payload, version):
             version, payload = await registry.wait_newer.remote(version, timeout_s=30.0)
+        # on the dashboard from the start (else only from the first update: a short run's could be exported too late)
+        metrics().policy_version.set(self.engine.policy_version, tags={"role": "served"})
         self._follower = asyncio.get_running_loop().create_task(self._follow_weights())
         if sleep_while_training:
             epoch = await registry.wait_sleep_request.remote(0, timeout_s=0.0)  # requests before this replica: not its

@@ -46,11 +46,12 @@ class Scraper:
 
 @pytest.fixture(scope="session")
 def cli_run(tiny_model_path, tmp_path_factory) -> dict:
-    """`lightning-ray train` on the tiny model (helpers.TINY), run to its end while its metrics are scraped about
-    every second: two iterations of PPO (its value head gives every transition a signal, so each iteration updates,
-    syncs and serves a new version, for sure; a group baseline's iteration can have none), evaluated before and
-    after, and store.keep_iterations=1: after the second iteration, the spans of the first (and of the evaluation
-    before it) are deleted. Gives its run directory, terminal output, metrics.jsonl's lines and the scraper."""
+    """`lightning-ray train` on the tiny model (helpers.TINY), run to its end while its metrics are scraped about twice
+    a second (its iterations take about one): two iterations of PPO (its value head gives every transition a signal,
+    so each iteration updates, syncs and serves a new version, for sure; a group baseline's iteration can have none),
+    evaluated before and after, and store.keep_iterations=1: after the second iteration, the spans of the first (and
+    of the evaluation before it) are deleted. Gives its run directory, terminal output, metrics.jsonl's lines and the
+    scraper."""
     run_dir = tmp_path_factory.mktemp("cli-run") / "run"
     run_dir.mkdir()
     metrics_port, serve_port = free_port(), free_port()
@@ -65,7 +66,7 @@ def cli_run(tiny_model_path, tmp_path_factory) -> dict:
         deadline = time.monotonic() + 600
         while job.poll() is None and time.monotonic() < deadline:
             scraper()
-            time.sleep(1.0)
+            time.sleep(0.5)
         if job.poll() is None:
             job.kill()
     output = terminal.read_text()
