@@ -263,6 +263,8 @@ class HFEngine(WeightLoading):
                          **self._adapters(requests))
         return cache, mask, out.logits[:, -1]
 
+    score_rows = 512  # positions per float32 log-softmax when scoring (312 MB over Qwen2.5's vocabulary)
+
     def _score(self, r: _Request) -> None:
         """Forced decoding in one forward pass over the prompt and the forced tokens, as vLLM's prompt logprobs do it:
         each token's logprob from the logits before it, the tokens cut as a generation would end (at the first stop
@@ -273,10 +275,13 @@ class HFEngine(WeightLoading):
         with self.lock:
             logits = self.model(input_ids=ids, **self._logits_kept(len(forced)), **self._adapters([r])).logits
             version = self.policy_version
-        logprobs = torch.log_softmax(logits[0, -len(forced):].float(), -1)
-        token_logprobs = logprobs.gather(-1, torch.tensor(forced, device=logprobs.device)[:, None])[:, 0].tolist()
-        k = r.params.top_logprobs
-        tops = [dict(zip(i, v)) for v, i in zip(*(t.tolist() for t in logprobs.topk(k)))] if k else []
+        logits, targets, k = logits[0, -len(forced):], torch.tensor(forced, device=logits.device), r.params.top_logprobs
+        token_logprobs, tops = [], []
+        for i in range(0, len(forced), self.score_rows):  # float32 log-softmax a slice at a time: long prompts fit
+            logprobs = torch.log_softmax(logits[i:i + self.score_rows].float(), -1)
+            token_logprobs += logprobs.gather(-1, targets[i:i + self.score_rows, None])[:, 0].tolist()
+            if k:
+                tops += [dict(zip(ids, lps)) for lps, ids in zip(*(t.tolist() for t in logprobs.topk(k)))]
         r.emit(TokenDelta(token_ids=forced, logprobs=token_logprobs, top_logprobs=tops,
                           finish_reason="stop" if forced[-1] in r.stop else "length", policy_version=version))
         r.end()

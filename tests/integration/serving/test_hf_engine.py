@@ -152,3 +152,30 @@ def test_out_of_memory_halves_the_batch_and_loses_no_request(tiny_model_path):
     gens = asyncio.run(together())
     assert small.max_num_seqs == 8
     assert [g.token_ids for g in gens] == alone
+
+
+def test_forced_tokens_are_scored_in_one_pass_beside_a_decoding_batch(engine, model):
+    """Forced tokens (a teacher's answer, a prompt scored) skip the batch: one forward pass, the log-softmax taken a
+    slice of positions at a time, each token's logprob and top alternatives as a plain forward pass gives them, while
+    other requests go on decoding."""
+    prompt, answer = prompts(engine, 2)
+    forced = answer[1:]  # a prompt scored after its first token, as echo with logprobs asks
+    engine.score_rows = 3  # slices of 3 positions: a slice boundary falls inside every prompt
+    try:
+        async def both():
+            decoding = asyncio.create_task(generate(engine, prompt, GREEDY))
+            await asyncio.sleep(0.02)
+            scored = await generate(engine, answer[:1], SamplingParams(
+                max_tokens=len(forced), forced_token_ids=forced, ignore_eos=True, top_logprobs=2))
+            return scored, await decoding
+
+        scored, decoded = asyncio.run(both())
+    finally:
+        del engine.score_rows
+    assert scored.token_ids == forced and (scored.finish_reason, len(decoded.token_ids)) == ("length", 24)
+    assert logprob_error(model, answer[:1], forced, scored.logprobs) < ATOL
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([answer])).logits[0, :-1], -1).topk(2)
+    assert [list(top) for top in scored.top_logprobs] == expected.indices.tolist()
+    got = torch.tensor([list(top.values()) for top in scored.top_logprobs])
+    assert (got - expected.values).abs().max() < ATOL
