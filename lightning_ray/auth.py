@@ -1,8 +1,8 @@
 """Who may call what, once serve.api_key is set.
 
-The operator's key (serve.api_key) reaches everything. An agent never gets it: its worker mints it a key of its own
-for one attempt, which reaches the policy (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models) and
-span ingest for that attempt only, so an agent cannot score itself, queue work or read tasks and their answers. A
+The operator's key (serve.api_key) reaches everything. An agent never gets it: its worker mints it a key of its own for
+one attempt, which reaches the policy (/v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /v1/models)
+and span ingest for that attempt only, so an agent cannot score itself, queue work or read tasks and their answers. A
 lease token, given with each lease by dequeue, is what heartbeats and the finish of that attempt must show: only the
 worker holding the lease ends it.
 

@@ -21,6 +21,7 @@ ENDPOINTS = {
     "/v1/responses": ("responses.json", "Response", "StreamEvent"),
     "/v1/chat/completions": ("chat_completions.json", "ChatCompletion", "ChatCompletionChunk"),
     "/v1/completions": ("completions.json", "Completion", "Completion"),
+    "/v1/embeddings": ("embeddings.json", "Embeddings", "Embeddings"),  # never streamed
 }
 TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
 

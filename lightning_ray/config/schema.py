@@ -174,6 +174,17 @@ def loopback(host: str) -> bool:
         return False
 
 
+class EmbeddingsConfig(_Strict):
+    """POST /v1/embeddings beside the policy (serving/embeddings.py), for agents that embed through the same OpenAI
+    base URL they chat through (retrieval, memory), which a 404 would stop. Not the policy: never trained."""
+    enabled: bool = True
+    # a sentence-transformers model directory (mean or CLS pooling); null: all-MiniLM-L6-v2 from its PyPI package
+    path: str | None = None
+    # the model names it answers to: the agents' own, unmodified (OpenAI's embedding models, by default)
+    names: list[str] = Field(["text-embedding-3-small", "text-embedding-3-large", "text-embedding-ada-002",
+                              "all-MiniLM-L6-v2"], min_length=1)
+
+
 class ServeConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, lt=65536)
@@ -204,6 +215,7 @@ class ServeConfig(_Strict):
     # (serving/routing.py; Serve's direct ingress, which a local cluster of the run turns on; on a cluster of your
     # own, set routing.DIRECT_INGRESS's variables in its nodes' environment). Clients outside the run use serve.port.
     direct_ingress: bool = True
+    embeddings: EmbeddingsConfig = EmbeddingsConfig()
 
     @model_validator(mode="after")
     def _exposed_only_with_a_key(self):

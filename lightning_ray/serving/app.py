@@ -30,6 +30,7 @@ from lightning_ray.serving.chat import create_chat_completion
 from lightning_ray.serving.completions import create_completion
 from lightning_ray.serving.decoding import Choice, ChoiceDelta, choice_jobs, collect, generate_choices
 from lightning_ray.serving.deploy import start_apps, wait_running
+from lightning_ray.serving.embeddings import EmbeddingRequest, Embeddings, create_embeddings
 from lightning_ray.serving.engines import SamplingParams, engine_options, make_engine
 from lightning_ray.serving.http import ApiError, CallTrace, trace_ids
 from lightning_ray.serving.gate import DrainTimeout, Gate
@@ -53,7 +54,7 @@ api = FastAPI(title="lightning_ray policy")
 http.install(api)
 # what an agent's own key may call (lightning_ray/auth.py); the rest (/health) needs the operator's key
 api.state.agent_routes = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
-                          ("GET", "/v1/models")}
+                          ("POST", "/v1/embeddings"), ("GET", "/v1/models")}
 APP_NAME = "policy"
 
 
@@ -69,7 +70,7 @@ class PolicyServer:
                        max_model_len: int, defaults: dict, api_key: str | None, seed: int, chat_template: str | None,
                        drain_timeout_s: float, drain: str, weight_sync: str, sync_timeout_s: float,
                        sleep_while_training: bool, teacher: dict | None, adapters: AdapterRoutes | None = None,
-                       max_request_bytes: int = 8 << 20):
+                       embeddings: dict | None = None, max_request_bytes: int = 8 << 20):
         """The settings are policy_app's, from the run's config (one source of defaults)."""
         import torch
 
@@ -99,6 +100,7 @@ class PolicyServer:
         # an imitation run's teacher (serving/teacher.py), and the rollouts it answers: id -> the task it is given
         self.teacher = make_teacher(**teacher, max_model_len=max_model_len) if teacher else None
         self.taught: dict[str, dict] = {}
+        self.embedding_model = Embeddings(**embeddings) if embeddings else None  # /v1/embeddings (serve.embeddings)
         api.state.replica_id = self.replica_id  # named in a response header (http.REPLICA_HEADER)
         # A replica started mid-run (autoscaling, or replacing a dead one) loads the latest policy before Serve
         # routes it a single request. It registers first, then looks: a version published after it looked holds
@@ -145,6 +147,10 @@ class PolicyServer:
     @api.post("/v1/responses")
     async def responses(self, body: ResponsesRequest, request: Request):
         return http.answer(await create_response(self, body, await self.trace(request)))
+
+    @api.post("/v1/embeddings")
+    async def embeddings(self, body: EmbeddingRequest, request: Request):
+        return http.answer(await create_embeddings(self, body, await self.trace(request)))
 
     # ---- what the endpoints share: each checks its request, encodes its prompts, then makes one generation -------
     async def check_request(self, body, schema: JsonSchemaFormat | None = None, schema_param: str = "") -> None:
@@ -402,6 +408,7 @@ def policy_app(cfg: TrainConfig, model_path: str, store, registry, adapter: Path
         drain_timeout_s=s.drain_timeout_s, drain=s.drain, weight_sync=transport, sync_timeout_s=s.sync_timeout_s,
         sleep_while_training=cfg.engine.sleep_while_training,
         adapters=AdapterRoutes(cfg.model.name, transport == "adapter", cfg.algorithm.adapters),
+        embeddings=s.embeddings.model_dump(exclude={"enabled"}) if s.embeddings.enabled else None,
         teacher={**cfg.teacher.model_dump(), "task": cfg.task.name} if cfg.teacher.kind != "none" else None)
 
 

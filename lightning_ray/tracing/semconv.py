@@ -10,6 +10,7 @@ ROLLOUT = "rollout"
 MESSAGE = "message"
 OBJECT = "object"
 EXCEPTION = "exception"  # also the name of OpenTelemetry's exception event
+EMBEDDINGS = "embeddings"  # a call to the policy server's embedding model (serving/embeddings.py): never trained
 
 # Attribution: which rollout and attempt a span belongs to (span attribute, else resource attribute).
 ROLLOUT_ID = "lightning_ray.rollout_id"

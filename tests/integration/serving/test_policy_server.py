@@ -22,7 +22,7 @@ from openai_schema import AsyncCheckedTransport, CheckedTransport
 KEY = "test-key"
 MODEL = "tiny-calc"
 MESSAGES = [{"role": "system", "content": "Solve the arithmetic."}, {"role": "user", "content": "What is 3 + 4?"}]
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 
 
 def _vllm_missing() -> bool:
@@ -323,6 +323,35 @@ def test_lm_eval_scores_and_generates_through_the_endpoint(server, tiny_model_pa
                                                      temperature=0, stop=["\n"]).choices[0].text
 
 
+# ---- embeddings -------------------------------------------------------------------------------------------------
+def test_embeddings_for_agents_that_embed_through_the_same_base_url(server):
+    """/v1/embeddings answers OpenAI's embedding model names with all-MiniLM-L6-v2 (serve.embeddings): the openai
+    client (which asks for base64), raw floats and LangChain's OpenAIEmbeddings all get the model's own unit vectors,
+    and each call is an embeddings span in its rollout's trace, never an LLM call."""
+    import numpy as np
+    from langchain_openai import OpenAIEmbeddings
+
+    from lightning_ray.models.embedder import Embedder
+    from lightning_ray.tracing import semconv
+
+    texts = ["a cat sat on the mat", "a kitten slept on the rug", "the quarks of quantum chromodynamics"]
+    own, tokens = Embedder().encode(texts)
+    rid = server["new_rollout"]()
+    out = client(server, f"/rollouts/{rid}/attempts/at-1/v1").embeddings.create(model="text-embedding-3-small",
+                                                                                  input=texts)
+    got = np.array([d.embedding for d in out.data])
+    assert got.shape == (3, 384) and np.abs(got - own).max() < 1e-5 and out.usage.prompt_tokens == tokens
+    assert np.linalg.norm(got, axis=1) == pytest.approx(1, abs=1e-5) and got[0] @ got[1] > got[0] @ got[2] + 0.2
+    floats = http().post(server["url"] + EMBEDDINGS, headers={"Authorization": f"Bearer {KEY}"},
+                         json={"model": "all-MiniLM-L6-v2", "input": texts[2], "encoding_format": "float"}).json()
+    assert np.abs(np.array(floats["data"][0]["embedding"]) - own[2]).max() < 1e-5
+    langchain = OpenAIEmbeddings(model="text-embedding-3-small", base_url=server["url"] + "/v1", api_key=KEY,
+                                 check_embedding_ctx_length=False)  # else it sends tiktoken's ids
+    assert np.abs(np.array(langchain.embed_documents(texts)) - own).max() < 1e-5
+    [span] = spans_of(server, rid)
+    assert span.name == semconv.EMBEDDINGS and span.attributes["gen_ai.usage.input_tokens"] == tokens
+
+
 def test_models_lists_the_policy(server):
     assert [m.id for m in client(server).models.list().data] == [MODEL]
 
@@ -508,6 +537,12 @@ def test_tool_choice_required_or_named_always_gets_a_call(server):
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "suffix": "b"}, 422, "suffix"),
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),  # 0 is for echo only
     (COMPLETIONS, {"model": MODEL, "prompt": "", "max_tokens": 0, "echo": True}, 400, "prompt"),
+    (EMBEDDINGS, {"model": "text-embedding-3-small", "input": ["a", ""]}, 400, "input"),
+    (EMBEDDINGS, {"model": "text-embedding-3-small", "input": [[15339, 1917]]}, 400, "input"),  # tiktoken's ids
+    (EMBEDDINGS, {"model": "text-embedding-3-small", "input": "a", "dimensions": 256}, 400, "dimensions"),
+    (EMBEDDINGS, {"model": "text-embedding-3-small", "input": "a", "encoding_format": "int8"}, 400,
+     "encoding_format"),
+    (EMBEDDINGS, {"model": MODEL, "input": "a"}, 404, "model"),  # the policy is not an embedding model
     ("/v1/nowhere", {}, 404, None),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, path, body, status, param):
