@@ -21,8 +21,8 @@ async def create_completion(server, body: CompletionRequest, trace: CallTrace):
         raise ApiError(422, "best_of other than n is not supported", param="best_of", code="unsupported")
     prompts = [server.encode_text(p) if isinstance(p, str) else server.check_token_ids(p) for p in body.prompts()]
     if body.max_tokens == 0:  # the prompt alone (echo): nothing generated, nothing recorded
-        for ids in prompts:
-            server.fit_length(ids, SamplingParams(max_tokens=0), 0)
+        for ids in prompts:  # room for one token beside it, as vLLM's scoring pass needs (it generates one)
+            server.fit_length(ids, SamplingParams(max_tokens=1), 1)
         deltas = None
     else:  # checked now, generated once read (after the prompts are scored)
         asked = "max_tokens" in body.model_fields_set  # else the API's default, 16, cut to the room left

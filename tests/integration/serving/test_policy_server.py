@@ -286,6 +286,8 @@ def test_completions_echo_with_logprobs_scores_the_prompt(server, tiny_model_pat
     assert alone.choices[0].logprobs.token_logprobs == pytest.approx(out.choices[0].logprobs.token_logprobs[:-1],
                                                                      abs=1e-5)
     assert alone.choices[0].logprobs.top_logprobs is None and len(spans_of(server, rid)) == 2
+    longest = scoring.create(model=MODEL, prompt=prompt[-1:] * 319, echo=True, logprobs=1, max_tokens=0)  # of 320
+    assert len(longest.choices[0].logprobs.token_logprobs) == 319
     chunks = list(client(server).completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=3,
                                                     temperature=0, stream=True, extra_body={"ignore_eos": True}))
     streamed = [t for c in chunks for t in c.choices[0].logprobs.token_logprobs]
@@ -537,6 +539,8 @@ def test_tool_choice_required_or_named_always_gets_a_call(server):
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "suffix": "b"}, 422, "suffix"),
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),  # 0 is for echo only
     (COMPLETIONS, {"model": MODEL, "prompt": "", "max_tokens": 0, "echo": True}, 400, "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": [5] * 320, "max_tokens": 0, "echo": True, "logprobs": 1}, 400,
+     "messages"),  # the whole context: no room for the token vLLM's scoring pass generates
     (EMBEDDINGS, {"model": "text-embedding-3-small", "input": ["a", ""]}, 400, "input"),
     (EMBEDDINGS, {"model": "text-embedding-3-small", "input": [[15339, 1917]]}, 400, "input"),  # tiktoken's ids
     (EMBEDDINGS, {"model": "text-embedding-3-small", "input": "a", "dimensions": 256}, 400, "dimensions"),
