@@ -33,9 +33,13 @@ class EmbeddingRequest(_Request):
     dimensions: int | None = Field(None, gt=0)
     user: str | None = None
 
+    @property
+    def inputs(self) -> list:
+        return [self.input] if isinstance(self.input, str) else self.input
+
     @model_validator(mode="after")
     def _check_input(self):
-        texts = [self.input] if isinstance(self.input, str) else self.input
+        texts = self.inputs
         if not texts or any(t == "" or t == [] for t in texts):
             raise ValueError("input: an empty input has no embedding")
         if len(texts) > MAX_INPUTS:
@@ -71,7 +75,7 @@ async def create_embeddings(server, body: EmbeddingRequest, trace: CallTrace) ->
         raise ApiError(404, f"the embedding model {body.model!r} does not exist here; it answers to "
                             f"{', '.join(embeddings.names)} (serve.embeddings.names)", param="model",
                        code="model_not_found")
-    texts = [body.input] if isinstance(body.input, str) else body.input
+    texts = body.inputs
     if not isinstance(texts[0], str):
         raise ApiError(400, "input as token ids is not supported: they are another tokenizer's (tiktoken's), send "
                             "the text (LangChain: OpenAIEmbeddings(check_embedding_ctx_length=False))", param="input")

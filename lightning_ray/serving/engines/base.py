@@ -105,6 +105,12 @@ def check_weights(state_dict: dict, expected: dict[str, tuple[int, ...]]) -> Non
                          + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
 
 
+def forced_generation(params: SamplingParams, stops: set[int]) -> list[int]:
+    """The forced tokens as a generation would end them: at the first stop token, or at max_tokens."""
+    forced = params.forced_token_ids[:params.max_tokens]
+    return forced[:next((i + 1 for i, t in enumerate(forced) if t in stops), len(forced))]
+
+
 async def generate(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> Generation:
     """Run a stream to its end and collect it."""
     ids, lps, tops, finish, version = [], [], [], "length", engine.policy_version

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from lightning_ray.serving.engines.base import SamplingParams, TokenDelta, WeightLoading, check_weights
+from lightning_ray.serving.engines.base import (SamplingParams, TokenDelta, WeightLoading, check_weights,
+                                                forced_generation)
 from lightning_ray.serving.engines.grammar import JsonGrammars, apply_bitmask
 from lightning_ray.serving.engines.sampling import sample
 from lightning_ray.weight_sync.adapter import Adapter, read_all
@@ -43,7 +44,6 @@ class _Request:
     context: list[int]
     params: SamplingParams
     stop: set[int]
-    steps: int  # tokens to generate at most
     emit: Callable[[TokenDelta | BaseException | None], None]  # None: the end
     cancelled: threading.Event
     rng: torch.Generator | None = None
@@ -123,7 +123,6 @@ class HFEngine(WeightLoading):
 
         request = _Request(
             context=list(prompt_ids), params=params, stop=stop, emit=emit, cancelled=cancelled,
-            steps=min(params.max_tokens, len(params.forced_token_ids or ()) or params.max_tokens),
             rng=torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None else None)
         if params.json_schema is not None:  # compiled (or found in the cache) off the decoding thread
             request.matcher = await asyncio.to_thread(self.grammars.matcher, params.json_schema, stop)
@@ -269,8 +268,7 @@ class HFEngine(WeightLoading):
         """Forced decoding in one forward pass over the prompt and the forced tokens, as vLLM's prompt logprobs do it:
         each token's logprob from the logits before it, the tokens cut as a generation would end (at the first stop
         token, or at max_tokens), one delta. A teacher's answer is scored so, and a prompt (echo with logprobs)."""
-        forced = r.params.forced_token_ids[:r.steps]
-        forced = forced[:next((i + 1 for i, t in enumerate(forced) if t in r.stop), len(forced))]
+        forced = forced_generation(r.params, r.stop)
         ids = torch.tensor([r.context + forced[:-1]], device=self.device)
         with self.lock:
             logits = self.model(input_ids=ids, **self._logits_kept(len(forced)), **self._adapters([r])).logits
@@ -281,7 +279,7 @@ class HFEngine(WeightLoading):
             logprobs = torch.log_softmax(logits[i:i + self.score_rows].float(), -1)
             token_logprobs += logprobs.gather(-1, targets[i:i + self.score_rows, None])[:, 0].tolist()
             if k:
-                tops += [dict(zip(ids, lps)) for lps, ids in zip(*(t.tolist() for t in logprobs.topk(k)))]
+                tops += [dict(zip(top_ids, lps)) for lps, top_ids in zip(*(t.tolist() for t in logprobs.topk(k)))]
         r.emit(TokenDelta(token_ids=forced, logprobs=token_logprobs, top_logprobs=tops,
                           finish_reason="stop" if forced[-1] in r.stop else "length", policy_version=version))
         r.end()
@@ -350,7 +348,7 @@ class HFEngine(WeightLoading):
                 continue
             top = {t: v for t, v in zip(top_ids[i][:p.top_logprobs], top_values[i][:p.top_logprobs]) if v > -math.inf}
             r.step += 1
-            finish = "stop" if token in r.stop else "length" if r.step == r.steps else None
+            finish = "stop" if token in r.stop else "length" if r.step == r.params.max_tokens else None
             r.emit(TokenDelta(token_ids=[token], logprobs=[token_logprobs[i]], top_logprobs=[top] if p.top_logprobs
                               else [], finish_reason=finish, policy_version=version))
             if finish:

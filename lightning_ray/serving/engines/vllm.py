@@ -52,7 +52,8 @@ from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # n
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 
 from lightning_ray.serving.engines import grammar  # noqa: E402
-from lightning_ray.serving.engines.base import SamplingParams, TokenDelta, WeightLoading, check_weights  # noqa: E402
+from lightning_ray.serving.engines.base import (SamplingParams, TokenDelta, WeightLoading, check_weights,  # noqa: E402
+                                                forced_generation)
 from lightning_ray.weight_sync.adapter import DEFAULT, Adapter, read_all  # noqa: E402
 
 WEIGHTS_DIR_PREFIX = "lightning-ray-vllm-weights-"  # + the owner's pid: a dead owner's directory is swept
@@ -192,11 +193,7 @@ class VLLMEngine(WeightLoading):
                 if t is not None]
 
     def _forced(self, params: SamplingParams) -> list[int] | None:
-        """The forced tokens as a generation would end them: at the first stop token, or at max_tokens."""
-        if not params.forced_token_ids:
-            return None
-        forced, stops = params.forced_token_ids[:params.max_tokens], set(self._stops(params))
-        return forced[:next((i + 1 for i, t in enumerate(forced) if t in stops), len(forced))]
+        return forced_generation(params, set(self._stops(params))) if params.forced_token_ids else None
 
     def _sampling(self, params: SamplingParams) -> VLLMSamplingParams:
         return VLLMSamplingParams(
