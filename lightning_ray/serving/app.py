@@ -123,8 +123,11 @@ class PolicyServer:
     # ---- routes ----------------------------------------------------------------------------------------------
     @api.get("/v1/models")
     async def models(self):
+        """The policy's names first (agents that take the first listed model get the policy), then the embedding
+        model's."""
+        names = [*self.adapters.models, *(self.embedding_model.names if self.embedding_model else [])]
         return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "lightning_ray"}
-                                           for model in self.adapters.models]}
+                                           for model in names]}
 
     @api.get("/health")
     async def health(self):

@@ -16,6 +16,7 @@ import torch
 from openai import AsyncOpenAI, OpenAI
 from pydantic import BaseModel, Field
 
+from lightning_ray.config.schema import EmbeddingsConfig
 from openai_schema import AsyncCheckedTransport, CheckedTransport
 
 
@@ -354,8 +355,9 @@ def test_embeddings_for_agents_that_embed_through_the_same_base_url(server):
     assert span.name == semconv.EMBEDDINGS and span.attributes["gen_ai.usage.input_tokens"] == tokens
 
 
-def test_models_lists_the_policy(server):
-    assert [m.id for m in client(server).models.list().data] == [MODEL]
+def test_models_lists_the_policy_then_the_embedding_model(server):
+    """An agent that takes the first listed model gets the policy."""
+    assert [m.id for m in client(server).models.list().data] == [MODEL, *EmbeddingsConfig().names]
 
 
 # ---- JSON output (constrained decoding) --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
 from lightning_ray import auth
 from lightning_ray.client import LightningClient
+from lightning_ray.config.schema import EmbeddingsConfig
 from lightning_ray.rollout.runner import run_attempt
 from lightning_ray.tasks import calc
 from lightning_ray.tracing import semconv
@@ -108,7 +109,7 @@ def test_an_agents_key_reaches_the_policy_and_its_own_spans_only(app):
     # the agent's input is the question part: the answer, and the expression that gives it away, stay behind
     assert seen["task_input"] == task.input and set(task.input) == {"question", "dataset", "protocol"}
     assert seen["api_key"].startswith(f"{auth.AGENT_PREFIX}:") and KEY not in seen["api_key"]
-    assert seen["models"] == [MODEL]
+    assert seen["models"] == [MODEL, *EmbeddingsConfig().names]  # the policy first, then the embedding model
     outcomes = {what: refused(r) for what, r in seen["tries"].items()}
     assert outcomes.pop("a made-up key") == (401, "invalid_api_key")
     assert outcomes == dict.fromkeys(outcomes, (403, "permission_denied")), outcomes
