@@ -132,8 +132,8 @@ EnvValue = Annotated[str, BeforeValidator(_env_text)]
 
 class EngineConfig(_Strict):
     kind: Literal["hf", "vllm"] = "hf"
-    # auto: bfloat16 on CUDA, float32 on CPUs: bf16 is unusably slow on CPUs without AMX, and with AMX (2.3x faster
-    # rollouts) its rounding of the served weights swallowed make train's updates (benchmarks/results/bf16_cpu.json)
+    # auto: bfloat16 on CUDA, float32 on CPUs: bf16 is unusably slow on CPUs without AMX; with AMX, an option (2.3x
+    # faster rollouts, learning intact on SmolLM2: docs/01-training.md, benchmarks/results/bf16_cpu.json)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = Field(1024, gt=0)
     # Share of the GPU's memory the engine may take (vLLM: weights + KV cache; HF: a cap on its allocations). With
@@ -422,7 +422,8 @@ class LearnerConfig(_Strict):
     zero_stage: Literal["auto", 0, 1, 2, 3] = "auto"  # auto: 0 for one worker (nothing to partition), else 2
     # The learner's compute dtype. bfloat16: DeepSpeed's bf16 mode, fp32 master weights and optimizer state; auto:
     # bfloat16 on CUDA, float32 on CPUs (bf16 matmuls without AMX ran ~10x slower than fp32; with AMX the step was
-    # 1.6x faster, but the engine's bf16 weights swallow small updates: benchmarks/results/bf16_cpu.json)
+    # 1.6x faster, but its weights start on bf16's grid and small updates move what it serves less: make train 0.80
+    # against 0.98, benchmarks/results/bf16_cpu.json)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Recompute each layer's activations in backward instead of keeping them: memory for ~30% more compute;
     # auto: on with CUDA (long sequences, big batches), off on CPUs (small models, compute-bound)
