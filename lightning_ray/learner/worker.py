@@ -328,7 +328,7 @@ def micro_step(engine) -> None:
     uncounted, every micro-batch would overwrite the one before. And the optimizer's backward prologue (a hook on
     the forward's output there): bf16's clears the bf16 gradients it has added into its fp32 ones; uncleared, each
     backward added every micro-batch before it again, the first of n counted n times (the gradient's norm 2.1x for
-    3 micro-batches, and make train's held-out 0.66 against fp32's 0.98: benchmarks/results/bf16_cpu.json)."""
+    3 micro-batches: benchmarks/results/bf16_cpu.json)."""
     if hasattr(engine.optimizer, "clear_backward_seen_flag"):  # ZeRO's optimizers, bf16's among them
         engine.optimizer.clear_backward_seen_flag()
         engine.optimizer.backward_prologue()
