@@ -3,6 +3,7 @@ iterations twice, once with every weight and once with adapters (learner.lora), 
 accuracy before and after, the learner's seconds per update, the sync's seconds and bytes, rank 0's peak memory.
 
     python benchmarks/lora.py [--iterations 8] [--lora-lr 1e-3] [key=value ...]   # Hydra overrides, both runs
+        [--lora-only key=value ...]   # overrides for the LoRA run alone (last on the line)
 
 What LoRA ships is learner.lora.sync's (auto: merged weights on CPUs, the adapter on GPUs):
 `--lora '{sync: adapter}'` measures the adapter-only sync on CPUs.
@@ -31,12 +32,16 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--lora-lr", type=float, default=1e-3)
     parser.add_argument("--lora", default="{}", help="learner.lora's value (default: rank 16, alpha 32, all linears)")
+    parser.add_argument("--lora-only", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="Hydra overrides for the LoRA run alone (e.g. learner.dtype=bfloat16: its frozen base in "
+                             "bf16 where the CPU has AMX)")
     args, overrides = parser.parse_known_args()
     root = Path(__file__).resolve().parents[1] / "runs" / time.strftime("lora-%Y-%m-%d_%H-%M-%S")
     every = [f"trainer.iterations={args.iterations}", f"trainer.eval_every={args.iterations}", "task.eval_size=100",
              *overrides]
     runs = {}
-    for name, extra in (("full", []), ("lora", [f"learner.lora={args.lora}", f"learner.lr={args.lora_lr}"])):
+    lora_run = [f"learner.lora={args.lora}", f"learner.lr={args.lora_lr}", *args.lora_only]
+    for name, extra in (("full", []), ("lora", lora_run)):
         cfg = compose([*every, *extra, f"run_dir={root / name}"])
         result = trained(cfg)
         records = [json.loads(line) for line in (cfg.run_path / "metrics.jsonl").read_text().splitlines()]

@@ -421,8 +421,8 @@ class LearnerConfig(_Strict):
     micro_batch_tokens: int = Field(2048, gt=0)  # padded tokens per forward/backward: bounds the memory
     zero_stage: Literal["auto", 0, 1, 2, 3] = "auto"  # auto: 0 for one worker (nothing to partition), else 2
     # The learner's compute dtype. bfloat16: DeepSpeed's bf16 mode, fp32 master weights and optimizer state; auto:
-    # bfloat16 on CUDA, float32 on CPUs (bf16 matmuls without AMX ran ~10x slower than fp32; with AMX the step was
-    # 1.6x faster, but its weights start on bf16's grid and small updates move what it serves less: make train 0.80
+    # bfloat16 on CUDA, float32 on CPUs (bf16 matmuls without AMX ran ~10x slower than fp32; with AMX a step was
+    # 1.07x faster, and its weights start on bf16's grid, so small updates move what it serves less: make train 0.80
     # against 0.98, benchmarks/results/bf16_cpu.json)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Recompute each layer's activations in backward instead of keeping them: memory for ~30% more compute;
