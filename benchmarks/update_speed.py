@@ -6,6 +6,7 @@ for) vs a bare single-process PyTorch step of the same loss on the same hardware
         [--lora-layers 15 8]   # and with LoRA on the top 15, then 8 layers only (learner.lora={layers: N})
         [--unshared]   # and each of those with learner.shared_prefix=false, the default's speed against it
         [--cpu-env]    # and each with configs/placement/cpu.yaml's learner.env, what a run sets on CPUs
+        [--also dtype=bfloat16 dtype=bfloat16,attn_implementation=sdpa]   # and each with these learner settings
         [--task sql]   # the sql writer's calls (a ~470-token schema prompt each) instead of calc episodes
     python benchmarks/update_speed.py --model qwen2.5-0.5b --prompt-tokens 768 --response-tokens 256 \
         --transitions 64 --micro-batch-tokens 8192 --layouts 1x4 --steps 3                      # on a GPU
@@ -37,6 +38,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import ray
 import torch
+import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from lightning_ray.algorithm.loss import policy_loss, token_weights
@@ -177,6 +179,8 @@ def main() -> None:
     parser.add_argument("--task", choices=["calc", "sql"], default="calc", help="the batch's calls (smollm2)")
     parser.add_argument("--cpu-env", action="store_true",
                         help="each variant also with configs/placement/cpu.yaml's learner.env (a run's on CPUs)")
+    parser.add_argument("--also", nargs="+", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                        help="each variant also with these learner.* settings (one variant per argument)")
     args = parser.parse_args()
     if args.model == "smollm2":
         model_path = resolve_model_path(ModelConfig(path=SMOLLM2))
@@ -202,6 +206,10 @@ def main() -> None:
                 **{f"learner_lora_top{n}": {"lora": {"layers": n}} for n in args.lora_layers}}
     if args.unshared:
         variants |= {f"{side}_unshared": {**learner, "shared_prefix": False} for side, learner in variants.items()}
+    plain = dict(variants)
+    for also in args.also:
+        settings = {key: yaml.safe_load(value) for key, value in (kv.split("=", 1) for kv in also.split(","))}
+        variants |= {f"{side}_{also}": {**learner, **settings} for side, learner in plain.items()}
     if args.cpu_env:
         env = compose(["run_dir=x"]).learner.env  # what a run's config has (placement=cpu, the default)
         variants |= {f"{side}_cpu_env": {**learner, "env": env} for side, learner in variants.items()}

@@ -421,9 +421,9 @@ class LearnerConfig(_Strict):
     micro_batch_tokens: int = Field(2048, gt=0)  # padded tokens per forward/backward: bounds the memory
     zero_stage: Literal["auto", 0, 1, 2, 3] = "auto"  # auto: 0 for one worker (nothing to partition), else 2
     # The learner's compute dtype. bfloat16: DeepSpeed's bf16 mode, fp32 master weights and optimizer state; auto:
-    # bfloat16 on CUDA, float32 on CPUs (bf16 matmuls without AMX ran ~10x slower than fp32; with AMX a step was
-    # 1.07x faster, and its weights start on bf16's grid, so small updates move what it serves less: make train 0.80
-    # against 0.98, benchmarks/results/bf16_cpu.json)
+    # bfloat16 on CUDA, float32 on CPUs (bf16 matmuls without AMX ran ~10x slower than fp32; with AMX a step ran 2x
+    # faster, but its weights start on bf16's grid, so small updates move what it serves less: make train 0.80
+    # against 0.98, benchmarks/results/bf16_cpu.json; LoRA's frozen base loses nothing to it: docs/01-training.md)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Recompute each layer's activations in backward instead of keeping them: memory for ~30% more compute;
     # auto: on with CUDA (long sequences, big batches), off on CPUs (small models, compute-bound)
@@ -434,7 +434,10 @@ class LearnerConfig(_Strict):
     # micro-batch, which holds more rows (the prefix counts once in micro_batch_tokens; its keys and values are
     # held per row). Off with gradient checkpointing, which drops a layer's given cache in transformers.
     shared_prefix: bool = True
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"  # PyTorch's fused attention
+    # The learner's attention kernel; auto: sdpa (PyTorch's fused attention), but eager in bf16 on CPUs, where sdpa's
+    # flash-attention backward sets up a small oneDNN GEMM per block, each allocating under one malloc arena
+    # (placement=cpu's learner.env): a step took 1.8x eager's (benchmarks/results/update_speed_bf16_cpu.json)
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     # ZeRO-Offload: optimizer state and step on the host, for a model whose Adam state does not fit the GPU
     # (needs zero_stage 1-3; DeepSpeed's CPU Adam compiles once, ~1 min)
     offload_optimizer: bool = False

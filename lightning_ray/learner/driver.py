@@ -273,10 +273,15 @@ class LeanTorchTrainer(TorchTrainer):
 
 
 def resolved(t: LearnerConfig) -> LearnerConfig:
-    """The learner's settings as its ranks use them: `auto` dtype, ZeRO stage and gradient checkpointing decided for
-    this run, and prefix sharing off under gradient checkpointing (transformers drops a layer's cache there)."""
+    """The learner's settings as its ranks use them: `auto` dtype, attention, ZeRO stage and gradient checkpointing
+    decided for this run, and prefix sharing off under gradient checkpointing (transformers drops a layer's cache
+    there)."""
     checkpointing = t.gradient_checkpointing is True or (t.gradient_checkpointing == "auto" and on_gpus(t))
-    return t.model_copy(update={"dtype": learner_dtype(t), "zero_stage": zero_stage(t),
+    dtype = learner_dtype(t)
+    attention = t.attn_implementation
+    if attention == "auto":
+        attention = "eager" if dtype == "bfloat16" and not on_gpus(t) else "sdpa"
+    return t.model_copy(update={"dtype": dtype, "zero_stage": zero_stage(t), "attn_implementation": attention,
                                 "gradient_checkpointing": checkpointing,
                                 "shared_prefix": t.shared_prefix and not checkpointing})
 

@@ -81,6 +81,19 @@ def test_a_derived_default_follows_the_composed_config(overrides, drain, tis_cap
     assert (cfg.serve.drain, cfg.algorithm.tis_cap) == (drain, tis_cap)
 
 
+@pytest.mark.parametrize("overrides, dtype, attention, stage", [
+    ([], "float32", "sdpa", 0),
+    (["learner.dtype=bfloat16"], "bfloat16", "eager", 1),  # sdpa's bf16 backward on CPUs is malloc-bound
+    (["learner.dtype=bfloat16", "learner.attn_implementation=sdpa"], "bfloat16", "sdpa", 1),
+    (["+learner.resources_per_worker.GPU=1"], "bfloat16", "sdpa", 1),
+])
+def test_the_learners_auto_settings_follow_its_device_and_dtype(overrides, dtype, attention, stage):
+    from lightning_ray.learner.driver import resolved
+
+    t = resolved(compose(["run_dir=x", *overrides]).learner)
+    assert (t.dtype, t.attn_implementation, t.zero_stage) == (dtype, attention, stage)
+
+
 @pytest.mark.parametrize("mode, engine, vllm, drain", [
     ("sync", "vllm", "0.25.1", "wait"),
     ("async", "hf", None, "keep"), ("async", "hf", "0.25.1", "keep"),  # the HF engine labels its tokens anywhere

@@ -173,6 +173,7 @@ def alike_batch(n: int, seed: int = 0) -> list[Transition]:
 
 @pytest.mark.parametrize("model_class, config", [
     (LlamaForCausalLM, LlamaConfig(**TINY)),
+    (LlamaForCausalLM, LlamaConfig(**TINY, attn_implementation="eager")),  # a bf16 learner's on CPUs
     (Gemma2ForCausalLM, Gemma2Config(**TINY, sliding_window=8)),  # its sliding layers see less than the prefix
     (WithValueHead, LlamaConfig(**TINY)),  # PPO's critic on the same trunk
 ])
