@@ -113,28 +113,15 @@ def learn(cfg: dict, nonce: str) -> None:
     device = ray.train.torch.get_device()  # this rank's GPU (Ray Train set it), or the CPU
     on_cuda = device.type == "cuda"
     load = dict(dtype=getattr(torch, t.dtype), attn_implementation=t.attn_implementation)
-    model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], **load)
-    if t.gradient_checkpointing:  # resolved by the driver (learner/driver.py: `auto` is on with GPUs)
-        # non-reentrant: works with inputs that need no grad and with ZeRO-3's parameter hooks
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-    # Train mode for checkpointing (transformers recomputes only in training), dropout off: a sampled token is
-    # scored as the engine sampled it, without dropout noise
-    model.train()
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-        if isinstance(getattr(m, "attention_dropout", None), float):  # attention's own, applied in training only
-            m.attention_dropout = 0.0
+    # LoRA: one adapter, or one per agent (algorithm.adapters), each its own parameter group (learning rate)
+    adapters = list(alg.adapters or [DEFAULT]) if t.lora else []
+    model = trainable_policy(AutoModelForCausalLM.from_pretrained(cfg["model_path"], **load), t, adapters)
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # padding is masked out anyway
     # the frozen initial policy, kept only when the loss pulls towards it, on the rank's device in its dtype (with
     # LoRA the base itself, the adapter off)
     reference = None
-    # LoRA: one adapter, or one per agent (algorithm.adapters), each its own parameter group (learning rate)
-    adapters = list(alg.adapters or [DEFAULT]) if t.lora else []
     if t.lora:
-        model = lora.with_adapter(model, t.lora, adapters)
         reference = lora.AdapterOff(model) if alg.kl_coef > 0 else None
     elif alg.kl_coef > 0:
         reference = AutoModelForCausalLM.from_pretrained(cfg["model_path"], **load).to(device).eval()
@@ -199,6 +186,30 @@ def learn(cfg: dict, nonce: str) -> None:
         stats.update(compute_s=trained - started, digest_s=digested - trained,
                      publish_s=time.perf_counter() - digested, peak_mib=peak_mib(device))
         outbox.put({"rank": rank, "nonce": nonce, "version": msg["version"], "digest": digest, **stats})
+
+
+def trainable_policy(model: torch.nn.Module, t: LearnerConfig, adapters: list[str]) -> torch.nn.Module:
+    """The loaded policy as the learner trains it: with its adapters (learner.lora), activation checkpointing where
+    `t` says (resolved by the driver: `auto` is on with GPUs), in train mode without dropout."""
+    if t.lora:
+        model = lora.with_adapter(model, t.lora, adapters)
+    if t.gradient_checkpointing:
+        # non-reentrant: works with inputs that need no grad and with ZeRO-3's parameter hooks. So the hook
+        # transformers puts on the embeddings here (their output to need a gradient, as reentrant checkpointing
+        # does) comes off: it would carry the backward down through every frozen layer below the lowest adapted
+        # one (learner.lora.layers) for nothing. (Enabled after peft, which would put one more.)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.disable_input_require_grads()
+        model.config.use_cache = False
+    # Train mode for checkpointing (transformers recomputes only in training), dropout off: a sampled token is
+    # scored as the engine sampled it, without dropout noise
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):  # attention's own, applied in training only
+            m.attention_dropout = 0.0
+    return model
 
 
 def parameter_groups(model: torch.nn.Module, adapters: list[str]) -> list[dict]:

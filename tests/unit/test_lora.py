@@ -8,8 +8,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightning_ray.config import ConfigError, LoraConfig, compose
+from lightning_ray.config import ConfigError, LearnerConfig, LoraConfig, compose
 from lightning_ray.learner import lora
+from lightning_ray.learner.worker import trainable_policy
+from lightning_ray.weight_sync.adapter import DEFAULT
 
 
 @pytest.fixture
@@ -97,3 +99,19 @@ def test_adapters_on_the_top_layers_leave_the_layers_below_out_of_the_backward(b
         torch.testing.assert_close(plain(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"learner\.lora\.layers=3: the model has 2 layers"):
         lora.with_adapter(LlamaForCausalLM(base.config), LoraConfig(layers=3))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_learners_policy_runs_no_backward_below_its_lowest_adapted_layer(base, checkpointing):
+    """learner.lora.layers=1 of 2 as the learner sets its policy up (worker.trainable_policy), also with activation
+    checkpointing (the GPU default): the bottom layer's output needs no gradient — the hook transformers puts on the
+    embeddings for reentrant checkpointing would make it need one — and the top layer's adapters get theirs."""
+    t = LearnerConfig(lora=LoraConfig(rank=4, layers=1), gradient_checkpointing=checkpointing)
+    model = trainable_policy(base, t, [DEFAULT])
+    assert model.training and model.is_gradient_checkpointing == checkpointing
+    needs_grad = []
+    for layer in model.get_base_model().model.layers:
+        layer.register_forward_hook(lambda module, inputs, out: needs_grad.append(out[0].requires_grad))
+    model(input_ids=torch.randint(0, 64, (2, 12))).logits.sum().backward()
+    assert needs_grad[:2] == [False, True]  # checkpointing runs the top layer again in the backward
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
