@@ -43,7 +43,8 @@ class Oracle:
 class ModelTeacher:
     def __init__(self, path: str, temperature: float, max_tokens: int, max_model_len: int):
         self.name, self.max_model_len = f"model:{path}", max_model_len
-        self.engine = make_engine("hf", path)
+        # beside the policy's engine in its replica: the replica's random stream and GPU share stay the policy's
+        self.engine = make_engine("hf", path, seed=None, gpu_memory_utilization=None)
         self.params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
 
     async def answer(self, task: dict, messages: list[dict], tools: list[dict] | None) -> dict:

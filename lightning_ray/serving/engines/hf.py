@@ -69,19 +69,23 @@ class _Batch:
 
 
 class HFEngine(WeightLoading):
-    def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, gpu_memory_utilization: float = 0.9,
+    def __init__(self, model_path: str, dtype: str = "float32", seed: int | None = 0,
+                 gpu_memory_utilization: float | None = 0.9,
                  adapter: str | None = None, lora_rank: int | None = None, max_num_seqs: int = 64):
         """adapter: a directory of LoRA adapters (peft's), served on the model from the start (a resumed LoRA run);
         lora_rank: the rank LoRA runs train (vLLM's setting: the HF engine takes any). Each request is served with
         the adapter it names (SamplingParams.adapter), or by the base; one not loaded yet is the base too (an
         adapter starts as the base: its B is zero). max_num_seqs: requests decoding at once (the rest wait), halved
-        each time the device runs out of memory, doubled back towards it after `regrow_after` steps that fit."""
+        each time the device runs out of memory, doubled back towards it after `regrow_after` steps that fit.
+        seed, gpu_memory_utilization: None leaves the process's random generator and memory cap as they are (a
+        teacher's engine beside the policy's in its replica: serving/teacher.py)."""
         transformers.logging.disable_progress_bar()
-        torch.manual_seed(seed)  # requests without a seed of their own draw from the process's generator
+        if seed is not None:  # requests without a seed of their own draw from the process's generator
+            torch.manual_seed(seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # The replica's GPU where Ray gave it one (Ray sets CUDA_VISIBLE_DEVICES to it: it is cuda:0 here)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.type == "cuda":  # colocated with a learner: leave it the rest of the GPU
+        if self.device.type == "cuda" and gpu_memory_utilization is not None:  # colocated: the rest is the learner's
             torch.cuda.set_per_process_memory_fraction(gpu_memory_utilization)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype),
                                                           attn_implementation="sdpa").to(self.device).eval()

@@ -8,9 +8,10 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
+import torch
 from openai import OpenAI
 
-from lightning_ray.serving.teacher import TAUGHT
+from lightning_ray.serving.teacher import TAUGHT, make_teacher
 from lightning_ray.tasks import calc
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Task
@@ -64,3 +65,14 @@ def test_a_taught_rollouts_text_completion_is_refused(server):
                    json={"model": MODEL, "prompt": "3 + 4 =", "max_tokens": 4}, timeout=30)
     assert r.status_code == 400 and "teacher" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "messages"
+
+
+def test_a_model_teacher_leaves_its_replicas_random_stream_alone(tiny_model_path):
+    """A `model` teacher's engine starts in the policy's replica after the policy's, which seeded the process's
+    generator with the replica's own seed (so replicas sample apart) and, on a GPU, capped its memory at the
+    engine's share: the teacher's leaves both as they were."""
+    torch.manual_seed(1234)
+    expected = torch.rand(4)
+    torch.manual_seed(1234)
+    make_teacher("model", "calc", path=str(tiny_model_path))
+    assert torch.equal(torch.rand(4), expected)
