@@ -13,10 +13,12 @@ def parameter_digest(module: torch.nn.Module) -> str:
     """A fingerprint of the parameters' values, equal wherever they are equal: across ranks, in a checkpoint, in an
     engine, in any dtype that holds them exactly (each value is taken as its float32 bits). Computed where the
     parameters are, so only one integer per tensor leaves a GPU."""
+    # one tensor at a time: a LoRA policy's merged view (learner/lora.py Merged) makes each as it is asked for
+    checksums = {name: _bits_checksum(p.detach()) for name, p in module.named_parameters()}
     h = hashlib.sha256()
-    for name, p in sorted(module.named_parameters()):
+    for name in sorted(checksums):
         h.update(name.encode())
-        h.update(_bits_checksum(p.detach()).to_bytes(8, "little", signed=True))
+        h.update(checksums[name].to_bytes(8, "little", signed=True))
     return h.hexdigest()[:16]
 
 

@@ -89,8 +89,9 @@ class Merged:
     """The adapted policy as one plain model: each adapted weight W + (alpha / rank)·B·A, every other weight as
     it is, under the base model's names (a checkpoint's policy/). Nothing is merged in place: the base stays
     bit-for-bit frozen. Offers what a save reads (and `model`, the adapted one, whose adapters alone are
-    published); the merged weights are computed once per view. With an adapter per agent there is no one policy to
-    merge: the view is the base (each adapter is saved, and served, on its own)."""
+    published); the merged weights are computed once per view for what reads them all (a save, a publish), one at
+    a time for a digest. With an adapter per agent there is no one policy to merge: the view is the base (each
+    adapter is saved, and served, on its own)."""
 
     def __init__(self, model: torch.nn.Module):
         from peft.tuners.lora import LoraLayer
@@ -102,15 +103,17 @@ class Merged:
 
     @cached_property
     def weights(self) -> dict[str, torch.Tensor]:
-        merged = {}
+        return dict(self.named_parameters())
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each merged as it is asked for (a digest holds one at a time), or as `weights` holds them once made."""
+        if "weights" in vars(self):
+            yield from self.weights.items()
+            return
         with torch.no_grad():
             for name, t in _served_names(self.base.named_parameters()):
                 layer = self.layers.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
-                merged[name] = t if layer is None else t + layer.get_delta_weight(self.adapter).to(t.dtype)
-        return merged
-
-    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.weights.items())
+                yield name, t if layer is None else t + layer.get_delta_weight(self.adapter).to(t.dtype)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The parameters, and what else the base's state holds (buffers, a tied LM head's second name)."""

@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_ray.config import ConfigError, LearnerConfig, LoraConfig, compose
 from lightning_ray.learner import lora
+from lightning_ray.learner.digest import parameter_digest
 from lightning_ray.learner.worker import trainable_policy
 from lightning_ray.weight_sync.adapter import DEFAULT
 
@@ -115,3 +116,15 @@ def test_the_learners_policy_runs_no_backward_below_its_lowest_adapted_layer(bas
     model(input_ids=torch.randint(0, 64, (2, 12))).logits.sum().backward()
     assert needs_grad[:2] == [False, True]  # checkpointing runs the top layer again in the backward
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_a_digest_of_the_merged_view_keeps_no_merged_weight(base):
+    """The learner's ranks digest the merged policy after every step: one merged weight at a time, none kept (a
+    large model's merged copy would be its linear layers again in the GPU's memory); the digest is the plain
+    model's with those weights, and a save's or a publish's whole view the same."""
+    view = lora.Merged(adapted(base))
+    digest = parameter_digest(view)
+    assert "weights" not in vars(view)
+    plain = LlamaForCausalLM(base.config)
+    plain.load_state_dict(view.state_dict())
+    assert parameter_digest(plain) == digest == parameter_digest(view)
