@@ -23,6 +23,12 @@ def actor_options(resources: dict[str, float]) -> dict:
     return {**options, "resources": custom} if custom else options
 
 
+def share_a_gpu(a: dict[str, float], b: dict[str, float]) -> bool:
+    """Whether Ray may put two components with these resources on one GPU: each asks for a fraction of one (it
+    lets two actors share a GPU only so: placement=colocated)."""
+    return 0 < a.get("GPU", 0) < 1 and 0 < b.get("GPU", 0) < 1
+
+
 def job_working_dir() -> str | None:
     """The working_dir a `ray job submit` gave this driver, if any: then the current directory is Ray's temporary
     copy of it, deleted with the cluster, and no place for results."""

@@ -14,7 +14,7 @@ import ray
 from lightning_ray.config import TrainConfig
 from lightning_ray.learner.checkpoint import Checkpoint
 from lightning_ray.models import resolve_adapter, resolve_model_path
-from lightning_ray.placement import ON_HEAD, actor_options
+from lightning_ray.placement import ON_HEAD, actor_options, share_a_gpu
 from lightning_ray.rollout.dispatch import run_to_end
 from lightning_ray.rollout.worker import RolloutWorker
 from lightning_ray.serving.app import APP_NAME, policy_target
@@ -29,11 +29,20 @@ from lightning_ray import weight_sync
 from lightning_ray.weight_sync.registry import WeightRegistry
 
 
+def learner_waits_for_engine(cfg: TrainConfig) -> bool:
+    """Whether the learner's ranks must wait for the policy server: vLLM on a GPU sizes its memory from what is free
+    before and after it profiles at its start, and fails the start where free memory rose meanwhile ("Error in
+    memory profiling"), so a learner rank loading on its GPU at the same time (fractions of one GPU on both:
+    placement=colocated) would take the engine's share or end its start."""
+    return cfg.engine.kind == "vllm" and share_a_gpu(cfg.learner.resources_per_worker, cfg.serve.resources)
+
+
 class Services:
     def __init__(self, cfg: TrainConfig, rollout_workers: bool = True, learner: bool = False,
                  resume: Checkpoint | None = None):
         """rollout_workers=False: the policy and the store only, for agents that run elsewhere (jobs/serve.py);
-        learner=True: the learner too (learner/driver.py), its ranks starting while the policy server does;
+        learner=True: the learner too (learner/driver.py), its ranks starting while the policy server does (after
+        it where vLLM shares their GPU: learner_waits_for_engine);
         resume: a checkpoint of this run to go on from (its policy served as its version, the learner's state
         loaded, the rollouts the stopped run left unfinished cancelled). What started is stopped again if a later
         part fails to start."""
@@ -102,11 +111,9 @@ class Services:
         self._starting("the weight registry")
         self.registry = WeightRegistry.options(name=f"weight-registry@{label}", **ON_HEAD).remote(
             resume.state.policy_version if resume else 0)
-        if learner:  # ~5 s sooner ready than one after the other, on 2 cores
-            # imported here: torch and Ray Train take ~2 CPU-s, which `eval` and `serve` need not pay
-            from lightning_ray.learner.driver import Learner
-            self._starting("the learner")
-            self.learner = Learner(cfg, self.model_path, self.registry, resume)
+        learner_after_server = learner and learner_waits_for_engine(cfg)
+        if learner and not learner_after_server:  # ~5 s sooner ready than one after the other, on 2 cores
+            self._start_learner(cfg, resume)
         # The rollout workers and both apps start at once, their processes booting while the policy's replica loads;
         # an agent that cannot load fails the start before the engine is up, named. Each worker runs
         # agents_per_worker agents at once (threads): the engine batches their calls. A worker that dies is
@@ -139,10 +146,19 @@ class Services:
         if cfg.store.http:
             store_url = self.server_url + STORE_PREFIX
             console.print(f"trace store at {store_url} (OTLP/HTTP: {store_url}/v1/traces)")
+        if learner_after_server:
+            self._start_learner(cfg, resume)
         if self.learner:
             self._starting("the learner's ranks (Ray Train with DeepSpeed)")
             with status(f"starting {self.phase}"):
                 self.learner.wait_ready()
+
+    def _start_learner(self, cfg: TrainConfig, resume: Checkpoint | None) -> None:
+        # imported here: torch and Ray Train take ~2 CPU-s, which `eval` and `serve` need not pay
+        from lightning_ray.learner.driver import Learner
+
+        self._starting("the learner")
+        self.learner = Learner(cfg, self.model_path, self.registry, resume)
 
     def __enter__(self) -> Services:
         return self

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from lightning_ray.placement import share_a_gpu
+
 if TYPE_CHECKING:  # torch is imported where a transport runs: the weight registry's process needs none of it (~2 s)
     import torch
 
@@ -44,7 +46,7 @@ def resolve(kind: str, learner_resources: dict, replica_resources: dict, lora: L
         return kind
     if not (learner_gpu and replica_gpu):
         return "object_store"
-    return "cuda_ipc" if learner_gpu < 1 and replica_gpu < 1 else "collective"
+    return "cuda_ipc" if share_a_gpu(learner_resources, replica_resources) else "collective"
 
 
 def of_run(cfg: TrainConfig) -> str:

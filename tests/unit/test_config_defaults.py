@@ -94,6 +94,20 @@ def test_the_learners_auto_settings_follow_its_device_and_dtype(overrides, dtype
     assert (t.dtype, t.attn_implementation, t.zero_stage) == (dtype, attention, stage)
 
 
+@pytest.mark.parametrize("overrides, transport, waits", [
+    (["placement=colocated", "engine=vllm"], "cuda_ipc", True),  # vLLM's start measures its GPU's free memory
+    (["placement=colocated", "engine=hf"], "cuda_ipc", False),
+    (["placement=split", "engine=vllm"], "collective", False),
+    (["engine=vllm"], "object_store", False),  # CPUs
+])
+def test_the_learner_starts_after_a_vllm_engine_only_where_they_share_a_gpu(overrides, transport, waits):
+    from lightning_ray import weight_sync
+    from lightning_ray.services import learner_waits_for_engine
+
+    cfg = compose(["run_dir=x", *overrides])
+    assert (weight_sync.of_run(cfg), learner_waits_for_engine(cfg)) == (transport, waits)
+
+
 @pytest.mark.parametrize("mode, engine, vllm, drain", [
     ("sync", "vllm", "0.25.1", "wait"),
     ("async", "hf", None, "keep"), ("async", "hf", "0.25.1", "keep"),  # the HF engine labels its tokens anywhere
