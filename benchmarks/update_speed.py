@@ -2,10 +2,11 @@
 for) vs a bare single-process PyTorch step of the same loss on the same hardware, side by side in one run.
 
     python benchmarks/update_speed.py [--layouts 1x2 2x1] [--transitions 128] [--steps 2] [--micro-batch-tokens 2048]
-        [--lora]   # and each layout with LoRA (learner.lora={}), its update's speed against full's
+        [--lora]   # and each layout (and the bare step) with LoRA (learner.lora={}), its update's speed against full's
         [--lora-layers 15 8]   # and with LoRA on the top 15, then 8 layers only (learner.lora={layers: N})
+        [--frozen-bound]   # and the bare step with every weight frozen and no adapter: the most LoRA can gain
         [--unshared]   # and each of those with learner.shared_prefix=false, the default's speed against it
-        [--cpu-env]    # and each with configs/placement/cpu.yaml's learner.env, what a run sets on CPUs
+        [--cpu-env]    # and each (the bare steps too) with configs/placement/cpu.yaml's learner.env, a run's on CPUs
         [--also dtype=bfloat16 dtype=bfloat16,attn_implementation=sdpa]   # and each with these learner settings
         [--task sql]   # the sql writer's calls (a ~470-token schema prompt each) instead of calc episodes
     python benchmarks/update_speed.py --model qwen2.5-0.5b --prompt-tokens 768 --response-tokens 256 \
@@ -31,10 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import random
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from unittest.mock import patch
 
 import ray
 import torch
@@ -42,7 +45,8 @@ import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from lightning_ray.algorithm.loss import policy_loss, token_weights
-from lightning_ray.config import ModelConfig, compose, validate
+from lightning_ray.config import LoraConfig, ModelConfig, compose, validate
+from lightning_ray.learner import lora
 from lightning_ray.learner.driver import Learner, micro_batches, padded_size, zero_stage
 from lightning_ray.learner.scoring import collate, score, to_device
 from lightning_ray.models import SMOLLM2, resolve_model_path
@@ -104,8 +108,11 @@ def synthetic_batch(vocab: int, n: int, prompt: int, response: int, seed: int = 
                        temperature=1.0) for i in range(n)]
 
 
-def bare_steps(model_path, batch, steps: int, token_budget: int, threads: int) -> list[float]:
-    """The baseline: one process, plain PyTorch AdamW, the same micro-batches and loss, no Ray, no DeepSpeed."""
+def bare_steps(model_path, batch, steps: int, token_budget: int, threads: int, trains: str = "all") -> list[float]:
+    """The baseline: one process, plain PyTorch AdamW, the same micro-batches and loss, no Ray, no DeepSpeed.
+    trains: `all` the weights, `lora` adapters (learner.lora's defaults), or `nothing`: no weight trains, yet the
+    gradient flows back through every layer to the embeddings' output — what a frozen base costs before any
+    adapter, LoRA's floor (its adapters only add to it)."""
     torch.set_num_threads(threads)
     cuda = torch.cuda.is_available()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if cuda else torch.float32)
@@ -113,7 +120,13 @@ def bare_steps(model_path, batch, steps: int, token_budget: int, threads: int) -
         model = model.cuda()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=cuda)
+    if trains == "lora":
+        model = lora.with_adapter(model, LoraConfig())
+    if trains == "nothing":
+        model.requires_grad_(False)
+        model.enable_input_require_grads()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-6, fused=cuda) if trained else None
     weighted = list(zip(batch, token_weights(batch, "token_mean", 96)))
     share = not cuda  # as the learner's default: prefixes shared, unless gradient checkpointing is on
     times = []
@@ -124,9 +137,10 @@ def bare_steps(model_path, batch, steps: int, token_budget: int, threads: int) -
             logprobs, *_ = score(model, b)
             loss, _ = policy_loss(logprobs, logprobs.detach(), b["advantages"], b["weights"], 0.2)
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
+        if optimizer:
+            torch.nn.utils.clip_grad_norm_(trained, 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -158,11 +172,13 @@ def learner_steps(model_path, batch, steps: int, token_budget: int, workers: int
 
 
 DEVICE = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+spawn = multiprocessing.get_context("spawn")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layouts", nargs="+", default=["1x2", "2x1"], help="workers x threads per worker")
+    parser.add_argument("--layouts", nargs="*", default=["1x2", "2x1"],
+                        help="workers x threads per worker (none: the bare steps only)")
     parser.add_argument("--zero-stage", default="auto", help="auto: 0 for one worker, 2 for more (as training)")
     parser.add_argument("--transitions", type=int, default=64)
     parser.add_argument("--steps", type=int, default=2)
@@ -171,9 +187,12 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2", choices=["smollm2", "tiny", *QWEN2_5])
     parser.add_argument("--prompt-tokens", type=int, default=256, help="synthetic batch (all but smollm2)")
     parser.add_argument("--response-tokens", type=int, default=64)
-    parser.add_argument("--lora", action="store_true", help="each layout also with LoRA (learner.lora={})")
+    parser.add_argument("--lora", action="store_true",
+                        help="each layout, and the bare step, also with LoRA (learner.lora={})")
     parser.add_argument("--lora-layers", type=int, nargs="+", default=[], metavar="N",
                         help="each layout also with LoRA on the top N layers only (learner.lora={layers: N})")
+    parser.add_argument("--frozen-bound", action="store_true",
+                        help="the bare step again with every weight frozen and no adapter (LoRA's floor)")
     parser.add_argument("--unshared", action="store_true",
                         help="each layout also with learner.shared_prefix=false (every row's prompt run whole)")
     parser.add_argument("--task", choices=["calc", "sql"], default="calc", help="the batch's calls (smollm2)")
@@ -193,14 +212,27 @@ def main() -> None:
             **{key: sum(padded_size([t for t, _ in mb], share)
                         for mb in micro_batches([(t, 0.0) for t in batch], args.micro_batch_tokens, share))
                for key, share in [("padded_tokens", False), ("padded_tokens_shared_prefix", True)]}}
-    # in a child process, so its model and optimizer are gone (memory and all) before the learner's ranks start
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        bare = pool.submit(bare_steps, model_path, batch, args.steps, args.micro_batch_tokens, args.threads).result()
-    bare_s = sum(bare[1:]) / max(len(bare) - 1, 1)
+    # bare steps: full fine-tuning, with --lora LoRA, with --frozen-bound no weight trained; with --cpu-env each
+    # also under placement=cpu's env (GLIBC_TUNABLES is read when a process starts: the child's, set around its spawn)
+    env = compose(["run_dir=x"]).learner.env if args.cpu_env else {}  # what a run's config has (placement=cpu)
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in batch)
-    print(json.dumps({"side": "bare_pytorch", "model": args.model, "device": DEVICE, "threads": args.threads,
-                      "seconds": bare, "step_s": round(bare_s, 2), "tokens_per_s": round(tokens / bare_s),
-                      **work}), flush=True)
+    bare = {}  # each bare side's step seconds
+    for suffix, side_env in {"": {}, **({"_cpu_env": env} if env else {})}.items():
+        for side, trains in [("bare_pytorch", "all"), *([("bare_lora", "lora")] if args.lora else []),
+                             *([("bare_frozen_base", "nothing")] if args.frozen_bound else [])]:
+            # in a child process, so its model and optimizer are gone (memory and all) before the next side starts
+            with patch.dict(os.environ, side_env), ProcessPoolExecutor(1, mp_context=spawn) as pool:
+                seconds = pool.submit(bare_steps, model_path, batch, args.steps, args.micro_batch_tokens,
+                                      args.threads, trains).result()
+            bare[side + suffix] = step_s = sum(seconds[1:]) / max(len(seconds) - 1, 1)
+            print(json.dumps({"side": side + suffix, "model": args.model, "device": DEVICE, "threads": args.threads,
+                              "seconds": seconds, "step_s": round(step_s, 2), "tokens_per_s": round(tokens / step_s),
+                              # full fine-tuning's bare step over this one (a frozen base's: the most LoRA can gain)
+                              **({"speed_vs_bare": round(bare["bare_pytorch" + suffix] / step_s, 3)}
+                                 if trains != "all" else {}), **work}), flush=True)
+    bare_s = bare["bare_pytorch"]
+    if not args.layouts:
+        return
     ray.init(num_cpus=4)  # as the training job starts it: the dashboard on (Ray Train polls its state API)
     variants = {"learner": {}, **({"learner_lora": {"lora": {}}} if args.lora else {}),
                 **{f"learner_lora_top{n}": {"lora": {"layers": n}} for n in args.lora_layers}}
@@ -211,7 +243,6 @@ def main() -> None:
         settings = {key: yaml.safe_load(value) for key, value in (kv.split("=", 1) for kv in also.split(","))}
         variants |= {f"{side}_{also}": {**learner, **settings} for side, learner in plain.items()}
     if args.cpu_env:
-        env = compose(["run_dir=x"]).learner.env  # what a run's config has (placement=cpu, the default)
         variants |= {f"{side}_cpu_env": {**learner, "env": env} for side, learner in variants.items()}
     for layout in args.layouts:
         workers, threads = map(int, layout.split("x"))
