@@ -41,10 +41,11 @@ step engine-0.5b engine-0.5b.log $py benchmarks/engine_throughput.py --model qwe
 # its sampler: a batch's rows at once against a row at a time (Qwen2.5's vocabulary; seconds)
 step sampling sampling.log $py benchmarks/sampling.py
 for model in qwen2.5-0.5b qwen2.5-1.5b; do  # 64 x 1,024 tokens, as the GPU node's bare-PyTorch anchors
-    # on the 0.5B, LoRA's update on the same batch too (against full fine-tuning's: 1.30x on 2 CPU cores)
+    # on the 0.5B, LoRA's update on the same batch too, on all 24 layers and on the top 12 (against full
+    # fine-tuning's: 1.21-1.30x on 2 CPU cores), and a frozen base's bare step (LoRA's floor: 1.59-1.77x there)
     step "update-${model#qwen2.5-}" "update-$model.log" $py benchmarks/update_speed.py --model $model --prompt-tokens 768 \
         --response-tokens 256 --transitions 64 --micro-batch-tokens 8192 --layouts 1x4 --steps 3 \
-        $([ $model = qwen2.5-0.5b ] && echo --lora)
+        $([ $model = qwen2.5-0.5b ] && echo --lora --lora-layers 12 --frozen-bound)
 done
 step weight-sync weight-sync.log $py benchmarks/weight_sync.py --models 0.5b 1.5b --transports cuda_ipc
 # a weight update landing on calls in flight, per serve.drain (the HF engine on the GPU, weights over CUDA IPC)
