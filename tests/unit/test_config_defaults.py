@@ -108,6 +108,16 @@ def test_the_learner_starts_after_a_vllm_engine_only_where_they_share_a_gpu(over
     assert (weight_sync.of_run(cfg), learner_waits_for_engine(cfg)) == (transport, waits)
 
 
+@pytest.mark.parametrize("placement", sorted(p.stem for p in (CONFIGS / "placement").glob("*.yaml")))
+def test_a_placement_fits_the_local_clusters_cpus(placement):
+    """The policy's replicas and the learner's ranks hold a CPU each for the whole run: a local cluster with fewer
+    (ray.num_cpus) would leave a replica unplaced and the start waiting."""
+    cfg = compose(["run_dir=x", f"placement={placement}"])
+    held = (cfg.serve.num_replicas * cfg.serve.resources.get("CPU", 1)
+            + cfg.learner.num_workers * cfg.learner.resources_per_worker.get("CPU", 1))
+    assert cfg.ray.num_cpus is None or held <= cfg.ray.num_cpus, held
+
+
 @pytest.mark.parametrize("mode, engine, vllm, drain", [
     ("sync", "vllm", "0.25.1", "wait"),
     ("async", "hf", None, "keep"), ("async", "hf", "0.25.1", "keep"),  # the HF engine labels its tokens anywhere
