@@ -190,6 +190,10 @@ class Services:
         epoch = ray.get(self.registry.request_sleep.remote())
         ray.get(self.registry.wait_asleep.remote(epoch, self.cfg.serve.sync_timeout_s))
 
+    def wake_engines(self) -> None:
+        """The sleeping engines wake on the weights they hold (an update that published no version to wake them)."""
+        ray.get(self.registry.request_wake.remote())
+
     def run_rollouts(self, tasks: list[Task], desc: str) -> list[Rollout]:
         """Queue a rollout per task and run them all to their end (rollout/dispatch.py)."""
         rollout_ids = [r.rollout_id for r in self.store.enqueue(tasks, self.attempts, self.queue)]

@@ -117,7 +117,8 @@ class PolicyServer:
         metrics().policy_version.set(self.engine.policy_version, tags={"role": "served"})
         self._follower = asyncio.get_running_loop().create_task(self._follow_weights())
         if sleep_while_training:
-            epoch = await registry.wait_sleep_request.remote(0, timeout_s=0.0)  # requests before this replica: not its
+            # the requests before this replica are not its own
+            epoch, _ = await registry.wait_sleep_request.remote(0, timeout_s=0.0)
             self._sleeper = asyncio.get_running_loop().create_task(self._follow_sleep(epoch))
 
     # ---- routes ----------------------------------------------------------------------------------------------
@@ -348,10 +349,12 @@ class PolicyServer:
 
     async def _follow_sleep(self, epoch: int) -> None:
         """Sleep whenever the trainer asks (before the learner trains on the GPU this replica shares); the next version
-        loaded wakes the engine. Serving waits at the gate meanwhile."""
+        loaded wakes the engine, or the trainer's wake where the update published none. Serving waits at the gate
+        meanwhile."""
         while True:
             try:
-                requested = await self.registry.wait_sleep_request.remote(epoch, timeout_s=30.0)
+                requested, woken = await self.registry.wait_sleep_request.remote(
+                    epoch, timeout_s=30.0, asleep=self._sleep is not None)
                 if requested > epoch:
                     epoch = requested
                     if self._sleep is None:
@@ -359,6 +362,12 @@ class PolicyServer:
                         await self._sleep.__aenter__()  # drains what is generating
                         await self.engine.sleep()
                     await self.registry.ack_sleep.remote(self.replica_id, epoch)
+                elif woken >= epoch and self._sleep is not None:  # on the weights it holds
+                    pause, self._sleep = self._sleep, None
+                    try:
+                        await self.engine.wake_up()
+                    finally:
+                        await pause.__aexit__(None, None, None)
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -46,6 +46,8 @@ def update(run: Run, batch: Batch) -> Update:
         if cfg.engine.sleep_while_training:  # the GPU they share is the learner's till the sync
             services.sleep_engines()
         results = learner.step(batch.transitions)
+        if cfg.engine.sleep_while_training and not results[0]["updated"]:  # each step skipped: no version wakes them
+            services.wake_engines()
     with run.phase("sync"), status(f"iter {batch.iteration}: syncing weights", report=False):
         ray.get(services.registry.wait_synced.remote(learner.version, cfg.serve.sync_timeout_s))
     metrics().weight_sync_seconds.observe(run.phase.seconds["sync"])

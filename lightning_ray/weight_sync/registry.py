@@ -29,6 +29,7 @@ class WeightRegistry:
         self.transfer_requests: asyncio.Queue = asyncio.Queue()
         self.transfers: dict[str, asyncio.Future] = {}  # request id -> the learner's answer
         self.sleep_epoch, self.asleep = 0, {}  # replica id -> the last sleep request it acknowledged
+        self.wake_epoch = 0  # the last sleep request that ended with no new version to wake on (request_wake)
 
     @property
     def changed(self) -> asyncio.Condition:
@@ -153,9 +154,17 @@ class WeightRegistry:
         await self._notify()
         return self.sleep_epoch
 
-    async def wait_sleep_request(self, epoch: int, timeout_s: float) -> int:
-        await self._wait(lambda: self.sleep_epoch > epoch, timeout_s)
-        return self.sleep_epoch
+    async def request_wake(self) -> None:
+        """The sleeping replicas wake on the weights they hold: the learner's step published no new version to wake
+        them (each of its optimizer steps skipped)."""
+        self.wake_epoch = self.sleep_epoch
+        await self._notify()
+
+    async def wait_sleep_request(self, epoch: int, timeout_s: float, asleep: bool = False) -> tuple[int, int]:
+        """(sleep epoch, wake epoch) once a sleep request after `epoch` came, or, for a replica `asleep` since
+        `epoch`, a wake."""
+        await self._wait(lambda: self.sleep_epoch > epoch or asleep and self.wake_epoch >= epoch, timeout_s)
+        return self.sleep_epoch, self.wake_epoch
 
     async def ack_sleep(self, replica_id: str, epoch: int) -> None:
         self.asleep[replica_id] = epoch

@@ -230,3 +230,24 @@ def test_a_sleeping_engine_serves_nothing_until_the_next_version_wakes_it(policy
         caller.join(30)
         assert answer["system_fingerprint"] == "lightning_ray-policy-v1"
         assert not httpx.get(url + "/health").json()["paused"]
+
+
+def test_a_sleeping_engine_wakes_on_the_weights_it_holds_when_no_version_comes(policy_app):
+    """An update whose every optimizer step was skipped publishes no version to wake the engines it put to sleep:
+    the trainer's wake (trainer/update.py) opens serving again on the weights the replica holds."""
+    with policy_app(engine={"sleep_while_training": True}) as deployed:
+        registry, url = deployed["registry"], deployed["url"]
+        epoch = ray.get(registry.request_sleep.remote())
+        ray.get(registry.wait_asleep.remote(epoch, 30.0))
+        answer = {}
+        caller = threading.Thread(target=lambda: answer.update(served(url)[1]))
+        caller.start()
+        caller.join(2.0)
+        assert caller.is_alive(), answer
+        ray.get(registry.request_wake.remote())
+        caller.join(30)
+        assert answer["system_fingerprint"] == "lightning_ray-policy-v0"
+        assert not httpx.get(url + "/health").json()["paused"]
+        epoch = ray.get(registry.request_sleep.remote())  # and it sleeps again at the next update
+        ray.get(registry.wait_asleep.remote(epoch, 30.0))
+        assert httpx.get(url + "/health").json()["paused"]
