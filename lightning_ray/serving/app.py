@@ -363,16 +363,21 @@ class PolicyServer:
                         await self.engine.sleep()
                     await self.registry.ack_sleep.remote(self.replica_id, epoch)
                 elif woken >= epoch and self._sleep is not None:  # on the weights it holds
-                    pause, self._sleep = self._sleep, None
                     try:
                         await self.engine.wake_up()
                     finally:
-                        await pause.__aexit__(None, None, None)
+                        await self._end_sleep()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 logger.exception("sleep follower: going on")
                 await asyncio.sleep(1.0)
+
+    async def _end_sleep(self) -> None:
+        """Serving goes on (the engine awake), if it was paused for a sleep."""
+        if self._sleep is not None:
+            pause, self._sleep = self._sleep, None
+            await pause.__aexit__(None, None, None)
 
     async def _load(self, payload, version: int) -> bool:
         """Get the weights by the payload's transport (lightning_ray/weight_sync): checked and, where the transport
@@ -389,9 +394,7 @@ class PolicyServer:
             await self.registry.fail.remote(self.replica_id, version, f"{type(e).__name__}: {e}")
             raise
         finally:
-            if self._sleep is not None:
-                pause, self._sleep = self._sleep, None
-                await pause.__aexit__(None, None, None)
+            await self._end_sleep()
         await self.registry.ack.remote(self.replica_id, version)
         metrics().policy_version.set(version, tags={"role": "served"})
         return True
