@@ -379,6 +379,11 @@ class PolicyServer:
             pause, self._sleep = self._sleep, None
             await pause.__aexit__(None, None, None)
 
+    def _pause_for_weights(self):
+        """The gate's pause for the weights now staged (an engine that cannot load them under running generations,
+        vLLM swapping an adapter, has them drained by the drain deadline even under `keep`)."""
+        return self.gate.for_weights(getattr(self.engine, "keeps_generations", True))
+
     async def _load(self, payload, version: int) -> bool:
         """Get the weights by the payload's transport (lightning_ray/weight_sync): checked and, where the transport
         allows, received while serving goes on, then swapped in with admission paused; acknowledged. A failure is
@@ -388,7 +393,7 @@ class PolicyServer:
         try:
             if self._sleep is not None:  # awake, still paused: no request sees the old weights after the sleep
                 await self.engine.wake_up()
-            if not await self.weights.receive(payload, version, self.gate.for_weights):
+            if not await self.weights.receive(payload, version, self._pause_for_weights):
                 return False
         except Exception as e:
             await self.registry.fail.remote(self.replica_id, version, f"{type(e).__name__}: {e}")

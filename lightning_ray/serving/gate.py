@@ -7,7 +7,8 @@ happens to the requests already generating is `serve.drain`:
 - keep: they go on; the engine swaps the weights in between two of their decoding steps (a partial rollout: the
   tokens after the swap are the new version's, and each span says which tokens each version produced).
 
-A pause that must stop every generation (an engine put to sleep) drains as `wait` does under `keep`."""
+A pause that must stop every generation (an engine put to sleep, vLLM swapping an adapter) drains as `wait` does
+under `keep`."""
 
 from __future__ import annotations
 
@@ -68,9 +69,10 @@ class Gate:
             if not self._admitted:
                 self._idle.set()
 
-    def for_weights(self):
-        """The pause a weight update runs under: `paused()`, or under `keep` one that lets generations go on."""
-        return self.paused(stop_generations=self.drain != "keep")
+    def for_weights(self, keeps_generations: bool = True):
+        """The pause a weight update runs under: `paused()`, or under `keep` one that lets generations go on where
+        the engine can load these weights under them (keeps_generations)."""
+        return self.paused(stop_generations=self.drain != "keep" or not keeps_generations)
 
     @asynccontextmanager
     async def paused(self, stop_generations: bool = True):

@@ -225,6 +225,12 @@ class VLLMEngine(WeightLoading):
         check_weights(tensors, self._shapes)
         await asyncio.to_thread(self._write, tensors)
 
+    @property
+    def keeps_generations(self) -> bool:
+        """Whether the staged weights can load under running generations (serve.drain=keep): not an adapter's, as a
+        request keeps the adapter it started with (the server's gate drains them first, by its deadline)."""
+        return not self._staged_adapters
+
     async def swap_weights(self, version: int) -> None:
         """Between generations: every request runs on one set of weights.
 
