@@ -11,7 +11,7 @@
 #                                 STEPS="tests async ...": only those of tests, iteration-0.5b, engine-0.5b,
 #                                 sampling, update-0.5b, update-1.5b, weight-sync, drain, async, in that order,
 #                                 for a node lent for less than all of them; PYTEST_ARGS="-k vllm": the tests'
-#                                 step runs only those)
+#                                 step runs only those). Exits non-zero where a step failed.
 set -uo pipefail
 py=${PYTHON:-python3}
 out=$(mkdir -p "${1:-gpu-check}" && cd "${1:-gpu-check}" && pwd)
@@ -20,20 +20,25 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 start=$(date +%s)
 deadline=${DEADLINE:-$(( start + 86400 ))}
 [ -n "${NO_BENCH:-}" ] && STEPS=tests
+failed=0
 lap() { echo "== $1: rc=$2, $(( $(date +%s) - start )) s in all" | tee -a "$out/summary.txt"; }
 step() {  # step NAME LOG COMMAND...: runs it (if STEPS names it) until the deadline, its JSON lines into results.jsonl
     local name=$1 log=$2 left=$(( deadline - $(date +%s) )); shift 2
-    [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $name "* ]] || return 0
-    if (( left <= 10 )); then lap "$name (skipped: past the deadline)" -; return; fi
+    [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $name "* ]] || return 1
+    if (( left <= 10 )); then lap "$name (skipped: past the deadline)" -; failed=1; return 1; fi
     timeout "$left" "$@" > "$out/$log" 2>&1
     local rc=$?; lap "$name" $rc
-    grep '^{' "$out/$log" >> "$out/results.jsonl"
+    (( rc == 0 )) || failed=1
+    # each line tagged with its step and run: runs into the same OUT (STEPS=... one after another) append
+    grep '^{' "$out/$log" | sed "s/^{/{\"step\": \"$name\", \"run\": $start, /" >> "$out/results.jsonl"
+    return 0
 }
-nvidia-smi -L | tee "$out/summary.txt" || { echo "no NVIDIA GPU answers here" >&2; exit 1; }
+echo "== run $start ($(date -u +%FT%TZ)): ${STEPS:-every step}" >> "$out/summary.txt"
+nvidia-smi -L | tee -a "$out/summary.txt" || { echo "no NVIDIA GPU answers here" >&2; exit 1; }
 
 step tests pytest.log $py -m pytest -m gpu -rP -p no:cacheprovider ${PYTEST_ARGS:-} \
-    tests/integration/trainer/test_gpu.py tests/integration/weight_sync/test_weight_transports.py
-[ -f "$out/pytest.log" ] && tail -1 "$out/pytest.log" | tee -a "$out/summary.txt"
+    tests/integration/trainer/test_gpu.py tests/integration/weight_sync/test_weight_transports.py \
+    && tail -1 "$out/pytest.log" | tee -a "$out/summary.txt"
 step iteration-0.5b iteration-0.5b.log $py benchmarks/iteration.py --models qwen2.5-0.5b
 # the HF engine's batch against the same engine one call at a time, at that size (random outputs: max_tokens each)
 step engine-0.5b engine-0.5b.log $py benchmarks/engine_throughput.py --model qwen2.5-0.5b --engines hf hf_one \
@@ -55,4 +60,5 @@ step drain drain.log $py benchmarks/partial_rollouts.py --calls 16 --tokens 512 
 step async async.log $py benchmarks/async_training.py --runs=sync,async experiment=calc_tiny \
     placement=colocated engine.sleep_while_training=false rollout.tasks_per_iteration=16 \
     rollout.agents_per_worker=16 trainer.iterations=4 trainer.eval_every=4 task.eval_size=32
-cat "$out/results.jsonl"
+grep -s "\"run\": $start," "$out/results.jsonl"
+exit $failed  # non-zero where a step failed or was cut off

@@ -8,9 +8,10 @@ it is left out (its torch always: a node's CUDA torch is never replaced). The re
 pins (constraints.txt; with vLLM, the constraints-gpu*.txt that pins the node's torch over it: vLLM 0.32 for torch
 2.13, 0.25.1 for 2.11) for the node's Python and platform (pip --dry-run --report), downloaded as wheels, sdist-only
 packages built into wheels here, except DeepSpeed, shipped as its sdist to build on the node against the node's torch.
-On the node, after `tar xf` (Python and torch of the node's own):
-    lightning_ray-bundle/install.sh --venv DIR     a venv with --system-site-packages (sees the node's torch)
-    lightning_ray-bundle/install.sh --target DIR   a plain directory, used with PYTHONPATH=DIR
+On the node, after `tar xf`, from the lightning_ray checkout (the code runs from it, beside its configs/; the bundle
+holds what it needs, not itself; Python and torch of the node's own):
+    ../lightning_ray-bundle/install.sh --venv DIR     a venv with --system-site-packages (sees the node's torch)
+    ../lightning_ray-bundle/install.sh --target DIR   a plain directory, used with PYTHONPATH=DIR:<checkout>
 It runs `pip install --no-index --no-deps --find-links wheels/`, builds the sdists with --no-build-isolation, then
 imports lightning_ray, ray and deepspeed.
 """
@@ -144,6 +145,9 @@ def choose_engine(node: dict[str, str], requested: str | None,
     """vllm where a GPU set pins the node's torch, built for the same CUDA (or the node has none: the newest set's
     torch is shipped), else hf; why; and the torch of the set to resolve with (`sets`: gpu_sets')."""
     torch = node.get("torch")
+    if torch == "":
+        raise SystemExit("the node's list names torch without its version (`torch @ <url>`, as `pip freeze` writes a "
+                         "wheel installed from a file): make it with `pip list --format=freeze`, which gives versions")
     base = Version(torch).base_version if torch else None
     newest = max(sets, key=Version)
     vllm_for = {t: vllm for t, (vllm, _) in sets.items()}
@@ -412,6 +416,8 @@ def build(a, work, node, engine, why, platform, pins, constraints, pip, index, t
         local = next((w for w in built.glob("*.whl") if canonicalize_name(w.name.split("-")[0]) == name), None)
         if name in BUILD_ON_NODE:
             continue  # its sdist is already in sdists/
+        if name == "lightning-ray":  # runs from the node's checkout, beside its configs/ (install.sh: on the path)
+            continue
         if local:
             shutil.copy(local, wheels)
             if not local.name.endswith("-none-any.whl"):
@@ -487,32 +493,54 @@ def pack(folder: Path, output: Path, level: int) -> None:
 
 
 INSTALL_SH = r"""#!/bin/sh
-# Installs lightning_ray from this bundle on an offline node, beside the node's own torch (never replaced):
-#   ./install.sh --venv DIR     into a venv made with --system-site-packages (sees the node's torch), made if missing
-#   ./install.sh --target DIR   into a plain directory; then run with PYTHONPATH=DIR (first on the path)
+# Installs what lightning_ray needs from this bundle on an offline node, beside the node's own torch (never replaced).
+# Run it from the lightning_ray checkout, which the node runs (its configs/, jobs/, tests/ beside the code):
+#   ../lightning_ray-bundle/install.sh --venv DIR     into a venv made with --system-site-packages (sees the node's
+#                                                     torch), made if missing; the checkout on its path
+#   ../lightning_ray-bundle/install.sh --target DIR   into a plain directory; then run with PYTHONPATH=DIR:<checkout>
 # PYTHON=python3.12 ./install.sh ... picks the interpreter (default python3). Then: import smoke.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
+checkout=$(pwd)
 py=${PYTHON:-python3}
 target=
 case "${1:-}" in
-  --venv) [ -n "${2:-}" ] || exec sed -n '2,5p' "$0"; [ -x "$2/bin/python" ] || "$py" -m venv --system-site-packages "$2"
+  --venv) [ -n "${2:-}" ] || exec sed -n '2,8p' "$0"; [ -x "$2/bin/python" ] || "$py" -m venv --system-site-packages "$2"
           py=$2/bin/python ;;
-  --target) [ -n "${2:-}" ] || exec sed -n '2,5p' "$0"; mkdir -p "$2"; target=$(cd "$2" && pwd)
-            PYTHONPATH=$target${PYTHONPATH:+:$PYTHONPATH}; export PYTHONPATH ;;
-  *) sed -n '2,5p' "$0"; exit 2 ;;
+  --target) [ -n "${2:-}" ] || exec sed -n '2,8p' "$0"; mkdir -p "$2"; target=$(cd "$2" && pwd)
+            PYTHONPATH=$target:$checkout${PYTHONPATH:+:$PYTHONPATH}; export PYTHONPATH ;;
+  *) sed -n '2,8p' "$0"; exit 2 ;;
 esac
-inst() {
-  if [ -n "$target" ]; then set -- --upgrade --target "$target" "$@"; fi
+[ -f "$checkout/lightning_ray/__init__.py" ] && [ -d "$checkout/configs" ] || {
+  echo "run this from the lightning_ray checkout (its lightning_ray/ and configs/ are not in $checkout)" >&2; exit 2; }
+inst() {  # into $1 (a --target directory, or "" for the venv)
+  into=$1; shift
+  if [ -n "$into" ]; then set -- --upgrade --target "$into" "$@"; fi
   "$py" -m pip install --no-index --no-deps --find-links "$here/wheels" "$@"
 }
-inst "$here"/wheels/*.whl
+if ls "$here"/wheels/torch-*.whl >/dev/null 2>&1 && "$py" -c 'import torch' 2>/dev/null; then
+  echo "this bundle carries a torch, which would hide the node's own: build it with --node-freeze (the node's" \
+       "pip list --format=freeze), which leaves the node's torch out" >&2; exit 2
+fi
+inst "$target" "$here"/wheels/*.whl
 # DeepSpeed records the torch and CUDA it was built with and JIT-builds its ops against them: the node's torch.
-for s in "$here"/sdists/*; do [ -e "$s" ] && inst --no-build-isolation "$s"; done
+# Under --target into a folder of its own first: pip --target replaces whole any folder it writes (bin/, ray's).
+for s in "$here"/sdists/*; do
+  [ -e "$s" ] || continue
+  if [ -n "$target" ]; then
+    built=$(mktemp -d); inst "$built" --no-build-isolation "$s"; cp -R "$built"/. "$target"/; rm -rf "$built"
+  else
+    inst "" --no-build-isolation "$s"
+  fi
+done
+if [ -z "$target" ]; then  # the checkout on the venv's path, as an editable install puts it
+  "$py" -c 'import site, sys; open(site.getsitepackages()[0] + "/lightning_ray_checkout.pth", "w").write(sys.argv[1])' \
+    "$checkout"
+fi
 "$py" -c 'import lightning_ray, ray, deepspeed, torch
 print("ok: torch", torch.__version__, "cuda", torch.cuda.is_available(), "ray", ray.__version__,
-      "deepspeed", deepspeed.__version__)'
-[ -z "$target" ] || echo "export PYTHONPATH=$target\${PYTHONPATH:+:\$PYTHONPATH}"
+      "deepspeed", deepspeed.__version__, "lightning_ray from", lightning_ray.__path__[0])'
+[ -z "$target" ] || echo "export PYTHONPATH=$target:$checkout\${PYTHONPATH:+:\$PYTHONPATH}"
 """
 
 if __name__ == "__main__":

@@ -317,3 +317,60 @@ def test_gpu_set_resolves_against_pypi(tmp_path, torch):
     got = {i["metadata"]["name"]: i for i in json.loads((tmp_path / "r.json").read_text())["install"]}
     assert got["torch"]["metadata"]["version"] == torch and got["vllm"]["metadata"]["version"] == vllm
     assert got["torch"]["download_info"]["url"].startswith("https://")  # PyPI's CUDA build, not /opt/wheels' +cpu
+
+
+def _bundle(tmp_path):
+    """A bundle as offline_bundle.py lays it out: a wheel with a command, an sdist with one (as DeepSpeed's)."""
+    bundle = tmp_path / "lightning_ray-bundle"
+    (bundle / "wheels").mkdir(parents=True)
+    (bundle / "sdists").mkdir()
+    info = "dep-1.0.dist-info"
+    files = {"dep/__init__.py": "def main(): pass\n",
+             f"{info}/entry_points.txt": "[console_scripts]\ndep-cmd = dep:main\n",
+             f"{info}/METADATA": "Metadata-Version: 2.1\nName: dep\nVersion: 1.0\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    with zipfile.ZipFile(bundle / "wheels" / "dep-1.0-py3-none-any.whl", "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        z.writestr(f"{info}/RECORD", "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n")
+    src = tmp_path / "other-1.0"
+    (src / "other").mkdir(parents=True)
+    (src / "other" / "__init__.py").write_text("def main(): pass\n")
+    (src / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools"]\nbuild-backend = '
+                                        '"setuptools.build_meta"\n[project]\nname = "other"\nversion = "1.0"\n'
+                                        '[project.scripts]\nother-cmd = "other:main"\n')
+    with tarfile.open(bundle / "sdists" / "other-1.0.tar.gz", "w:gz") as tar:
+        tar.add(src, arcname="other-1.0")
+    (bundle / "install.sh").write_text(ob.INSTALL_SH)
+    (bundle / "install.sh").chmod(0o755)
+    return bundle / "install.sh"
+
+
+def test_the_bundle_installs_beside_the_checkout_the_node_runs(tmp_path):
+    """The node runs lightning_ray from its checkout (configs/ beside the code): install.sh, run from it, installs
+    the bundle's packages and prints the path that finds both; the sdist's command joins the wheels' (pip --target
+    would replace their bin/ whole); run from elsewhere, it says where to run it."""
+    install, site = _bundle(tmp_path), tmp_path / "site"
+    env = {**os.environ, "PYTHON": sys.executable}
+    p = subprocess.run([install, "--target", site], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"lightning_ray from {ROOT / 'lightning_ray'}" in p.stdout
+    export = p.stdout.strip().splitlines()[-1]
+    assert export.startswith(f"export PYTHONPATH={site}:{ROOT}")
+    assert sorted(f.name for f in (site / "bin").iterdir()) == ["dep-cmd", "other-cmd"]
+    found = subprocess.run([sys.executable, "-c", "import dep, other; from lightning_ray.config.compose "
+                            "import CONFIGS; print(CONFIGS.is_dir())"], cwd=tmp_path, capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": f"{site}:{ROOT}"}, check=True)
+    assert found.stdout.strip() == "True"
+    elsewhere = subprocess.run([install, "--target", site], cwd=tmp_path, env=env, capture_output=True, text=True,
+                               check=False)
+    assert elsewhere.returncode == 2 and "run this from the lightning_ray checkout" in elsewhere.stderr
+    (install.parent / "wheels" / "torch-2.13.0-cp311-cp311-linux_x86_64.whl").write_bytes(b"")  # made without the
+    # node's list: it would hide the node's own torch (this Python has one)
+    hiding = subprocess.run([install, "--target", site], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert hiding.returncode == 2 and "--node-freeze" in hiding.stderr
+
+
+def test_a_node_list_naming_torch_without_its_version_is_refused_with_how_to_make_one():
+    with pytest.raises(SystemExit, match="pip list --format=freeze"):
+        ob.choose_engine(ob.parse_freeze("torch @ file:///wheels/torch-2.11.0-cp312-linux_x86_64.whl"), None, SETS)
