@@ -117,6 +117,8 @@ class VLLMEngine(WeightLoading):
         self._adapters = 0  # adapters staged so far, each written to a directory of its own
         self._adapter_shapes = {a.name: a.shapes() for a in resumed}
         transfer = {"weight_transfer_config": WeightTransferConfig(backend=weight_transfer)} if weight_transfer else {}
+        if weight_transfer == "ipc":
+            allow_ipc_handles()
         with one_process_on_cpu(engine_args):
             self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
                 model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
@@ -247,8 +249,9 @@ class VLLMEngine(WeightLoading):
                 for name, path, shapes in staged:
                     lora_id = self._loras[name].lora_int_id if name in self._loras else len(self._loras) + 1
                     replaced.append(self._loras.get(name))
-                    self._loras[name] = LoRARequest(name, lora_id, str(path), load_inplace=True)
-                    await self.engine.add_lora(self._loras[name])
+                    await self.engine.add_lora(LoRARequest(name, lora_id, str(path), load_inplace=True))
+                    # served without load_inplace: vLLM would read the adapter from disk again at every step
+                    self._loras[name] = LoRARequest(name, lora_id, str(path))
                     self._adapter_shapes[name] = shapes
             for served in filter(None, replaced):
                 if Path(served.lora_path).parent == Path(self._weights_dir):
@@ -346,6 +349,13 @@ class VLLMEngine(WeightLoading):
         self.engine.shutdown()
         del self.engine  # AsyncLLM.__del__ shuts down again: let it run now, not at interpreter exit (noisy)
         shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+
+def allow_ipc_handles() -> None:
+    """A CUDA IPC handle holds torch's classes (the tensor's and storage's, its dtype), which vLLM's messages from
+    this process to its engine core (a process of its own on a GPU) carry only pickled: allowed here, before the
+    engine core starts and reads it. Both ends are this replica's own processes."""
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
 
 def transfer_engine(backend: str):

@@ -69,6 +69,28 @@ def test_what_the_transports_send_vllm_parses_where_this_vllm_reads_it(backend):
     assert all(getattr(p, "packed", None) or getattr(started, "packed", None) for p in parsed)
 
 
+def test_an_ipc_handle_crosses_to_vllms_engine_core(monkeypatch):
+    """On a GPU vLLM's engine core is a process of its own: an update's CUDA IPC handles (torch's classes in a tuple,
+    as reduce_tensor makes them) cross in vLLM's message to it only pickled, which the vLLM engine allows for the
+    ipc transport (on CPUs the engine core runs in the replica's process: nothing crosses)."""
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from lightning_ray.serving.engines.vllm import WeightTransferUpdateRequest, allow_ipc_handles
+
+    handle = (torch.Tensor, (2, 3), (3, 1), 0, torch.UntypedStorage, torch.bfloat16, 0, b"storage", 12, 0, False,
+              b"refcount", 0, b"event", True)
+    (bucket,) = bk.plan([("a.weight", torch.zeros(2, 3, dtype=torch.bfloat16))])
+    request = WeightTransferUpdateRequest(update_info={**bucket.update_info(), "ipc_handles": {"GPU-x": handle}})
+    message = (0, "call-1", "update_weights", (request,))  # as AsyncLLM's client sends a utility call
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "0")
+    with pytest.raises(TypeError, match="not serializable"):
+        MsgpackEncoder().encode(message)
+    allow_ipc_handles()
+    (_, _, _, (sent,)) = MsgpackDecoder().decode(MsgpackEncoder().encode(message))
+    got = sent["update_info"]["ipc_handles"]["GPU-x"]  # msgpack's lists for tuples: rebuild_cuda_tensor takes both
+    assert [tuple(x) if isinstance(x, list) else x for x in got] == list(handle)
+
+
 def test_auto_picks_the_transport_from_the_placement():
     assert resolve("auto", {"CPU": 1}, {"CPU": 1}) == "object_store"
     assert resolve("auto", {"GPU": 1}, {"CPU": 1}) == "object_store"
