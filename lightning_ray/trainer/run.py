@@ -24,6 +24,7 @@ class Run:
         self.history: list[dict] = []  # metrics.jsonl's lines
         self.evals: list[dict] = []  # held-out evaluations, each with the iterations it came "after"
         self.started: list[float] = []  # when each iteration's collection started (span retention cuts there)
+        self.sampler_before: dict[int, tuple] = {}  # the sampler's state before each iteration's tasks were drawn
         self.first = 0
         if resume:  # as the stopped run stood after its checkpoint's iteration
             state = resume.state
@@ -57,9 +58,11 @@ class Run:
         return (iteration + 1) % self.cfg.trainer.checkpoint_every == 0 or last
 
     def state(self, iteration: int) -> LoopState:
+        """After `iteration`. Batches collected ahead of it (async) are not in it: the sampler is kept as it stood
+        before their tasks were drawn, so a resumed run draws those tasks again and collects them anew."""
         return LoopState(next_iteration=iteration + 1, policy_version=self.learner.version,
-                         rng_state=self.rng.getstate(), evals=self.evals, started=self.started[:iteration + 1],
-                         history=self.history)  # (batches collected ahead are not in it: a resumed run draws anew)
+                         rng_state=self.sampler_before.get(iteration + 1, self.rng.getstate()), evals=self.evals,
+                         started=self.started[:iteration + 1], history=self.history)
 
 
 class PhaseTimer:

@@ -29,7 +29,7 @@ class Batches:
         """The iteration's batch: collected now (sync, or a first batch), or waited for (async: as the phase
         `wait`). Its phase timer goes on as the iteration's (run.phase)."""
         start, pending = time.monotonic(), self.pending.pop(iteration, None)
-        batch = pending.result() if pending else self._collect(iteration, self._begin())
+        batch = pending.result() if pending else self._collect(iteration, self._begin(iteration))
         waited = time.monotonic() - start
         if pending:
             batch.phase.add("wait", waited)
@@ -41,7 +41,7 @@ class Batches:
         """async: the collection of the batches up to `max_staleness` past this iteration, while it trains."""
         for ahead in range(iteration + 1, min(iteration + 1 + self.ahead, self.run.cfg.trainer.iterations)):
             if ahead not in self.pending:
-                self.pending[ahead] = self.pool.submit(self._collect, ahead, self._begin())
+                self.pending[ahead] = self.pool.submit(self._collect, ahead, self._begin(ahead))
 
     def idle_seconds(self) -> dict[str, float]:
         """Since the last call: how long the learner waited for a batch, and how long no batch was collecting
@@ -51,10 +51,11 @@ class Batches:
             idle, self.idle = {k: round(v, 3) for k, v in self.idle.items()}, {"learner": 0.0, "rollouts": 0.0}
             return idle
 
-    def _begin(self) -> list[Task]:
+    def _begin(self, iteration: int) -> list[Task]:
         """A batch's start, in the loop's thread: its time (started[i]: its spans are all after it) and its tasks
         (the sampler's state, which a checkpoint keeps, changes in this thread only)."""
         self.run.started.append(time.time())
+        self.run.sampler_before[iteration] = self.run.rng.getstate()
         return draw(self.run)
 
     def _collect(self, iteration: int, tasks: list[Task]) -> Batch:

@@ -11,6 +11,7 @@ import sqlite3
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from helpers import CLI, ROOT, TINY, board_scalars, cli, free_port, kill_session
@@ -18,6 +19,9 @@ from helpers import CLI, ROOT, TINY, board_scalars, cli, free_port, kill_session
 from lightning_ray.cli.train import resume_hint
 from lightning_ray.config import ConfigError, compose
 from lightning_ray.learner.checkpoint import LoopState, commit, latest, resume_point, staging
+from lightning_ray.trainer.collect import draw
+from lightning_ray.trainer.run import Run
+from lightning_ray.trainer.schedule import Batches
 
 # its jobs run the tiny model (TINY): built first, so the file runs once it is (tests/conftest.py orders the files)
 pytestmark = pytest.mark.usefixtures("tiny_model_path")
@@ -55,6 +59,22 @@ def test_the_task_samplers_state_survives_the_checkpoint(tmp_path):
     resumed = random.Random()
     resumed.setstate(latest(tmp_path).state.random_state())  # through state.json
     assert resumed.sample(range(1000), 16) == rng.sample(range(1000), 16)
+
+
+def test_an_async_runs_checkpoint_keeps_the_sampler_as_before_the_batches_drawn_ahead(tmp_path):
+    """rollout.mode=async draws the next batches' tasks while an iteration trains; the checkpoint after it keeps the
+    sampler as it stood before them, so the resumed run draws (and collects anew) the tasks the stopped one drew
+    next, none skipped. (The services are a stand-in: the loop state reads only the learner's version.)"""
+    cfg = compose([f"run_dir={tmp_path}", "rollout.mode=async", "algorithm.max_staleness=2", "trainer.iterations=4",
+                   "trainer.tensorboard=false"])
+    services = SimpleNamespace(learner=SimpleNamespace(version=1))
+    run = Run(cfg, services, None)
+    with Batches(run) as batches:
+        batches._begin(0)
+        drawn_ahead = [batches._begin(1), batches._begin(2)]
+    commit(staging(tmp_path, 1), run.state(0), keep=1)
+    resumed = Run(cfg, services, latest(tmp_path))
+    assert resumed.first == 1 and [draw(resumed), draw(resumed)] == drawn_ahead
 
 
 def test_a_stopped_run_says_how_to_go_on_and_why_it_stopped(tmp_path):
