@@ -177,12 +177,12 @@ def learn(cfg: dict, nonce: str) -> None:
             # the update no shorter, the barrier waiting for that load). Per agent: the base and every adapter.
             digest = parameter_digest(module if alg.adapters else policy)
             digested = time.perf_counter()
+            if on_cuda:  # the step's cached blocks back to the GPU before the publish wakes a colocated engine into it
+                torch.cuda.empty_cache()
             # copied here: ZeRO-3 frees the gathered parameters when the block ends. Weights that no step moved
             # (each was skipped) are no new version.
             if rank == 0 and stats["updated"]:
                 publish(registry, publisher, msg["version"], policy)
-        if on_cuda:  # activations and gradients' cached blocks back to the GPU, for a colocated engine to wake into
-            torch.cuda.empty_cache()
         stats.update(compute_s=trained - started, digest_s=digested - trained,
                      publish_s=time.perf_counter() - digested, peak_mib=peak_mib(device))
         outbox.put({"rank": rank, "nonce": nonce, "version": msg["version"], "digest": digest, **stats})
