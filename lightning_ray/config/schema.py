@@ -581,6 +581,13 @@ class TrainConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _weight_sync_fits_the_devices(self):
+        from lightning_ray import weight_sync
+
+        weight_sync.of_run(self)  # raises where the transport cannot join the learner's device to the replicas'
+        return self
+
+    @model_validator(mode="after")
     def _resume_in_place(self):
         if self.resume and not self.resume_auto:
             self.run_dir = self.resume

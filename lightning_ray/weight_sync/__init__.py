@@ -42,6 +42,14 @@ def resolve(kind: str, learner_resources: dict, replica_resources: dict, lora: L
     learner_gpu, replica_gpu = learner_resources.get("GPU", 0), replica_resources.get("GPU", 0)
     if lora and (lora.sync == "adapter" or lora.sync == "auto" and (replica_gpu or adapters)):
         return "adapter"
+    if kind == "collective" and bool(learner_gpu) != bool(replica_gpu):  # each side would wait out the timeout
+        raise ValueError("learner.weight_sync=collective broadcasts over NCCL between GPUs or gloo between CPUs: the "
+                         "learner (learner.resources_per_worker) and the replicas (serve.resources) both on GPUs, or "
+                         "neither; auto picks the transport that fits")
+    if kind == "cuda_ipc" and not (learner_gpu and replica_gpu):
+        raise ValueError("learner.weight_sync=cuda_ipc copies from the learner's GPU memory: the learner "
+                         "(learner.resources_per_worker) and the replicas (serve.resources) on one GPU "
+                         "(placement=colocated); auto picks the transport that fits")
     if kind != "auto":
         return kind
     if not (learner_gpu and replica_gpu):

@@ -160,3 +160,14 @@ def test_a_run_recorded_before_the_learner_had_its_keys_reads_as_it_was_written(
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(recorded))
     read = run_config(tmp_path)
     assert (read.trainer, read.learner) == (cfg.trainer, cfg.learner) and read.learner.lr == 3e-4
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["placement=split", "serve.resources={CPU: 1}"], "learner.weight_sync=collective"),  # NCCL to gloo
+    (["learner.weight_sync=collective", "learner.resources_per_worker={CPU: 1, GPU: 1}"], "collective"),
+    (["learner.weight_sync=cuda_ipc"], "learner.weight_sync=cuda_ipc"),  # CPUs
+])
+def test_a_transport_that_cannot_join_the_learner_to_the_replicas_is_refused_at_the_start(overrides, key):
+    """(Else each side would wait out serve.sync_timeout_s at the first sync.)"""
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        compose(["run_dir=x", *overrides])
