@@ -5,7 +5,7 @@ two adapters and the base mixed in each batch (an adapter per agent: algorithm.a
 (B = 0), so every arm generates the very same tokens.
 
     python benchmarks/lora_serving.py [--model DIR] [--prompts calc|sql] [--requests 48] [--concurrency 16]
-                                      [--max-tokens 48]
+                                      [--max-tokens 48] [--swapped]
 
 Default model: SmolLM2-135M-Instruct (built offline), rank 16 on every linear layer (learner.lora's defaults),
 the calc task's prompts (~130 tokens) or the sql writer's (its system prompt with Chinook's schema and a question:
@@ -55,8 +55,13 @@ def adapters(model: str, path: str) -> None:
 async def arm(args) -> dict:
     from lightning_ray.serving.engines import SamplingParams, generate, make_engine
 
-    lora = {} if args.arm == PLAIN else {"lora_rank": 16, "adapter": args.adapters, "max_loras": 2}
+    lora = {} if args.arm == PLAIN else {"lora_rank": 16, "max_loras": 2,
+                                          "adapter": None if args.swapped else args.adapters}
     engine = make_engine("vllm", args.model, max_model_len=2048, **lora)
+    if lora and args.swapped:  # as a training run's every version after the first: by a weight update
+        from lightning_ray.weight_sync.adapter import read_all
+
+        await engine.load_weights(read_all(args.adapters), 1)
     tok = engine.tokenizer
     prompts = [tok.encode(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)) for m in chats(args)]
     gate = asyncio.Semaphore(args.concurrency)
@@ -83,6 +88,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--swapped", action="store_true",
+                        help="load the adapters by a weight update, as training does after its first version, "
+                             "rather than at the engine's start")
     parser.add_argument("--arm", choices=[OURS, VLLMS, PLAIN], help=argparse.SUPPRESS)  # one arm, in its own process
     parser.add_argument("--adapters", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -109,7 +117,7 @@ def main() -> None:
     plain_tokens = runs[PLAIN]["base"]["tokens"]
     print(json.dumps({
         "benchmark": "lora_serving", "model": args.model, "prompts": args.prompts, "requests": args.requests,
-        "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+        "concurrency": args.concurrency, "max_tokens": args.max_tokens, "swapped": args.swapped,
         "same_tokens": all(r[m]["tokens"] == plain_tokens for r in (ours, theirs) for m in MIXES),
         "ours_vs_vllm": {m: round(ours[m]["tok_s"] / theirs[m]["tok_s"], 2) for m in MIXES},
         "vs_plain": {arm: {m: round(runs[arm][m]["tok_s"] / plain, 2) for m in MIXES} for arm in (OURS, VLLMS)}}),
