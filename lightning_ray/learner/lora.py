@@ -82,7 +82,9 @@ class AdapterOff:
 
     def __call__(self, **inputs):
         with self.model.disable_adapter():
-            return self.model(**inputs)
+            out = self.model(**inputs)
+        trainable(self.model)  # peft's re-enabling leaves the active adapter alone trainable (a checkpoint saves those)
+        return out
 
 
 class Merged:

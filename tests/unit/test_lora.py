@@ -68,6 +68,18 @@ def test_the_adapter_switched_off_is_the_base(base):
         n for n, _ in model.named_parameters() if ".lora_" in n and ("q_proj" in n or "v_proj" in n)]
 
 
+def test_every_adapter_stays_trainable_after_a_pass_with_the_adapters_off(base):
+    """peft re-enables adapters with the active one alone trainable; with an adapter per agent the others must stay
+    trainable (a checkpoint saves the trainable weights: an adapter frozen by the KL reference's pass went missing)."""
+    model = lora.with_adapter(base, LoraConfig(rank=4), ("writer", "rewriter"))
+    lora.use_adapter(model, "rewriter")
+    with torch.no_grad():
+        lora.AdapterOff(model)(input_ids=torch.randint(0, 64, (1, 8)))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained == {n for n, _ in model.named_parameters() if ".lora_" in n}
+    assert any(".writer." in n for n in trained) and any(".rewriter." in n for n in trained)
+
+
 def test_lora_is_off_by_default_and_its_settings_are_checked():
     assert compose([]).learner.lora is None
     assert compose(["learner.lora={}"]).learner.lora == LoraConfig()
