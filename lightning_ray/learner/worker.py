@@ -144,15 +144,15 @@ def learn(cfg: dict, nonce: str) -> None:
     if msg is None:
         return
     if msg["load"]:  # a resumed run or a restarted rank: the checkpoint's weights, optimizer state and value head
-        loaded, _ = engine.load_checkpoint(str(Path(msg["load"]) / "learner"), tag="state")
-        if loaded is None:  # DeepSpeed only warns
-            raise FileNotFoundError(f"no learner state to load in {msg['load']}/learner")
+        load_state(engine, Path(msg["load"]) / "learner", bool(t.lora), [g.get("lr", t.lr) for g in parameters])
     if msg["publish"]:  # restarted ranks: the weights they went back to, as a new version (learner/driver.py)
         with whole_weights(engine) as module:
             if rank == 0:
                 publish(registry, publisher, msg["publish"], served(module))
     outbox.put({"rank": rank, "nonce": nonce, "attached": msg["load"]})
-    first = True
+    # learner.max_logprob_gap is checked at the run's first step: a restarted rank's first batch was sampled by
+    # weights newer than the checkpoint it went back to, so a gap there is the updates since, not a mismatch
+    first = not msg["publish"]
     while (msg := inbox.get()) is not None:
         if msg["kind"] == "save":  # learner/checkpoint.py's layout
             with whole_weights(engine) as module:
@@ -161,8 +161,7 @@ def learn(cfg: dict, nonce: str) -> None:
                     tokenizer.save_pretrained(Path(msg["path"]) / "policy")
                     if t.lora:
                         module.save_pretrained(Path(msg["path"]) / "adapter")
-            # every rank its share: weights, optimizer state (ZeRO's partitions), the value head
-            engine.save_checkpoint(str(Path(msg["path"]) / "learner"), tag="state", save_latest=False)
+            save_state(engine, Path(msg["path"]) / "learner", bool(t.lora))
             outbox.put({"rank": rank, "nonce": nonce, "saved": msg["path"]})
             continue
         started = time.perf_counter()
@@ -186,6 +185,36 @@ def learn(cfg: dict, nonce: str) -> None:
         stats.update(compute_s=trained - started, digest_s=digested - trained,
                      publish_s=time.perf_counter() - digested, peak_mib=peak_mib(device))
         outbox.put({"rank": rank, "nonce": nonce, "version": msg["version"], "digest": digest, **stats})
+
+
+def save_state(engine, path: Path, adapted: bool) -> None:
+    """Every rank its share: weights, optimizer state (ZeRO's partitions), the value head. With LoRA the trained
+    weights only: the frozen base is the run's model.path, loaded at every start (kept, DeepSpeed's ZeRO-2 and 3
+    would have every rank copy it to host memory at each save, on GPUs, and write it twice)."""
+    engine.save_checkpoint(str(path), tag="state", save_latest=False, exclude_frozen_parameters=adapted)
+
+
+def load_state(engine, path: Path, adapted: bool, rates: list[float]) -> None:
+    """What save_state saved, at this run's learning rates (`rates`, one per parameter group): the optimizer's load
+    would bring back the saved run's, and a resumed run with another learner.lr or algorithm.value_lr would
+    silently go on at the old ones."""
+    loaded, _ = engine.load_checkpoint(str(path), tag="state", custom_load_fn=_all_but_the_base if adapted else None)
+    if loaded is None:  # DeepSpeed only warns
+        raise FileNotFoundError(f"no learner state to load in {path}")
+    for group, lr in zip(engine.optimizer.param_groups, rates, strict=True):
+        group["lr"] = lr
+        group.pop("trained_lr", None)  # trained_only's record of it
+
+
+def _all_but_the_base(src: dict, dst: torch.nn.Module) -> None:
+    """A LoRA checkpoint's weights into the learner: what it holds must fit, and lack only the frozen base."""
+    result = dst.load_state_dict(src, strict=False)
+    frozen = {n for n, p in dst.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    missing = set(result.missing_keys) - frozen
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"the checkpoint's learner state does not fit this learner (another learner.lora or "
+                           f"algorithm.adapters?): missing {sorted(missing)[:4]}, unexpected "
+                           f"{result.unexpected_keys[:4]}")
 
 
 def trainable_policy(model: torch.nn.Module, t: LearnerConfig, adapters: list[str]) -> torch.nn.Module:

@@ -18,7 +18,7 @@ from lightning_ray.config import AlgorithmConfig, LearnerConfig
 from lightning_ray.learner.driver import batch_plan, micro_batches
 from lightning_ray.learner.digest import _bits_checksum, parameter_digest
 from lightning_ray.learner.scoring import WithValueHead, collate, score, shared_prefix
-from lightning_ray.learner.worker import deepspeed_engine, train_step
+from lightning_ray.learner.worker import deepspeed_engine, load_state, save_state, train_step
 from lightning_ray.models.tiny import next_token_loss
 from lightning_ray.types import Transition
 
@@ -285,6 +285,18 @@ def step(engine, transitions: list[Transition], max_logprob_gap: float | None = 
     alg = AlgorithmConfig(**algorithm)
     plan = batch_plan(transitions, alg, max_tokens=12, token_budget=256, ranks=1)[0]
     return train_step(engine, plan, 0, alg, 1, max_logprob_gap=max_logprob_gap)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_resumed_learner_takes_its_own_learning_rate_not_the_checkpoints(one_rank, stage, tmp_path):
+    """The optimizer state comes back from the checkpoint, the learning rate from the resumed run's config."""
+    saved = engine_for(fresh(), stage, lr=1e-2)
+    step(saved, alike_batch(4, seed=1))
+    save_state(saved, tmp_path, adapted=False)
+    resumed = engine_for(fresh(), stage, lr=3e-3)
+    load_state(resumed, tmp_path, adapted=False, rates=[3e-3])
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == [3e-3]
+    assert parameter_digest(resumed.module) == parameter_digest(saved.module)  # the weights did come back
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

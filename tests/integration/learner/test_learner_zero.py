@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from helpers import random_transitions as transitions, small
+from helpers import logprob_errors, random_transitions as transitions, small
 import ray
 import torch
 from transformers import AutoModelForCausalLM
@@ -38,6 +38,19 @@ def uneven_transitions(vocab: int, n: int = 12) -> list[Transition]:
 
 
 PPO = {"estimator": "ppo", "kl_coef": 0.1, "kl_penalty": "reward", "tis_cap": 2.0}
+
+
+def sampled_by(model, batch: list[Transition]) -> list[Transition]:
+    """The batch with the logprobs `model` gives its responses, as if it had sampled them."""
+    return [Transition.model_validate({**dict(t), "logprobs": logprob_errors(
+        model, t.prompt_ids.tolist(), t.response_ids.tolist(), [0.0] * len(t.response_ids)).neg().tolist()})
+        for t in batch]
+
+
+def gap(model, batch: list[Transition]) -> float:
+    """The mean |logprob| gap per token between `model` and the batch's sampler."""
+    errors = [logprob_errors(model, t.prompt_ids.tolist(), t.response_ids.tolist(), t.logprobs) for t in batch]
+    return torch.cat(errors).mean().item()
 
 
 def assert_whole_weights(replies: list[dict], published: dict, version: int, checkpoint, initial, steps: int = 1):
@@ -125,21 +138,27 @@ def test_a_rank_killed_between_commands_is_restarted_and_republishes_before_the_
     """A learner rank SIGKILLed while no command is in flight (the rollouts running): its restart is attached and
     rank 0 publishes the weights it went back to (the initial policy: no checkpoint was saved) without waiting for a
     command, so a replica that starts meanwhile finds a version it can fetch (the one before died with the old rank
-    0), and the rollouts, which the next command waits for, are not left waiting for it. The next step goes on."""
+    0), and the rollouts, which the next command waits for, are not left waiting for it. The next step goes on,
+    on a batch sampled by the lost version's weights: learner.max_logprob_gap, checked at the run's first step
+    against the weights that sampled it, is not checked there (the gap is the update the rank went back from)."""
     cfg = small({"run_dir": str(tmp_path), "learner": {"num_workers": 1, "threads_per_worker": 1, "lr": 1e-2,
-                                                       "micro_batch_tokens": 96, "max_logprob_gap": None}})
+                                                       "micro_batch_tokens": 96, "max_logprob_gap": 0.02}})
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     registry = WeightRegistry.remote()
     learner = Learner(cfg, tiny_model_path, registry)
     try:
-        learner.step(transitions(initial.config.vocab_size))
+        learner.step(sampled_by(initial, transitions(initial.config.vocab_size)))
         version, payload = ray.get(registry.wait_newer.remote(0, 10.0))
+        updated = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+        updated.load_state_dict(ray.get(payload[0]))
+        second = sampled_by(updated, transitions(initial.config.vocab_size))
+        assert gap(initial, second) > 0.02  # what the restarted rank's weights make of it
         os.kill(learner.ranks[0]["pid"], signal.SIGKILL)
         republished, fresh = ray.get(registry.wait_newer.remote(version, 120.0))  # no command sent meanwhile
         state = ray.get(fresh[0])
         with pytest.raises(ray.exceptions.ObjectLostError):
             ray.get(payload[0], timeout=30)
-        [reply] = learner.step(transitions(initial.config.vocab_size))
+        [reply] = learner.step(second)
     finally:
         learner.close()
     assert (version, republished, learner.restarts, learner.version) == (1, 2, 1, 3)
