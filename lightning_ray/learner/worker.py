@@ -144,7 +144,7 @@ def learn(cfg: dict, nonce: str) -> None:
     if msg is None:
         return
     if msg["load"]:  # a resumed run or a restarted rank: the checkpoint's weights, optimizer state and value head
-        load_state(engine, Path(msg["load"]) / "learner", bool(t.lora), [g.get("lr", t.lr) for g in parameters])
+        load_state(engine, Path(msg["load"]) / "learner", adapters, [g.get("lr", t.lr) for g in parameters])
     if msg["publish"]:  # restarted ranks: the weights they went back to, as a new version (learner/driver.py)
         with whole_weights(engine) as module:
             if rank == 0:
@@ -161,7 +161,7 @@ def learn(cfg: dict, nonce: str) -> None:
                     tokenizer.save_pretrained(Path(msg["path"]) / "policy")
                     if t.lora:
                         module.save_pretrained(Path(msg["path"]) / "adapter")
-            save_state(engine, Path(msg["path"]) / "learner", bool(t.lora))
+            save_state(engine, Path(msg["path"]) / "learner", adapters)
             outbox.put({"rank": rank, "nonce": nonce, "saved": msg["path"]})
             continue
         started = time.perf_counter()
@@ -187,20 +187,26 @@ def learn(cfg: dict, nonce: str) -> None:
         outbox.put({"rank": rank, "nonce": nonce, "version": msg["version"], "digest": digest, **stats})
 
 
-def save_state(engine, path: Path, adapted: bool) -> None:
-    """Every rank its share: weights, optimizer state (ZeRO's partitions), the value head. With LoRA the trained
-    weights only: the frozen base is the run's model.path, loaded at every start (kept, DeepSpeed's ZeRO-2 and 3
-    would have every rank copy it to host memory at each save, on GPUs, and write it twice)."""
-    engine.save_checkpoint(str(path), tag="state", save_latest=False, exclude_frozen_parameters=adapted)
+def save_state(engine, path: Path, adapters: list[str]) -> None:
+    """Every rank its share: weights, optimizer state (ZeRO's partitions), the value head. With LoRA (`adapters`,
+    in their parameter groups' order) the trained weights only: the frozen base is the run's model.path, loaded at
+    every start (kept, DeepSpeed's ZeRO-2 and 3 would have every rank copy it to host memory at each save, on GPUs,
+    and write it twice)."""
+    engine.save_checkpoint(str(path), tag="state", save_latest=False, exclude_frozen_parameters=bool(adapters),
+                           client_state={"adapters": adapters})
 
 
-def load_state(engine, path: Path, adapted: bool, rates: list[float]) -> None:
+def load_state(engine, path: Path, adapters: list[str], rates: list[float]) -> None:
     """What save_state saved, at this run's learning rates (`rates`, one per parameter group): the optimizer's load
     would bring back the saved run's, and a resumed run with another learner.lr or algorithm.value_lr would
     silently go on at the old ones."""
-    loaded, _ = engine.load_checkpoint(str(path), tag="state", custom_load_fn=_all_but_the_base if adapted else None)
+    loaded, saved = engine.load_checkpoint(str(path), tag="state",
+                                           custom_load_fn=_all_but_the_base if adapters else None)
     if loaded is None:  # DeepSpeed only warns
         raise FileNotFoundError(f"no learner state to load in {path}")
+    if saved.get("adapters", adapters) != adapters:  # the optimizer's groups are matched by their order alone
+        raise ValueError(f"the checkpoint's learner trained the adapters {saved['adapters']}, in that order; this "
+                         f"run's algorithm.adapters (learner.lora) gives {adapters}: resume with the same")
     for group, lr in zip(engine.optimizer.param_groups, rates, strict=True):
         group["lr"] = lr
         group.pop("trained_lr", None)  # trained_only's record of it

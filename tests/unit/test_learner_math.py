@@ -14,7 +14,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, GraniteConfig, Granit
 
 from lightning_ray.algorithm.lightningrl import merge_calls
 from lightning_ray.algorithm.loss import policy_loss, token_weights
-from lightning_ray.config import AlgorithmConfig, LearnerConfig
+from lightning_ray.config import AlgorithmConfig, LearnerConfig, LoraConfig
 from lightning_ray.learner.driver import batch_plan, micro_batches
 from lightning_ray.learner.digest import _bits_checksum, parameter_digest
 from lightning_ray.learner.scoring import WithValueHead, collate, score, shared_prefix
@@ -292,11 +292,28 @@ def test_a_resumed_learner_takes_its_own_learning_rate_not_the_checkpoints(one_r
     """The optimizer state comes back from the checkpoint, the learning rate from the resumed run's config."""
     saved = engine_for(fresh(), stage, lr=1e-2)
     step(saved, alike_batch(4, seed=1))
-    save_state(saved, tmp_path, adapted=False)
+    save_state(saved, tmp_path, adapters=[])
     resumed = engine_for(fresh(), stage, lr=3e-3)
-    load_state(resumed, tmp_path, adapted=False, rates=[3e-3])
+    load_state(resumed, tmp_path, adapters=[], rates=[3e-3])
     assert [g["lr"] for g in resumed.optimizer.param_groups] == [3e-3]
     assert parameter_digest(resumed.module) == parameter_digest(saved.module)  # the weights did come back
+
+
+def test_a_resumed_learner_refuses_its_adapters_in_another_order(one_rank, tmp_path):
+    """The optimizer's groups, one per adapter, are matched by their order alone: another order would give each
+    adapter another's moments."""
+    from lightning_ray.learner import lora
+    from lightning_ray.learner.worker import parameter_groups
+
+    def engine(names: list[str]):
+        model = lora.with_adapter(fresh(), LoraConfig(rank=4), names)
+        t = LearnerConfig(zero_stage=0, lr=1e-2, weight_decay=0.0, grad_clip=1.0)
+        return deepspeed_engine(model, parameter_groups(model, names), t, on_cuda=False)
+
+    save_state(engine(["writer", "rewriter"]), tmp_path, ["writer", "rewriter"])
+    with pytest.raises(ValueError, match=r"\['writer', 'rewriter'\], in that order.*resume with the same"):
+        load_state(engine(["rewriter", "writer"]), tmp_path, ["rewriter", "writer"], [1e-2, 1e-2])
+    load_state(engine(["writer", "rewriter"]), tmp_path, ["writer", "rewriter"], [1e-2, 1e-2])
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
