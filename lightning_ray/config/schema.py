@@ -386,8 +386,8 @@ class LoraConfig(_Strict):
     layers: int | None = Field(None, gt=0)
     # What each version ships to the engines: the adapter alone (a few MB; the engines apply it on their base: peft,
     # vLLM's LoRA kernels) or the merged weights (the whole model, served as a plain one). auto: the adapter where
-    # the replicas have GPUs; merged on CPUs, where serving an adapter costs more than the sync saves (vLLM-CPU with
-    # our LoRA ops: rollouts 1.66x slower, benchmarks/results/lora_calc_adapter_sync.json; 5-9x with vLLM's own).
+    # the replicas have GPUs; merged on CPUs, where serving an adapter costs what the sync saves (vLLM-CPU with our
+    # LoRA ops: rollouts 1.42x slower, the run no faster: benchmarks/results/lora_calc_adapter_sync_noreread.json).
     sync: Literal["auto", "adapter", "merged"] = "auto"
 
 
