@@ -382,7 +382,7 @@ class PolicyServer:
     def _pause_for_weights(self):
         """The gate's pause for the weights now staged (an engine that cannot load them under running generations,
         vLLM swapping an adapter, has them drained by the drain deadline even under `keep`)."""
-        return self.gate.for_weights(getattr(self.engine, "keeps_generations", True))
+        return self.gate.for_weights(self.engine.keeps_generations)
 
     async def _load(self, payload, version: int) -> bool:
         """Get the weights by the payload's transport (lightning_ray/weight_sync): checked and, where the transport

@@ -203,16 +203,22 @@ def test_gpu_constraints_cover_vllm_and_keep_every_other_cpu_pin():
     assert merged == {**ob.parse_pins(base), **gpu}
 
 
+def write_wheel(path, files: dict[str, str], compression: int = zipfile.ZIP_STORED) -> None:
+    """A wheel of `files` (its dist-info's METADATA and WHEEL among them), with the RECORD pip checks."""
+    record = next(n for n in files if n.endswith(".dist-info/METADATA")).replace("METADATA", "RECORD")
+    with zipfile.ZipFile(path, "w", compression) as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        z.writestr(record, "".join(f"{n},,\n" for n in files) + f"{record},,\n")
+
+
 def test_slim_repack_keeps_record_consistent_and_installs(tmp_path):
     whl = tmp_path / "ray-9.0-py3-none-any.whl"
     files = {"ray/__init__.py": "X = 1\n", "ray/rllib/algo.py": "bad\n", "ray/jars/ray_dist.jar": "j" * 1000,
              "ray/dashboard/client/build/index.html": "<html>", "ray/dashboard/client/build/static/a.js.map": "{}",
              "ray-9.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: ray\nVersion: 9.0\n",
              "ray-9.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    with zipfile.ZipFile(whl, "w", zipfile.ZIP_DEFLATED) as z:
-        for name, text in files.items():
-            z.writestr(name, text)
-        z.writestr("ray-9.0.dist-info/RECORD", "".join(f"{n},,\n" for n in files) + "ray-9.0.dist-info/RECORD,,\n")
+    write_wheel(whl, files, zipfile.ZIP_DEFLATED)
     out = tmp_path / "slim" / whl.name
     out.parent.mkdir()
     assert ob.repack_wheel(whl, out, ob.RAY_SLIM) == (3, 1006)
@@ -329,10 +335,7 @@ def _bundle(tmp_path):
              f"{info}/entry_points.txt": "[console_scripts]\ndep-cmd = dep:main\n",
              f"{info}/METADATA": "Metadata-Version: 2.1\nName: dep\nVersion: 1.0\n",
              f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    with zipfile.ZipFile(bundle / "wheels" / "dep-1.0-py3-none-any.whl", "w") as z:
-        for name, text in files.items():
-            z.writestr(name, text)
-        z.writestr(f"{info}/RECORD", "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n")
+    write_wheel(bundle / "wheels" / "dep-1.0-py3-none-any.whl", files)
     src = tmp_path / "other-1.0"
     (src / "other").mkdir(parents=True)
     (src / "other" / "__init__.py").write_text("def main(): pass\n")

@@ -87,6 +87,8 @@ class WeightLoading:
     """`load_weights` for an engine with `stage_weights` and `swap_weights` (what tests and tools call)."""
 
     broken: str | None = None
+    # whether the staged weights can load under running generations (serve.drain=keep); an engine says where not
+    keeps_generations: bool = True
 
     async def load_weights(self, state_dict: dict, version: int) -> None:
         await self.stage_weights(state_dict)
