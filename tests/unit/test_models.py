@@ -38,3 +38,12 @@ def test_a_hub_id_the_hub_cannot_give_fails_naming_the_key_and_the_offline_way(t
         resolve_model_path(ModelConfig(path=missing, cache_dir=str(tmp_path)))
     with pytest.raises(FileNotFoundError, match="no config.json"):  # a local path that is not a model: no Hub call
         resolve_model_path(ModelConfig(path=str(tmp_path)))
+
+
+def test_a_relative_local_model_directory_resolves_absolute(tmp_path, monkeypatch):
+    """Ray Train runs the learner's ranks in a working directory of its own: a relative model.path must reach
+    them absolute, or `from_pretrained` takes it for a Hub id there."""
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    (tmp_path / "models" / "m" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_path(ModelConfig(path="models/m")) == tmp_path / "models" / "m"
