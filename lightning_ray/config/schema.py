@@ -232,7 +232,7 @@ class RolloutConfig(_Strict):
     tasks_per_iteration: int = Field(16, gt=0)
     group_size: int = Field(4, gt=0)  # rollouts per task: one GRPO group
     max_tokens: int = Field(96, gt=0)
-    temperature: float = Field(0.7, ge=0)
+    temperature: float = Field(0.7, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     max_attempts: int = Field(1, gt=0)  # tries per rollout; only a platform failure is retried (docs/05-trace-store.md)
     # wall-clock limit of one attempt, enforced by the store and the worker (which leaves a stuck agent behind)
@@ -361,7 +361,7 @@ class TeacherConfig(_Strict):
     base_url: str | None = None
     model: str | None = None
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")  # read on the replicas
-    temperature: float = Field(0.0, ge=0)  # a model's or an endpoint's sampling
+    temperature: float = Field(0.0, ge=0, le=2)  # a model's or an endpoint's sampling
     max_tokens: int = Field(256, gt=0)
 
     @model_validator(mode="after")
@@ -617,7 +617,7 @@ class APOConfig(_Strict):
     beam: int = Field(4, gt=0)  # rewrites of the incumbent per round (one request, n=beam)
     val_size: int = Field(32, gt=0)  # the validation split (the first of the training split): selection only
     failures: int = Field(4, gt=0)  # the incumbent's worst-scored validation rollouts shown to the critic
-    temperature: float = Field(0.8, ge=0)  # the critic's and the editor's sampling (measurements are greedy)
+    temperature: float = Field(0.8, ge=0, le=2)  # the critic's and the editor's sampling (measurements are greedy)
     critique_max_tokens: int = Field(128, gt=0)
     edit_max_tokens: int = Field(128, gt=0)
     max_prompt_chars: int = Field(600, gt=0)  # a rewrite longer than this is cut at a word boundary

@@ -171,3 +171,10 @@ def test_a_transport_that_cannot_join_the_learner_to_the_replicas_is_refused_at_
     """(Else each side would wait out serve.sync_timeout_s at the first sync.)"""
     with pytest.raises(ConfigError, match=re.escape(key)):
         compose(["run_dir=x", *overrides])
+
+
+def test_a_rollout_temperature_vllm_would_refuse_is_refused_at_the_start():
+    """vLLM refuses a temperature above 2 at each call (the HF engine does not): the same config must not run on one
+    engine and fail every rollout on the other."""
+    with pytest.raises(ConfigError, match=re.escape("rollout.temperature")):
+        compose(["run_dir=x", "rollout.temperature=2.5"])

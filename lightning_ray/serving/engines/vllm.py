@@ -143,14 +143,15 @@ class VLLMEngine(WeightLoading):
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         await self._open.wait()
-        version, self._admitting = self.policy_version, self._admitting + 1  # no await in between
-        admitted = False
         k, forced = params.top_logprobs, self._forced(params)
         # forced decoding: vLLM has none, so the forced tokens are scored as the prompt's end (the one token it must
-        # generate is dropped)
+        # generate is dropped). Built before counting the call admitted: a request vLLM refuses must not leave the
+        # count up (a load's drain would wait for it until the sync timed out)
         request = (self._prompt([*prompt_ids, *forced]), VLLMSamplingParams(
             max_tokens=1, prompt_logprobs=k, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)) if forced \
             else (self._prompt(prompt_ids), self._sampling(params))
+        version, self._admitting = self.policy_version, self._admitting + 1  # no await since the gate
+        admitted = False
         try:
             async for out in self.engine.generate(*request, request_id=uuid.uuid4().hex,
                                                   lora_request=self._loras.get(params.adapter)):

@@ -187,6 +187,17 @@ def test_load_weights_changes_logprobs_and_version(engine, hf_model):
         engine.run(engine.load_weights(hf_model.state_dict(), version=v + 1))
 
 
+def test_a_request_vllm_refuses_leaves_nothing_for_a_load_to_wait_for(engine, hf_model):
+    """A sampling vLLM refuses (temperature above 2, which the HF engine takes) raises at once, and the next load
+    still finds the engine drained: before, the refused call stayed counted as admitted, and every load under
+    `wait` or `abort` waited for it until the sync timed out."""
+    with pytest.raises(Exception, match="temperature"):
+        gen(engine, prompts(engine, 1)[0], max_tokens=4, temperature=2.5)
+    v = engine.policy_version + 1
+    engine.run(asyncio.wait_for(engine.load_weights(hf_model.state_dict(), version=v), timeout=60))
+    assert engine.policy_version == v
+
+
 def test_load_weights_during_generation_lands_between_requests(engine, hf_model):
     """Streams in flight finish on the weights they started with, streams that arrive during the load wait for
     it: every delta of a generation carries one version, and its logprobs are that version's weights'."""
