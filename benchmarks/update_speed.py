@@ -147,16 +147,21 @@ def bare_steps(model_path, batch, steps: int, token_budget: int, threads: int, t
     return times
 
 
+def learner_config(token_budget: int, workers: int, threads: int, stage: str | int, learner: dict, cuda: bool):
+    """The run's config of the learner alone: on a GPU it publishes as placement=colocated does (CUDA IPC handles,
+    or LoRA's adapter), to replicas that would share its GPU; on CPUs through the object store."""
+    device = {"CPU": 1, "GPU": 1} if cuda else {"CPU": 1}
+    return validate({"run_dir": tempfile.mkdtemp(), "serve": {"resources": device}, "learner": {**learner,
+        "num_workers": workers, "threads_per_worker": threads, "micro_batch_tokens": token_budget, "lr": 1e-6,
+        "zero_stage": stage, "resources_per_worker": device, "weight_sync": "cuda_ipc" if cuda else "auto",
+        "max_logprob_gap": None}})  # made-up served logprobs
+
+
 def learner_steps(model_path, batch, steps: int, token_budget: int, workers: int, threads: int,
                   stage: str | int, learner: dict) -> tuple[list[float], dict]:
     """Step times, and rank 0's split of the last step (compute, optimizer, publish, digest) in seconds, with the
     ZeRO stage it ran. learner: settings of the variant (LoRA: {"lora": {}}, learner.lora's defaults)."""
-    cfg = validate({"run_dir": tempfile.mkdtemp(), "learner": {**learner,
-        "num_workers": workers, "threads_per_worker": threads, "micro_batch_tokens": token_budget, "lr": 1e-6,
-        "zero_stage": stage, "resources_per_worker": {"CPU": 1, "GPU": 1} if torch.cuda.is_available() else {"CPU": 1},
-        # on a GPU, publish as placement=colocated does (CUDA IPC handles); on CPUs through the object store
-        "weight_sync": "cuda_ipc" if torch.cuda.is_available() else "auto",
-        "max_logprob_gap": None}})  # made-up served logprobs
+    cfg = learner_config(token_budget, workers, threads, stage, learner, torch.cuda.is_available())
     learner = Learner(cfg, model_path, WeightRegistry.remote())
     times = []
     try:

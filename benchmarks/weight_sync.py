@@ -73,23 +73,33 @@ def learner_actor(registry, path: str, kind: str, device: str, dtype: torch.dtyp
     return ray.remote(num_cpus=0, num_gpus=num_gpus)(Learner).remote()
 
 
-def run(model: str, path: Path, kind: str, cuda: bool, replicas: int, versions: int, port: int) -> dict:
+def gpus_of(kind: str, cuda: bool) -> float:
+    return (0.5 if kind == "cuda_ipc" else 1) if cuda else 0  # cuda_ipc: learner and replica share a GPU
+
+
+def serve_config(kind: str, port: int, replicas: int, cuda: bool):
+    """The run's config of the replicas, and of the learner's device for the transport's start checks."""
     from lightning_ray.config import validate
+
+    device = {"CPU": 1, **({"GPU": gpus_of(kind, cuda)} if cuda else {})}
+    return validate({"run_dir": tempfile.mkdtemp(), "model": {"name": "bench"},
+                     "engine": {"kind": "hf", "dtype": "bfloat16" if cuda else "float32"},
+                     "learner": {"weight_sync": kind, "resources_per_worker": device},
+                     "serve": {"port": port, "num_replicas": replicas, "sync_timeout_s": 300, "resources": device}})
+
+
+def run(model: str, path: Path, kind: str, cuda: bool, replicas: int, versions: int, port: int) -> dict:
     from lightning_ray.serving.app import APP_NAME, deploy_policy
     from lightning_ray.serving.deploy import delete_apps
     from lightning_ray.store.client import StoreClient
     from lightning_ray.weight_sync.registry import WeightRegistry
 
     dtype = torch.bfloat16 if cuda else torch.float32
-    gpus = (0.5 if kind == "cuda_ipc" else 1) if cuda else 0  # cuda_ipc: learner and replica share a GPU
+    gpus = gpus_of(kind, cuda)
     registry = WeightRegistry.remote()
     store = StoreClient.start(Path(tempfile.mkdtemp(prefix="weight-sync-store-")))
     learner = learner_actor(registry, str(path), kind, "cuda" if cuda else "cpu", dtype, gpus)
-    cfg = validate({"run_dir": tempfile.mkdtemp(), "model": {"name": "bench"},
-                    "engine": {"kind": "hf", "dtype": str(dtype).removeprefix("torch.")},
-                    "learner": {"weight_sync": kind},
-                    "serve": {"port": port, "num_replicas": replicas, "sync_timeout_s": 300,
-                              "resources": {"CPU": 1, **({"GPU": gpus} if cuda else {})}}})
+    cfg = serve_config(kind, port, replicas, cuda)
     deploy_policy(cfg, str(path), store, registry)
     try:
         seconds, publish_seconds = [], []

@@ -55,6 +55,8 @@ class CollectiveOffer:
 class CollectivePublisher:
     def __init__(self, registry, device: torch.device, timeout_s: float, bucket_bytes: int = bk.BUCKET_BYTES):
         self.registry, self.device = registry, torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # set_device and vLLM's NCCL need the index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout_s, self.bucket_bytes = timeout_s, bucket_bytes
         self.host = ray.util.get_node_ip_address()
         self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
@@ -128,6 +130,7 @@ class CollectivePublisher:
                     if group is not None:
                         group.close()
                     self.groups.pop(replica, None)
+                    self._close_groups_of_gone_replicas()
                     group = (_VllmNcclGroup(answer["group"], self.host, listener, self.device, self.timeout_s,
                                             1 + request.get("peers", 1))
                              if wire == "vllm_nccl" else
@@ -141,6 +144,13 @@ class CollectivePublisher:
                 if group is not None:
                     group.close()
                 raise
+
+    def _close_groups_of_gone_replicas(self) -> None:
+        """Serve replaces a dead replica by a new one (a new id): the old one's group, and the GPU buffers NCCL holds
+        for it, would stay open for the rest of the run."""
+        live = ray.get(self.registry.served_versions.remote())
+        for gone in [r for r in self.groups if r not in live]:
+            self.groups.pop(gone).close()
 
     def _sent(self, bucket: int) -> None:
         """After each bucket (a test makes the learner die here)."""

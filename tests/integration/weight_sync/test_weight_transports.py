@@ -196,6 +196,31 @@ def test_a_learner_that_dies_mid_transfer_fails_the_barrier_not_hangs_it(policy_
         assert httpx.get(app["url"] + "/health").json()["policy_version"] == 2
 
 
+def test_the_learner_closes_the_groups_of_replicas_gone(ray_cluster):
+    """A replica Serve replaced (its successor has a new id) leaves the registry; its group with the learner, NCCL's
+    buffers on rank 0's GPU, is closed when the next group opens, not kept for the rest of the run."""
+    from lightning_ray.weight_sync.collective import CollectivePublisher
+
+    class Group:  # stands in for a process group: what close() did is all this test reads
+        def __init__(self):
+            self.closed = False
+
+        def close(self):
+            self.closed = True
+
+    registry = WeightRegistry.remote()
+    ray.get(registry.register_replica.remote("live"))
+    publisher = CollectivePublisher(registry, torch.device("cpu"), timeout_s=5.0)
+    try:
+        live, gone = Group(), Group()
+        publisher.groups = {"live": live, "gone": gone}
+        publisher._close_groups_of_gone_replicas()
+        assert (live.closed, gone.closed, list(publisher.groups)) == (False, True, ["live"])
+    finally:
+        publisher.close()
+        ray.kill(registry)
+
+
 # ---- CUDA: CUDA IPC and NCCL, with the HF engine and with vLLM's own weight-transfer API ------------------------
 @pytest.mark.gpu
 @needs_cuda
@@ -252,5 +277,6 @@ def test_vllm_receives_through_its_weight_transfer_api(policy_app, tiny_model_pa
     registry = WeightRegistry.remote()
     learner = learner_actor(registry, str(tiny_model_path), kind, device="cuda", num_gpus=gpus)
     with policy_app(registry, engine={"kind": "vllm", "gpu_memory_utilization": 0.3, "dtype": "float32"},
-                    learner={"weight_sync": kind}, serve={"resources": {"CPU": 1, "GPU": gpus}}) as app:
+                    learner={"weight_sync": kind, "resources_per_worker": {"CPU": 1, "GPU": gpus}},
+                    serve={"resources": {"CPU": 1, "GPU": gpus}}) as app:
         _sync_and_compare(app, registry, learner, 1)
