@@ -14,7 +14,7 @@ round's figures under `runs`), then one with the ratios to `wait`:
   a call that is not streamed has none recorded: vLLM gives its tokens at the end).
 
     .venv/bin/python benchmarks/partial_rollouts.py --repeats 3            # ~15 min on 2 cores
-    python benchmarks/partial_rollouts.py --calls 16 --tokens 512 experiment=calc_tiny placement=colocated \
+    python benchmarks/partial_rollouts.py --calls 16 --tokens 448 experiment=calc_tiny placement=colocated \
         engine.sleep_while_training=false                                  # one GPU (make gpu-check's step)
 """
 
@@ -35,6 +35,7 @@ from openai import OpenAI
 from weight_sync import learner_actor
 
 from lightning_ray.config import compose
+from lightning_ray.config.schema import default_drain, installed_vllm
 from lightning_ray.models import resolve_model_path
 from lightning_ray.tracing import semconv
 from lightning_ray.types import Task
@@ -85,6 +86,18 @@ def record(spans) -> dict:
             "retried_calls": len(calls) - len(answered), "tokens_by_version": dict(sorted(by_version.items()))}
 
 
+def check_fits(path: str, tokens: int, max_model_len: int) -> None:
+    """Before deploying anything: a call past the context would be refused (400) in the untimed first round."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompt = len(tokenizer.encode(tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True),
+                                  add_special_tokens=False))
+    if prompt + tokens > max_model_len:
+        raise SystemExit(f"--tokens {tokens} and the prompt's {prompt} tokens pass engine.max_model_len="
+                         f"{max_model_len}: at most --tokens {max_model_len - prompt}")
+
+
 def run_mode(mode: str, overrides: list[str], args) -> dict:
     """One deployment of the endpoint with its own weight registry and stand-in learner (a registry that outlived a
     deleted app would count its replicas as behind until their one-second liveness check)."""
@@ -97,6 +110,7 @@ def run_mode(mode: str, overrides: list[str], args) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"partial-rollouts-{mode}-"))
     cfg = compose([*overrides, f"serve.drain={mode}", f"run_dir={run_dir}"])
     path, kind, cuda = str(resolve_model_path(cfg.model)), weight_sync.of_run(cfg), torch.cuda.is_available()
+    check_fits(path, args.tokens, cfg.engine.max_model_len)
     # a stand-in for learner rank 0 that publishes as the run's would (its transport, its device; cuda_ipc: the
     # replica's GPU, shared)
     registry, gpus = WeightRegistry.remote(), (0.5 if kind == "cuda_ipc" else 1) if cuda else 0
@@ -145,7 +159,12 @@ def main() -> None:
     overrides = args.overrides or ["experiment=calc_smollm2"]
     ray.init(include_dashboard=False, log_to_driver=False)
     results = []
+    cfg = compose(overrides)
     for mode in args.modes:
+        if mode == "keep" and default_drain("async", cfg.engine.kind, installed_vllm()) != "keep":
+            print(json.dumps({"benchmark": "partial_rollouts", "drain": mode, "skipped": "this vLLM does not label "
+                              "each token with its weights' version (0.25): it cannot keep"}), flush=True)
+            continue
         results.append(run_mode(mode, overrides, args))
         print(json.dumps(results[-1]), flush=True)
     wait = next((r for r in results if r["drain"] == "wait"), None)

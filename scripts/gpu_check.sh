@@ -54,7 +54,7 @@ for model in qwen2.5-0.5b qwen2.5-1.5b; do  # 64 x 1,024 tokens, as the GPU node
 done
 step weight-sync weight-sync.log $py benchmarks/weight_sync.py --models 0.5b 1.5b --transports cuda_ipc
 # a weight update landing on calls in flight, per serve.drain (the HF engine on the GPU, weights over CUDA IPC)
-step drain drain.log $py benchmarks/partial_rollouts.py --calls 16 --tokens 512 experiment=calc_tiny \
+step drain drain.log $py benchmarks/partial_rollouts.py --calls 16 --tokens 448 experiment=calc_tiny \
     placement=colocated engine.sleep_while_training=false
 # one GPU, the engine awake while the learner trains (no sleeping: that is what lets rollouts overlap the update)
 step async async.log $py benchmarks/async_training.py --runs=sync,async experiment=calc_tiny \
