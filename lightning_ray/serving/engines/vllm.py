@@ -39,7 +39,7 @@ if not torch.cuda.is_available():
 if importlib.util.find_spec("flashinfer") is None:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 from safetensors.torch import save_file  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+from transformers import AutoConfig, AutoTokenizer  # noqa: E402
 from vllm import AsyncEngineArgs  # noqa: E402
 from vllm import __version__ as vllm_version  # noqa: E402
 from vllm import SamplingParams as VLLMSamplingParams  # noqa: E402
@@ -100,6 +100,14 @@ class VLLMEngine(WeightLoading):
             raise ValueError("serve.drain=keep needs a vLLM that labels each token with its weights' version (0.32 "
                              f"does, this {vllm_version} does not): use serve.drain=wait or abort")
         self.drain = drain
+        shapes = _checkpoint_shapes(model_path)
+        if "lm_head.weight" in shapes and getattr(AutoConfig.from_pretrained(model_path).get_text_config(),
+                                                  "tie_word_embeddings", False):
+            # the learner ties them (transformers, by config.json) and publishes the embedding alone; vLLM 0.32 would
+            # serve this lm_head apart from it, never updated
+            raise ValueError(f"{model_path}: config.json ties lm_head to the embeddings, yet the checkpoint holds an "
+                             "lm_head.weight of its own (some tools save one): save the model again without it "
+                             "(transformers' save_pretrained leaves it out), or serve it with engine.kind=hf")
         self.sleep_mode = sleep_mode and torch.cuda.is_available()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # JSON constraints compiled as engines.grammar compiles them for the HF engine: xgrammar, compact JSON.
@@ -130,8 +138,7 @@ class VLLMEngine(WeightLoading):
         self._update_info: dict = {}  # what of it this vLLM reads with each update instead
         self.tied = getattr(self.engine.model_config.hf_config, "tie_word_embeddings", False)
         self.policy_version = 0
-        self._shapes = {n: shape for n, shape in _checkpoint_shapes(model_path).items()
-                        if not (self.tied and n == "lm_head.weight")}
+        self._shapes = {n: shape for n, shape in shapes.items() if not (self.tied and n == "lm_head.weight")}
         # A replica is usually killed, not shut down (Serve replacing it, the job ending): its directory stays
         # behind, so each new engine removes those of processes that are gone.
         sweep_weight_dirs(tempfile.gettempdir())

@@ -280,12 +280,22 @@ def test_a_model_with_tied_embeddings_and_end_of_turn_ids(loop, tiny_model_path,
     - Chat models list end-of-turn ids of their own in generation_config.eos_token_id beside the tokenizer's. vLLM
       stops on each; the HF engine stopped only on the tokenizer's, so the two engines made different training data of
       the same model. The copy's generation config names its 3rd greedy token an end of sequence: both stop there.
-    - A tied lm_head (as in SmolLM2) is not in vLLM's checkpoint: a weight reload must still refresh it."""
+    - A tied lm_head (as in SmolLM2) is not in vLLM's checkpoint: a weight reload must still refresh it. Some tools
+      save a tied model's lm_head anyway; vLLM 0.32 then serves it apart from the embedding, which the learner (tied
+      by config.json) publishes alone: refused at the start, naming the way out."""
+    from safetensors.torch import load_file, save_file
+
     tied = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     tied.config.tie_word_embeddings = True
     tied.tie_weights()
     assert tied.lm_head.weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
     tied.save_pretrained(tmp_path)
+    (saved,) = tmp_path.glob("*.safetensors")
+    weights = load_file(saved)
+    save_file({**weights, "lm_head.weight": weights["model.embed_tokens.weight"].clone()}, saved, {"format": "pt"})
+    with pytest.raises(ValueError, match="lm_head.weight of its own .* save the model again without it"):
+        make_engine("vllm", str(tmp_path), max_model_len=512)
+    save_file(weights, saved, {"format": "pt"})
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     tokenizer.save_pretrained(tmp_path)
     greedy_params = SamplingParams(max_tokens=8, temperature=0.0)
