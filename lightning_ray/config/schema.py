@@ -581,6 +581,14 @@ class TrainConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _a_replica_has_its_engines_gpus(self):
+        tp, gpus = self.engine.tensor_parallel_size, self.serve.resources.get("GPU", 0)
+        if tp > 1 and 0 < gpus < tp:  # else vLLM refuses only once the replica starts (on CPUs: CPU workers)
+            raise ValueError(f"engine.tensor_parallel_size={tp} splits the model over {tp} GPUs per replica: "
+                             f"serve.resources.GPU={gpus} must give them (serve.resources.GPU={tp})")
+        return self
+
+    @model_validator(mode="after")
     def _weight_sync_fits_the_devices(self):
         from lightning_ray import weight_sync
 

@@ -178,3 +178,11 @@ def test_a_rollout_temperature_vllm_would_refuse_is_refused_at_the_start():
     engine and fail every rollout on the other."""
     with pytest.raises(ConfigError, match=re.escape("rollout.temperature")):
         compose(["run_dir=x", "rollout.temperature=2.5"])
+
+
+def test_a_replica_given_fewer_gpus_than_its_tensor_parallel_size_is_refused_at_the_start():
+    with pytest.raises(ConfigError, match=re.escape("serve.resources.GPU=2")):
+        compose(["run_dir=x", "placement=split", "engine=vllm", "engine.tensor_parallel_size=2"])
+    cfg = compose(["run_dir=x", "placement=split", "engine=vllm", "engine.tensor_parallel_size=2",
+                   "serve.resources.GPU=2"])
+    assert cfg.serve.resources["GPU"] == 2
