@@ -12,6 +12,8 @@ from ray import serve
 from ray.serve.context import _get_global_client
 from ray.serve.schema import ApplicationStatus
 
+from lightning_ray.terminal import console
+
 
 def start_apps(targets: list[serve.RunTarget], host: str, port: int) -> list[str]:
     """Deploy the apps without waiting for them (wait_running: meanwhile, start what else a run needs); their
@@ -33,14 +35,21 @@ def delete_apps(apps: list[str], timeout_s: float = 60.0) -> None:
 
 
 def _wait(apps: list[str], status: ApplicationStatus, deadline: float = float("inf")) -> None:
-    client, waiting = _get_global_client(), list(apps)
+    client, waiting, told = _get_global_client(), list(apps), set()
     while waiting:
         for name in list(waiting):
-            state = client.get_serve_status(name).app_status
+            serve_status = client.get_serve_status(name)
+            state = serve_status.app_status
             if state.status == status:
                 waiting.remove(name)
             elif state.status == ApplicationStatus.DEPLOY_FAILED and status == ApplicationStatus.RUNNING:
                 raise RuntimeError(f"deploying {name}: {state.message}")
+            elif status == ApplicationStatus.RUNNING:
+                # a replica the cluster has no room for waits with no end (an autoscaler may yet add a node):
+                # Serve's reason, with the resources asked and available, told once
+                for message in {d.message for d in serve_status.deployment_statuses} - told - {""}:
+                    told.add(message)
+                    console.print(f"still deploying {name}: {message}")
         if waiting:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"Serve apps {', '.join(waiting)} did not reach {status.value} in time")
