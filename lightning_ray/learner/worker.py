@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning_ray.algorithm.loss import kl_to_reference, policy_loss, truncated_is_weights
 from lightning_ray.algorithm.ppo import gae, token_rewards, value_loss, whiten
 from lightning_ray.config import AlgorithmConfig, LearnerConfig
-from lightning_ray.learner import lora
+from lightning_ray.learner import lora, memory
 from lightning_ray.learner.digest import parameter_digest
 from lightning_ray.learner.scoring import MicroBatch, WithValueHead, collate, policy_of, score, to_device
 from lightning_ray.weight_sync.adapter import DEFAULT
@@ -116,6 +116,7 @@ def learn(cfg: dict, nonce: str) -> None:
     # LoRA: one adapter, or one per agent (algorithm.adapters), each its own parameter group (learning rate)
     adapters = list(alg.adapters or [DEFAULT]) if t.lora else []
     model = trainable_policy(AutoModelForCausalLM.from_pretrained(cfg["model_path"], **load), t, adapters)
+    memory.check_fits(model, device, world, t.zero_stage, t.offload_optimizer, reference=not t.lora and alg.kl_coef > 0)
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # padding is masked out anyway
     # the frozen initial policy, kept only when the loss pulls towards it, on the rank's device in its dtype (with
