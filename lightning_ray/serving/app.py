@@ -39,6 +39,7 @@ from lightning_ray.serving.routing import RolloutAffinityRouter
 from lightning_ray.serving.schemas import ChatCompletionRequest, CompletionRequest, JsonSchemaFormat, check_schema
 from lightning_ray.serving.teacher import TAUGHT, answer_tokens, make_teacher
 from lightning_ray.serving.templates import resolve_chat_template
+from lightning_ray.serving.tools import tool_call_format
 from lightning_ray.store.span_writer import SpanWriter
 from lightning_ray.tracing import semconv
 from lightning_ray.tracing.spans import new_span_id
@@ -88,6 +89,7 @@ class PolicyServer:
         self.tokenizer = self.engine.tokenizer
         if chat_template:  # the template text (serving/templates.py), in place of the model's own
             self.tokenizer.chat_template = chat_template
+        self.tool_format = tool_call_format(self.tokenizer.chat_template)  # how its model writes a tool call
         self.model_name, self.store, self.registry = model_name, store, registry
         self.spans = SpanWriter(store, origin="server")  # "server": the only spans training data is made of
         self.adapters = adapters or AdapterRoutes(model_name, lora=False)  # which adapter serves a call

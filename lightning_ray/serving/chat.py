@@ -13,7 +13,7 @@ from lightning_ray.serving.http import ApiError, CallTrace
 from lightning_ray.serving.schemas import (ChatCompletionRequest, ChatMessage, JsonSchemaFormat, ResponseFormat,
                                            check_schema)
 from lightning_ray.serving.sse import sse_response
-from lightning_ray.serving.tools import (FORCED_OPENING, ToolCallStreamParser, forced_call, parse_tool_calls,
+from lightning_ray.serving.tools import (ToolCallStreamParser, forced_call, forced_opening, parse_tool_calls,
                                          resolve_tool_choice)
 
 
@@ -41,11 +41,12 @@ async def enforce_tool_choice(server, tool_choice, offered: list[dict] | None, p
     """tool_choice "required" or a named function, enforced (tools.forced_call): the prompt with the call's opening
     at its end, and the constraint on the rest; else the prompt as it is and None. Not for a taught rollout's call:
     the teacher's answer is its own."""
-    if trace.rollout_id in server.taught or not (schema := forced_call(tool_choice, offered)):
+    if trace.rollout_id in server.taught or not (schema := forced_call(tool_choice, offered, server.tool_format)):
         return prompt_ids, None
     fmt = ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(schema=schema))
     await check_schema(fmt.json_schema, "tools")  # a tool's parameters that decoding cannot enforce: 400
-    return prompt_ids + server.tokenizer.encode(FORCED_OPENING, add_special_tokens=False), fmt
+    opening = server.tokenizer.encode(forced_opening(server.tool_format), add_special_tokens=False)
+    return prompt_ids + opening, fmt
 
 
 async def create_chat_completion(server, body: ChatCompletionRequest, trace: CallTrace):
@@ -66,7 +67,7 @@ async def create_chat_completion(server, body: ChatCompletionRequest, trace: Cal
     choices = await collect_all(deltas)
     out = []
     for c in choices:
-        content, calls = parse_tool_calls(c.text, span_id=c.span_id, forced=bool(forced)) if use_tools \
+        content, calls = parse_tool_calls(c.text, server.tool_format, c.span_id, bool(forced)) if use_tools \
             else (c.text, [])
         message = {"role": "assistant", "content": content, "refusal": None, "annotations": []}
         if calls:
@@ -103,7 +104,7 @@ async def _chunks(server, body: ChatCompletionRequest, deltas, meta: dict, promp
         completion_tokens += len(d.token_ids)
         content, calls = d.text, []
         if use_tools:
-            parser = parsers.setdefault(d.index, ToolCallStreamParser(span_id=d.span_id, forced=forced))
+            parser = parsers.setdefault(d.index, ToolCallStreamParser(server.tool_format, d.span_id, forced))
             parsed = parser.feed(d.text)
             content, calls = parsed.content, parsed.tool_calls
             if d.finish_reason:

@@ -337,22 +337,24 @@ async def create_response(server, req: ResponsesRequest, trace: CallTrace):
                                      conversation=(messages, offered))
     if req.stream:
         events = ResponseEventStream(req, params=params)
-        return sse_response(_events(events, deltas, prompt_ids, bool(offered), bool(forced)), done_marker=False,
+        return sse_response(_events(events, deltas, prompt_ids, bool(offered), bool(forced), server.tool_format),
+                            done_marker=False,
                             named=True, failed=events.fail)
     [c] = await collect_all(deltas)
-    content, calls = parse_tool_calls(c.text, span_id=c.span_id, forced=bool(forced)) if offered \
+    content, calls = parse_tool_calls(c.text, server.tool_format, c.span_id, bool(forced)) if offered \
         else (c.text or None, [])
     out = to_response(req, content=content, tool_calls=calls, input_tokens=len(prompt_ids),
                       output_tokens=len(c.token_ids), finish_reason=c.finish_reason or "stop", params=params)
     return {**out, "prompt_token_ids": prompt_ids, "token_ids": c.token_ids}  # extension fields
 
 
-async def _events(events: ResponseEventStream, deltas, prompt_ids: list[int], parse_tools: bool, forced: bool):
+async def _events(events: ResponseEventStream, deltas, prompt_ids: list[int], parse_tools: bool, forced: bool,
+                  tool_format: str):
     parser, output_tokens, finish = None, 0, "stop"
     for e in events.start():
         yield e
     async for d in deltas:
-        parser = parser or ToolCallStreamParser(span_id=d.span_id, forced=forced)  # its span names its tool calls
+        parser = parser or ToolCallStreamParser(tool_format, d.span_id, forced)  # its span names its tool calls
         output_tokens, finish = output_tokens + len(d.token_ids), d.finish_reason or finish
         for e in events.delta(parser.feed(d.text)) if parse_tools else events.text(d.text) if d.text else []:
             yield e

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from lightning_ray.serving.chat import template_messages
 from lightning_ray.serving.engines import SamplingParams, generate, make_engine
-from lightning_ray.serving.tools import parse_tool_calls
+from lightning_ray.serving.tools import parse_tool_calls, tool_call_format
 
 TAUGHT = "teacher"  # a task's sampling key: its rollouts' calls are the teacher's to answer (trainer/collect.py)
 
@@ -58,7 +58,7 @@ class ModelTeacher:
         out = await generate(self.engine, ids, self.params.model_copy(
             update={"max_tokens": min(self.params.max_tokens, room)}))
         text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        content, calls = parse_tool_calls(text) if tools else (text, [])
+        content, calls = parse_tool_calls(text, tool_call_format(tokenizer.chat_template)) if tools else (text, [])
         return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
 
 

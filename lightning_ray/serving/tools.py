@@ -16,9 +16,10 @@ from typing import Any, Callable
 
 @dataclass(frozen=True)
 class ToolCallFormat:
-    start: str  # the marker that opens a block of tool calls
+    start: str  # the marker that opens a block of tool calls ("": none, the completion itself is the block)
     end: str | None  # the marker that closes it; None: the block runs to the end of the completion
     parse: Callable[[str], list[tuple[str, str]] | None]  # block body -> [(name, arguments JSON)], None if malformed
+    arguments: str = "arguments"  # the key a call's arguments go under, as the template teaches (a forced call's)
 
 
 def _parse_json_calls(body: str) -> list[tuple[str, str]] | None:
@@ -46,7 +47,22 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
     "hermes": ToolCallFormat("<tool_call>", "</tool_call>", _parse_json_calls),
     # Mistral: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] up to the end (needs special tokens decoded)
     "mistral": ToolCallFormat("[TOOL_CALLS]", None, _parse_json_calls),
+    # Llama 3.1-3.3's JSON calls: the whole answer is {"name": ..., "parameters": {...}}, no marker (its
+    # <|python_tag|> is a special token, decoded away): a completion that opens with "{" or "[" is a block
+    "llama3_json": ToolCallFormat("", None, _parse_json_calls, arguments="parameters"),
 }
+
+
+def tool_call_format(chat_template: str | None) -> str:
+    """The format a chat template teaches its model (hermes where it names none we know)."""
+    template = chat_template or ""
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<tool_call>" in template:
+        return "hermes"
+    if '"parameters"' in template and ("<|python_tag|>" in template or "ipython" in template):
+        return "llama3_json"
+    return "hermes"
 
 
 def tool_call_id(span_id: str, n: int) -> str:
@@ -117,7 +133,16 @@ class ToolCallStreamParser:
     def _drain(self, final: bool) -> ToolStreamDelta:
         start, end = self.fmt.start, self.fmt.end
         while self._buf or (final and self._in_block):  # a block may be open with nothing after its marker
-            if not self._in_block:
+            if not self._in_block and not start:  # no marker: a block only where the completion opens with JSON
+                rest = self._buf.lstrip()
+                if self._sent_content or self._n_calls or not rest.startswith(("{", "[")):
+                    if rest or final:  # (only whitespace so far: held)
+                        self._emit_text(self._buf)
+                        self._buf = ""
+                    break
+                self._ws_held += self._buf[:len(self._buf) - len(rest)]
+                self._buf, self._in_block, self._ws_before_block, self._ws_held = rest, True, self._ws_held, ""
+            elif not self._in_block:
                 i = self._buf.find(start)
                 if i < 0:
                     keep = 0 if final else _partial_suffix(self._buf, start)
@@ -206,20 +231,25 @@ def resolve_tool_choice(tool_choice: str | dict | None, tools: list[dict] | None
     return [t for t in tools if t["function"]["name"] == name]
 
 
-FORCED_OPENING = TOOL_CALL_FORMATS["hermes"].start + "\n"  # as Hermes and Qwen templates write a call
+def forced_opening(fmt: str = "hermes") -> str:
+    """What the server writes at the prompt's end for a forced call: the format's opening marker, as its template
+    writes a call (Hermes and Qwen: "<tool_call>\n"; Llama's JSON: nothing)."""
+    start = TOOL_CALL_FORMATS[fmt].start
+    return start + "\n" if start else ""
 
 
-def forced_call(tool_choice: str | dict | None, offered: list[dict] | None) -> dict | None:
+def forced_call(tool_choice: str | dict | None, offered: list[dict] | None, fmt: str = "hermes") -> dict | None:
     """The JSON schema that enforces tool_choice "required" or a named function (None for "auto", "none"): one call
-    {"name", "arguments"} of an offered tool, its arguments per the tool's parameters. The server writes the call's
-    opening marker (FORCED_OPENING) at the prompt's end, the model continues from it as from its own, decoding
-    constrained to this schema, and the call ends the answer (the end-of-sequence token is all the grammar allows
-    after it) — a call whatever the model's size, as OpenAI and vLLM guarantee it."""
+    {"name", "arguments"} of an offered tool (the format's word for arguments), its arguments per the tool's
+    parameters. The server writes the call's opening (forced_opening) at the prompt's end, the model continues from
+    it as from its own, decoding constrained to this schema, and the call ends the answer (the end-of-sequence token
+    is all the grammar allows after it) — a call whatever the model's size, as OpenAI and vLLM guarantee it."""
     if not offered or tool_choice in (None, "auto", "none"):
         return None
+    key = TOOL_CALL_FORMATS[fmt].arguments
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                               "arguments": t["function"].get("parameters") or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in offered]
+                                               key: t["function"].get("parameters") or {"type": "object"}},
+              "required": ["name", key], "additionalProperties": False} for t in offered]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 

@@ -11,7 +11,8 @@ from transformers import PreTrainedTokenizerFast
 
 from lightning_ray.models.tiny import CHAT_TEMPLATE
 from lightning_ray.serving.engines.grammar import check_json_schema
-from lightning_ray.serving.tools import ToolCallStreamParser, forced_call, parse_tool_calls, resolve_tool_choice
+from lightning_ray.serving.tools import (ToolCallStreamParser, forced_call, forced_opening, parse_tool_calls,
+                                         resolve_tool_choice, tool_call_format)
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers",
                                         "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}
@@ -310,3 +311,36 @@ def test_rendered_tool_calls_parse_back(render):
     content, parsed = parse_tool_calls(completion)
     assert content == "Let me see."
     assert [c["function"] for c in parsed] == [c["function"] for c in calls]
+
+
+# --- Llama 3's JSON calls: no marker, the whole answer -------------------------------------------------------------
+
+def test_llama3_json_answers_are_calls_and_other_text_is_content():
+    call = '{"name": "add", "parameters": {"a": 2}}'
+    assert fn(parse_tool_calls(call, "llama3_json")[1]) == [("add", {"a": 2})]
+    assert fn(parse_tool_calls(f"\n {call}\n", "llama3_json")[1]) == [("add", {"a": 2})]
+    assert fn(parse_tool_calls(f'[{call}, {{"name": "mul", "parameters": {{}}}}]', "llama3_json")[1]) == \
+        [("add", {"a": 2}), ("mul", {})]
+    for text in ("The set {1, 2} has two members.", '{"answer": 5}', "{not json", f"Calling: {call}"):
+        assert parse_tool_calls(text, "llama3_json") == (text, [])  # a call only as the whole answer
+
+
+def test_llama3_json_streamed_holds_a_leading_brace_until_the_end():
+    parser = ToolCallStreamParser("llama3_json")
+    deltas = [parser.feed(t) for t in (" ", '{"name": "add", ', '"parameters": {}}')] + [parser.finish()]
+    assert [d.content for d in deltas] == ["", "", "", ""] and fn(deltas[-1].tool_calls) == [("add", {})]
+    parser = ToolCallStreamParser("llama3_json")
+    assert [parser.feed(t).content for t in ("It is", " {5}", ".")] == ["It is", " {5}", "."]  # content at once
+
+
+def test_a_forced_llama3_call_opens_with_nothing_and_names_its_arguments_parameters():
+    assert forced_opening("llama3_json") == "" and forced_opening() == "<tool_call>\n"
+    schema = forced_call("required", [ADD], "llama3_json")
+    assert schema["required"] == ["name", "parameters"] and "arguments" not in schema["properties"]
+
+
+def test_the_format_is_the_one_the_chat_template_teaches():
+    assert tool_call_format(CHAT_TEMPLATE) == "hermes"  # the tiny model's
+    assert tool_call_format(None) == "hermes"
+    assert tool_call_format('{"name": function name, "parameters": ...}<|start_header_id|>ipython') == "llama3_json"
+    assert tool_call_format("{{ '[TOOL_CALLS]' }}") == "mistral"

@@ -497,6 +497,53 @@ def test_tool_choice_required_or_named_always_gets_a_call(server):
     assert forced[:len(auto)] == auto and len(forced) > len(auto)  # the call's opening, at the prompt's end
 
 
+# Llama 3's template, reduced to what makes its tool calls: the tools in the user's turn, a call written as the whole
+# answer in JSON under "parameters", a tool's result in an "ipython" turn
+LLAMA3_TOOLS_TEMPLATE = """{%- for m in messages -%}
+{%- if m.role == 'user' and tools -%}
+<|start_header_id|>user<|end_header_id|>
+Given the following functions, respond with a JSON for a function call: {"name": function name, "parameters": \
+dictionary of argument name and its value}.
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}{{ m.content }}<|eot_id|>
+{%- elif m.role == 'tool' -%}
+<|start_header_id|>ipython<|end_header_id|>
+{{ m.content }}<|eot_id|>
+{%- else -%}
+<|start_header_id|>{{ m.role }}<|end_header_id|>
+{{ m.content }}<|eot_id|>
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+{% endif -%}"""
+
+
+def test_a_llama3_template_gets_its_tool_calls_parsed_and_forced_in_its_own_json(policy_app, tmp_path):
+    """Llama 3.x writes a call as the whole answer, {"name": ..., "parameters": {...}}, with no marker: the server
+    takes the format from the model's chat template, parses such answers into tool calls and forces a call in it
+    (no opening written; the arguments under "parameters"), where Hermes' <tool_call> blocks would never come."""
+    template = tmp_path / "llama3.jinja"
+    template.write_text(LLAMA3_TOOLS_TEMPLATE)
+    with policy_app(engine={"max_model_len": 512}, serve={"api_key": KEY, "chat_template": str(template)}) as app:
+        c = client(app)
+        required = c.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=40, n=4,
+                                             seed=3, temperature=1.0, tool_choice="required")
+        for choice in required.choices:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            [call] = choice.message.tool_calls
+            assert call.function.name in ("operate", "unit")
+            jsonschema.validate(json.loads(call.function.arguments),
+                                (OPERATE if call.function.name == "operate" else UNIT)["parameters"])
+        chunks = list(c.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=40, seed=4,
+                                                tool_choice="required", stream=True))
+        assert [t.function.name for ch in chunks for choice in ch.choices for t in choice.delta.tool_calls or []]
+        asked = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 2}
+        auto, forced = (http().post(app["url"] + CHAT, headers={"Authorization": f"Bearer {KEY}"},
+                                    json={**asked, "tool_choice": choice}).json()["prompt_token_ids"]
+                        for choice in ("auto", "required"))
+        assert forced == auto  # no opening marker: the grammar alone makes the answer a call
+
+
 # ---- bad input ---------------------------------------------------------------------------------------------------
 
 
