@@ -162,6 +162,39 @@ def publish(registry, state: dict, version: int, timeout_s: float = 60.0) -> Non
     ray.get(registry.wait_synced.remote(version, timeout_s))
 
 
+def stream_while_publishing(deployed, publish_version, n: int) -> tuple[list[str], list, float, float]:
+    """Stream n choices of 400 tokens of the tiny model and publish_version() (version 1, until every replica has it)
+    once the first tokens are out (a frame with content: the first frames can come before any token, and a call
+    aborted before its first token has nothing to record): the stream's frames, the call's spans, when the update was
+    synced and when the stream ended (seconds from the publish)."""
+    import threading
+
+    import httpx
+
+    body = {"model": "tiny-calc", "messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 400,
+            "ignore_eos": True, "n": n, "stream": True}
+    rollout, frames, first, ended = deployed["new_rollout"](), [], threading.Event(), []
+
+    def stream():
+        with httpx.stream("POST", deployed["url"] + "/v1/chat/completions", json=body, timeout=120,
+                          headers={"X-Rollout-Id": rollout}) as r:
+            for line in r.iter_lines():
+                frames.append(line)
+                if not first.is_set() and line.startswith("data: {") and any(
+                        c.get("delta", {}).get("content") for c in json.loads(line[6:]).get("choices", [])):
+                    first.set()
+        ended.append(time.time())
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first.wait(30)
+    start = time.time()
+    publish_version()
+    synced = time.time() - start
+    reader.join(120)
+    return frames, deployed["store"].query_spans([rollout]), synced, ended[0] - start
+
+
 # ---- engines' logprobs against a plain HF forward pass ----------------------------------------------------------
 ATOL = 1e-3  # measured max |vLLM - HF| on the tiny model in fp32: ~2e-6
 

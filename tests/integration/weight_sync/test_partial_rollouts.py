@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 
-import httpx
 import pytest
 import torch
-from helpers import check_kept_generation, publish
+from helpers import check_kept_generation, publish, stream_while_publishing
 
 from lightning_ray.serving.engines import make_engine
 
@@ -36,35 +33,6 @@ def test_the_hf_engine_keeps_a_generation_going_across_a_weight_update(tiny_mode
         loop.close()
 
 
-def stream_while_publishing(deployed, state: dict, n: int) -> tuple[list[str], list, float, float]:
-    """Stream n choices of 400 tokens and publish version 1 once the first tokens are out (a frame with content: the
-    first frames can come before any token, and a call aborted before its first token has nothing to record): the
-    stream's frames, the call's spans, when the update was synced and when the stream ended (seconds from the
-    publish)."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 400,
-            "ignore_eos": True, "n": n, "stream": True}
-    rollout, frames, first, ended = deployed["new_rollout"](), [], threading.Event(), []
-
-    def stream():
-        with httpx.stream("POST", deployed["url"] + "/v1/chat/completions", json=body, timeout=120,
-                          headers={"X-Rollout-Id": rollout}) as r:
-            for line in r.iter_lines():
-                frames.append(line)
-                if not first.is_set() and line.startswith("data: {") and any(
-                        c.get("delta", {}).get("content") for c in json.loads(line[6:]).get("choices", [])):
-                    first.set()
-        ended.append(time.time())
-
-    reader = threading.Thread(target=stream)
-    reader.start()
-    assert first.wait(30)
-    start = time.time()
-    publish(deployed["registry"], state, 1)
-    synced = time.time() - start
-    reader.join(120)
-    return frames, deployed["store"].query_spans([rollout]), synced, ended[0] - start
-
-
 def test_keep_updates_the_weights_under_a_running_call_and_its_span_says_which_tokens_are_whose(policy_app,
                                                                                                 old_model):
     """Four choices of 400 tokens each, decoded together: the update is synced while they run, not after them, and no
@@ -72,7 +40,8 @@ def test_keep_updates_the_weights_under_a_running_call_and_its_span_says_which_t
     version spans."""
     new_state = {k: v * 1.05 if k == "lm_head.weight" else v for k, v in old_model.state_dict().items()}
     with policy_app(serve={"drain": "keep"}) as deployed:
-        frames, spans, synced, ended = stream_while_publishing(deployed, new_state, 4)
+        frames, spans, synced, ended = stream_while_publishing(
+            deployed, lambda: publish(deployed["registry"], new_state, 1), 4)
     assert "data: [DONE]" in frames and not any('"error"' in f for f in frames), frames[-3:]
     assert synced < ended, (synced, ended)  # the update did not wait for the call
     assert len(spans) == 4
@@ -93,7 +62,8 @@ def test_abort_ends_the_calls_in_flight_at_once(policy_app, old_model):
     or with no tokens where it had not begun (here the 4 choices the engine's batch has no room for; so does a call
     that is not streamed, whose engine gives its tokens at the end)."""
     with policy_app(serve={"drain": "abort"}, engine={"max_num_seqs": 4}) as deployed:
-        frames, spans, synced, _ = stream_while_publishing(deployed, old_model.state_dict(), 8)
+        frames, spans, synced, _ = stream_while_publishing(
+            deployed, lambda: publish(deployed["registry"], old_model.state_dict(), 1), 8)
     errors = [json.loads(f[6:])["error"] for f in frames if f.startswith("data: {") and '"error"' in f]
     assert errors and errors[0]["code"] == "weight_update", frames[-3:]
     assert synced < 30, synced

@@ -270,6 +270,35 @@ def _vllm_on_cuda() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _vllm_on_cuda(), reason="needs CUDA (and vLLM)")
+def test_vllm_keeps_calls_going_across_an_update_over_cuda_ipc(policy_app, tiny_model_path):
+    """serve.drain=keep on vLLM's weight-transfer path (pause keep, the update through its engine, the prefix cache
+    reset, the version labels): on CPUs only its reload from disk keeps calls going. Each call is recorded with
+    the tokens each version produced."""
+    from helpers import stream_while_publishing
+
+    from lightning_ray.serving.engines.vllm import LABELS_TOKENS
+
+    if not LABELS_TOKENS:
+        pytest.skip("serve.drain=keep needs vLLM's per-token weight labels (0.32; 0.25 refuses keep)")
+    registry = WeightRegistry.remote()
+    learner = learner_actor(registry, str(tiny_model_path), "cuda_ipc", device="cuda", num_gpus=0.5)
+
+    def publish():
+        ray.get(learner.publish.remote(1))
+        ray.get(registry.wait_synced.remote(1, 120))
+
+    with policy_app(registry, engine={"kind": "vllm", "gpu_memory_utilization": 0.3, "dtype": "float32"},
+                    learner={"weight_sync": "cuda_ipc", "resources_per_worker": {"CPU": 1, "GPU": 0.5}},
+                    serve={"drain": "keep", "resources": {"CPU": 1, "GPU": 0.5}}) as app:
+        frames, spans, synced, ended = stream_while_publishing(app, publish, 4)
+    assert "data: [DONE]" in frames and not any('"error"' in f for f in frames), frames[-3:]
+    assert synced < ended and len(spans) == 4  # the update did not wait for the calls
+    runs = [s.attributes["lightning_ray.policy_version_spans"] for s in spans]
+    assert {v for r in runs for v, _, _ in r} == {0, 1} and all(r[-1][2] == 400 for r in runs), runs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _vllm_on_cuda(), reason="needs CUDA (and vLLM)")
 @pytest.mark.parametrize("kind,gpus", [("cuda_ipc", 0.5), ("collective", 1)])
 def test_vllm_receives_through_its_weight_transfer_api(policy_app, tiny_model_path, kind, gpus):
     if gpus == 1 and torch.cuda.device_count() < 2:
