@@ -14,8 +14,6 @@ from helpers import check_kept_generation, publish, stream_while_publishing
 
 from lightning_ray.serving.engines import make_engine
 
-MODEL = "tiny-calc"
-
 
 @pytest.fixture(scope="module")
 def old_model(tiny_model_path):
