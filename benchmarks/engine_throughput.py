@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import os
 import random
 import tempfile
@@ -44,16 +45,19 @@ def prompts(tokenizer, kind: str, n: int) -> list[list[int]]:
     return [tokenizer.encode(" ".join(str(rng.randint(0, 999)) for _ in range(12))) for _ in range(n)]
 
 
-async def run(engine, ps: list[list[int]], concurrency: int, max_tokens: int) -> tuple[float, int]:
+async def run(engine, ps: list[list[int]], concurrency: int, max_tokens: int) -> tuple[float, int, int]:
+    """Seconds, tokens and tokens whose logprob is not finite (a batch's left padding gone wrong: rows that attend to
+    nothing can come back NaN from some attention kernels)."""
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(i: int) -> int:
+    async def one(i: int):
         async with gate:
-            return len((await generate(engine, ps[i], SamplingParams(max_tokens=max_tokens, seed=i))).token_ids)
+            return await generate(engine, ps[i], SamplingParams(max_tokens=max_tokens, seed=i))
 
     start = time.perf_counter()
-    tokens = sum(await asyncio.gather(*(one(i) for i in range(len(ps)))))
-    return time.perf_counter() - start, tokens
+    done = await asyncio.gather(*(one(i) for i in range(len(ps))))
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(g.token_ids) for g in done), sum(not math.isfinite(lp) for g in done for lp in g.logprobs)
 
 
 async def main(args) -> None:
@@ -74,16 +78,17 @@ async def main(args) -> None:
         ps = prompts(engines[args.engines[0]].tokenizer, kind, args.requests)
         for engine in engines.values():  # warm-up
             await run(engine, ps[:4], 4, args.max_tokens)
-        tok_s, tokens = {}, {}
+        tok_s, tokens, nonfinite = {}, {}, {}
         for name, engine in engines.items():
-            seconds, tokens[name] = await run(engine, ps, c, args.max_tokens)
+            seconds, tokens[name], nonfinite[name] = await run(engine, ps, c, args.max_tokens)
             tok_s[name] = round(tokens[name] / seconds, 1)
         ratios = {f"{a}_vs_{b}": round(tok_s[a] / tok_s[b], 2) for a, b in [("hf", "hf_one"), ("vllm", "hf")]
                   if a in tok_s and b in tok_s}
         print(json.dumps({"benchmark": "engine_throughput", "prompts": kind, "concurrency": c,
                           "requests": args.requests, "max_tokens": args.max_tokens,
                           **{f"{n}_tok_s": v for n, v in tok_s.items()},
-                          **{f"{n}_tokens": v for n, v in tokens.items()}, **ratios}), flush=True)
+                          **{f"{n}_tokens": v for n, v in tokens.items()},
+                          **{f"{n}_nonfinite_logprobs": v for n, v in nonfinite.items()}, **ratios}), flush=True)
     if "vllm" in engines:
         engines["vllm"].shutdown()
 

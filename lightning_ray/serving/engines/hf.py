@@ -415,6 +415,8 @@ class HFEngine(WeightLoading):
             def offload():
                 with self.lock, torch.no_grad():
                     tensors = self._tensors()
+                    # names gone (peft renames every weight when the first adapter wraps the model): not kept
+                    self._host = {n: h for n, h in self._host.items() if n in tensors}
                     for name, t in tensors.items():
                         host = self._host.get(name)
                         if host is None or host.shape != t.shape or host.dtype != t.dtype:

@@ -113,6 +113,9 @@ class VLLMEngine(WeightLoading):
         # JSON constraints compiled as engines.grammar compiles them for the HF engine: xgrammar, compact JSON.
         engine_args.setdefault("structured_outputs_config", StructuredOutputsConfig(
             backend="xgrammar", disable_any_whitespace=not grammar.ANY_WHITESPACE))
+        if lora_rank and dtype == "float32" and torch.cuda.is_available():  # else a bare assert at its start
+            raise ValueError("vLLM's LoRA kernels on CUDA take bfloat16 or float16 only: engine.dtype=auto (bfloat16 "
+                             "on GPUs), or engine.kind=hf to serve adapters in float32")
         if lora_rank:  # vLLM sizes its buffers by the rank, and by how many adapters one batch may mix
             if not (max_rank := next((r for r in get_args(MaxLoRARanks) if r >= lora_rank), None)):
                 raise ValueError(f"learner.lora.rank={lora_rank}: vLLM serves adapters of rank 512 at most")
