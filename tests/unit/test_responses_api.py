@@ -346,7 +346,7 @@ def policy(tokenizer, fail_after: int | None = None):
     server = object.__new__(POLICY_SERVER)  # its __init__ starts an engine inside a Serve replica
     server.model_name, server.tokenizer, server.max_model_len = "tiny", tokenizer, 512
     server.defaults, server.rollout_sampling, server.adapters = {"temperature": 0.7}, {}, AdapterRoutes("tiny", False)
-    server.taught = {}
+    server.taught, server.tool_format = {}, "hermes"
     server.run = partial(scripted_run, tokenizer, COMPLETION, fail_after)
     return server
 
