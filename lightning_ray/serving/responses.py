@@ -338,8 +338,7 @@ async def create_response(server, req: ResponsesRequest, trace: CallTrace):
     if req.stream:
         events = ResponseEventStream(req, params=params)
         return sse_response(_events(events, deltas, prompt_ids, bool(offered), bool(forced), server.tool_format),
-                            done_marker=False,
-                            named=True, failed=events.fail)
+                            done_marker=False, named=True, failed=events.fail)
     [c] = await collect_all(deltas)
     content, calls = parse_tool_calls(c.text, server.tool_format, c.span_id, bool(forced)) if offered \
         else (c.text or None, [])
