@@ -67,6 +67,33 @@ def test_the_job_trains_into_the_shared_volume_and_a_retry_goes_on_there():
     cfg = compose(overrides)  # the config the job would run with
     assert program == "jobs/train.py" and cfg.ray.address == "auto"
     assert cfg.run_path.parent == Path("/runs") and cfg.resume == "auto" and spec["backoffLimit"] > 0
+    # the driver resolves the model on the head and hands the path to pods of their own: a path they all read
+    assert Path(cfg.model.cache_dir).is_relative_to("/runs")
+
+
+@pytest.mark.parametrize("name", ["rayjob.yaml", "raycluster.yaml"])
+def test_every_node_of_a_training_cluster_downloads_to_the_shared_volume_and_lets_rollouts_skip_the_proxy(name):
+    """A Hub model downloaded by the driver on the head must be where the replicas and the learner on other pods look;
+    rollout workers on a pod without a replica have no Serve proxy there, so they call the replicas' own ports
+    (Serve's direct ingress, which a local cluster of the run turns on by itself)."""
+    from lightning_ray.serving.routing import DIRECT_INGRESS
+
+    spec = cluster_spec(MANIFESTS[name])
+    for pod in [spec["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in spec["workerGroupSpecs"])]:
+        [container] = pod["containers"]
+        env = {e["name"]: e["value"] for e in container.get("env", [])}
+        assert Path(env.get("HF_HOME", "~")).is_relative_to("/runs") and DIRECT_INGRESS.items() <= env.items()
+
+
+def test_the_gpu_image_runs_the_python_of_the_head():
+    """Ray refuses a node whose Python differs from the head's: the GPU image's documented base and the CPU
+    image's default name the same pyXY."""
+    import re
+
+    dockerfile = (ROOT / "k8s" / "Dockerfile").read_text()
+    [cpu] = re.findall(r"^ARG BASE=\S+-(py\d+)-cpu$", dockerfile, re.M)
+    [gpu] = re.findall(r"--build-arg BASE=\S+-(py\d+)-gpu", dockerfile)
+    assert cpu == gpu
 
 
 def test_the_service_deploys_a_valid_serve_config():
