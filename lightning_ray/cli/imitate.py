@@ -3,13 +3,31 @@ log, imitate.log."""
 
 from __future__ import annotations
 
+import shlex
+
 from lightning_ray.cli.train import run_training
 from lightning_ray.config import TrainConfig, job
+
+IMITATION_ONLY = ("teacher", "algorithm", "trainer", "seed", "run_dir", "resume", "task", "model.path")
 
 
 @job("imitate")
 def main(cfg: TrainConfig) -> None:
     """The training loop with a teacher answering the training rollouts (configs/imitate.yaml): its episodes that
     reach algorithm.sft_min_reward are fine-tuned on; the checkpoint is where RL goes on from."""
+    from hydra.core.hydra_config import HydraConfig
+
     run_training(cfg)
-    print(f"go on with RL from it: python jobs/train.py task={cfg.task.name} model.path={cfg.run_path / 'checkpoint'}")
+    print(f"go on with RL from it: {rl_command(cfg, list(HydraConfig.get().overrides.task))}")
+
+
+def rl_command(cfg: TrainConfig, overrides: list[str]) -> str:
+    """RL from the imitation's checkpoint, with this run's own settings (placement, model preset, engine, learner: a
+    GPU run's go on on the GPUs) but those of imitation itself (teacher, algorithm, trainer, seed, run_dir)."""
+    def imitation_only(override: str) -> bool:
+        key = override.lstrip("+~").split("=", 1)[0]
+        return any(key == k or key.startswith(k + ".") for k in IMITATION_ONLY)
+
+    kept = [o for o in overrides if not imitation_only(o)]
+    return shlex.join(["python", "jobs/train.py", f"task={cfg.task.name}", *kept,
+                       f"model.path={cfg.run_path / 'checkpoint'}"])

@@ -239,3 +239,23 @@ def test_results_land_outside_a_submitted_jobs_temporary_copy(tmp_path, monkeypa
     assert validate({"run_dir": str(tmp_path / "b")}).run_path == tmp_path / "b"
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {}}')  # submitted without a working_dir
     assert validate({"run_dir": "runs/a"}).run_path == tmp_path / "runs" / "a"
+
+
+def test_the_rl_run_an_imitation_prints_keeps_its_placement_and_model_and_drops_its_teacher(tmp_path):
+    """After a GPU imitation run, the command it prints goes on with RL on the same GPUs and model preset (it
+    printed task= and model.path= alone: RL then ran the CPU placement, the tiny model's defaults)."""
+    from lightning_ray.cli.imitate import rl_command
+
+    given = ["placement=colocated", "model=qwen2.5-0.5b-instruct", "engine=vllm", "learner.lr=3e-6", "task=sql",
+             "teacher.kind=model", "teacher.path=/models/teacher", "trainer.iterations=3", "algorithm.kl_coef=0",
+             f"run_dir={tmp_path}"]
+    imitation = compose(given, config_name="imitate")
+    program, *printed = shlex.split(rl_command(imitation, given))[1:]
+    assert program == "jobs/train.py" and not any(o.split("=")[0].startswith(("teacher", "trainer", "algorithm",
+                                                                              "run_dir")) for o in printed)
+    rl = compose([*printed, f"run_dir={tmp_path / 'rl'}"])
+    assert rl.model.path == str(tmp_path / "checkpoint") and rl.task.name == "sql"
+    for key in ("serve.resources", "learner.resources_per_worker", "engine.kind", "engine.max_model_len",
+                "learner.lr", "learner.micro_batch_tokens"):
+        section, name = key.split(".")
+        assert getattr(getattr(rl, section), name) == getattr(getattr(imitation, section), name), key
