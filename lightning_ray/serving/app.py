@@ -362,11 +362,12 @@ class PolicyServer:
                     if self._sleep is None:
                         self._sleep = self.gate.paused()
                         await self._sleep.__aenter__()  # drains what is generating
-                        await self.engine.sleep()
+                        for engine in self._engines():
+                            await engine.sleep()
                     await self.registry.ack_sleep.remote(self.replica_id, epoch)
                 elif woken >= epoch and self._sleep is not None:  # on the weights it holds
                     try:
-                        await self.engine.wake_up()
+                        await self._wake_up()
                     finally:
                         await self._end_sleep()
             except asyncio.CancelledError:
@@ -374,6 +375,14 @@ class PolicyServer:
             except Exception:
                 logger.exception("sleep follower: going on")
                 await asyncio.sleep(1.0)
+
+    def _engines(self) -> list:
+        """The engines holding this replica's share of a GPU: the policy's, and an imitation run's model teacher's."""
+        return [self.engine, *([self.teacher.engine] if hasattr(self.teacher, "engine") else [])]
+
+    async def _wake_up(self) -> None:
+        for engine in self._engines():
+            await engine.wake_up()
 
     async def _end_sleep(self) -> None:
         """Serving goes on (the engine awake), if it was paused for a sleep."""
@@ -394,7 +403,7 @@ class PolicyServer:
         self.seen_version = version
         try:
             if self._sleep is not None:  # awake, still paused: no request sees the old weights after the sleep
-                await self.engine.wake_up()
+                await self._wake_up()
             if not await self.weights.receive(payload, version, self._pause_for_weights):
                 return False
         except Exception as e:
