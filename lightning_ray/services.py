@@ -78,6 +78,9 @@ class Services:
         local = cfg.ray.address is None
         if local and cfg.serve.direct_ingress:  # read by Serve's controller and replicas as they start
             os.environ.update(DIRECT_INGRESS)
+        if local:  # a component given no GPU sees none (Ray leaves such a worker's CUDA_VISIBLE_DEVICES as it is):
+            # on a GPU node placement=cpu then means CPUs, not an engine taking the GPU beside a learner on CPUs
+            os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "1")
         # A run starts ~12 worker processes at once (store, registry, rollout workers, Serve's controller, proxy
         # and replicas, Ray Train's controller and ranks): Ray expects one per CPU, and its warning would say so
         # on every small machine.

@@ -4,6 +4,7 @@ starts, `--cfg job` prints the resolved config, and the run directory's record o
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -259,3 +260,20 @@ def test_the_rl_run_an_imitation_prints_keeps_its_placement_and_model_and_drops_
                 "learner.lr", "learner.micro_batch_tokens"):
         section, name = key.split(".")
         assert getattr(getattr(rl, section), name) == getattr(getattr(imitation, section), name), key
+
+
+def test_a_runs_local_cluster_hides_the_gpus_from_components_given_none(tmp_path):
+    """On a GPU node Ray leaves a worker given no GPU its CUDA_VISIBLE_DEVICES as it is, so with placement=cpu the
+    engine took the GPU beside a learner on CPUs: a run's local cluster hides them (Ray's override on zero).
+    Checked in a process of its own (a cluster the run starts), by what a worker given no GPU sees."""
+    script = f"""
+import os, ray
+from lightning_ray.config import compose
+from lightning_ray.services import Services
+cfg = compose(["run_dir={tmp_path}", "ray.num_cpus=1"])
+Services._start_ray(Services.__new__(Services), cfg)
+print("SEEN", repr(ray.get(ray.remote(num_cpus=0)(lambda: os.environ.get("CUDA_VISIBLE_DEVICES")).remote())))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "RAY_ADDRESS")}
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert "SEEN ''" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
