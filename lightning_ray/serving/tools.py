@@ -94,6 +94,7 @@ class ToolCallStreamParser:
       "<tool" is held until the next delta shows whether "<tool_call>" follows) and trailing whitespace (held
       until it is known whether a tool call follows it).
     - From an opening marker on, text is held until the closing marker (for formats without one, until finish()).
+      A format with no opening marker (Llama 3's JSON) holds an answer that opens with "{" or "[" to its end.
       A well-formed block then yields its calls as complete OpenAI streaming deltas: {"index", "id", "type":
       "function", "function": {"name", "arguments"}}, index counting the calls of the completion. A malformed or
       unclosed block is passed on as content, unchanged.
