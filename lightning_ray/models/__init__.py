@@ -54,7 +54,8 @@ def resolve_model_path(cfg: ModelConfig) -> Path:
     if cfg.path:
         path = Path(cfg.path).expanduser()
         if (path / "config.json").exists():
-            return path.resolve()  # absolute: Ray Train runs the learner in a directory of its own
+            # absolute, links kept (a run's checkpoint/): Ray Train runs the learner in a directory of its own
+            return path.absolute()
         if HUB_ID.fullmatch(cfg.path) and not path.exists():
             return _from_hub(cfg.path)
         raise FileNotFoundError(f"model.path={cfg.path}: no config.json there (expected an HF model directory, a "
