@@ -47,9 +47,12 @@ _tiny_build: subprocess.Popen | None = None
 def ray_cluster():
     # as a run's local cluster has it (rollout workers call replicas directly): for this cluster's processes only,
     # not for the clusters tests start with `ray start` (test_cluster.py: several nodes, where it would need a host)
-    os.environ.update(DIRECT_INGRESS)
+    # and Serve tells of a replica it cannot place after 3 s, not 30 (test_deploy.py)
+    cluster_env = {**DIRECT_INGRESS, "RAY_SERVE_SLOW_STARTUP_WARNING_S": "3",
+                   "RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S": "3"}
+    os.environ.update(cluster_env)
     ray.init(num_cpus=4, namespace="lightning_ray_tests", include_dashboard=False)
-    for key in DIRECT_INGRESS:
+    for key in cluster_env:
         del os.environ[key]
     yield
     ray.shutdown()

@@ -46,8 +46,8 @@ def _wait(apps: list[str], status: ApplicationStatus, deadline: float = float("i
                 raise RuntimeError(f"deploying {name}: {state.message}")
             elif status == ApplicationStatus.RUNNING:
                 # a replica the cluster has no room for waits with no end (an autoscaler may yet add a node):
-                # Serve's reason, with the resources asked and available, told once
-                for message in {d.message for d in serve_status.deployment_statuses} - told - {""}:
+                # Serve's reason, with the resources asked and available, told once (not its slow-start notes)
+                for message in {d.message for d in serve_status.deployment_statuses if "scheduled" in d.message} - told:
                     told.add(message)
                     console.print(f"still deploying {name}: {message}")
         if waiting:
