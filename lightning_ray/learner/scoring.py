@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from lightning_ray.learner import lora
 from lightning_ray.types import Transition
@@ -14,6 +15,7 @@ from lightning_ray.types import Transition
 if TYPE_CHECKING:
     from transformers import DynamicCache
 
+SCORED_ELEMENTS = 1 << 26  # logits scored at once (a chunk's fp32 copy: 256 MiB)
 # transitions with the weights of their action tokens in the loss (one for all, or one each: loss.token_weights)
 MicroBatch = list[tuple[Transition, float | np.ndarray]]
 
@@ -64,25 +66,38 @@ def score(module: torch.nn.Module, batch: dict[str, torch.Tensor], entropy_grad:
     states, logits = actions_forward(model, ids[:, shared:], predicts[:, shared:], cache)
     targets = ids[:, 1:][predicts]
     temperature = batch["temperature"][:, None].expand_as(predicts)[predicts]
-    picked = logits.gather(-1, targets[:, None]).squeeze(-1)
-    tempered = picked / temperature - torch.logsumexp(logits / temperature[:, None], -1)
-    with torch.no_grad():
-        untempered = picked - torch.logsumexp(logits, -1)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        log_p = torch.log_softmax(logits / temperature[:, None], -1)
-        entropy = -(log_p.exp() * log_p).sum(-1)
+    # The vocabulary-wide fp32 math a chunk of rows at a time, recomputed in the backward: held for it are the
+    # head's logits only, not several fp32 [response tokens, vocabulary] copies (a 1.5B Qwen's 16k-token micro-batch
+    # of responses: ~9 GB each)
+    grad = torch.is_grad_enabled()
+    chunks = [checkpoint(token_scores, *chunk, use_reentrant=False) if grad else token_scores(*chunk)
+              for chunk in zip(*(x.split(SCORED_ELEMENTS // logits.shape[-1] or 1) for x in
+                                 (logits, targets, temperature)))]
+    tempered, untempered, entropy = (torch.cat(x) for x in zip(*chunks))
+    entropy = entropy if entropy_grad else entropy.detach()
     values = module.value_head(states).squeeze(-1).float() if isinstance(module, WithValueHead) else None
     return Scores(tempered, untempered, entropy, values)
+
+
+def token_scores(logits: torch.Tensor, targets: torch.Tensor,
+                 temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of the head's logits -> each target's logprob at the row's temperature and at 1 (no gradient), and the
+    entropy of the tempered distribution, in fp32."""
+    logits = logits.float()
+    log_p = torch.log_softmax(logits / temperature[:, None], -1)
+    with torch.no_grad():
+        untempered = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+    return log_p.gather(-1, targets[:, None]).squeeze(-1), untempered, -(log_p.exp() * log_p).sum(-1)
 
 
 def actions_forward(model, input_ids: torch.Tensor, predicts: torch.Tensor,
                     cache: DynamicCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The model on right-padded `input_ids`, after the tokens `cache` holds if any (the new keys and values go
     into it), its LM head only on the positions `predicts` marks (each position but the last predicts the next
-    token): those positions' last hidden states and fp32 logits, flat in row order. No attention mask: causal
-    attention never lets a real token see the padding after it, and without one SDPA runs its causal kernel, not
-    its masked one (SmolLM2's forward and backward on CPU: 0.87-0.92 of the time for 4 rows of ~300 tokens, ~0.97
-    for 13 of ~150, side by side)."""
+    token): those positions' last hidden states and logits (in the model's dtype), flat in row order. No attention
+    mask: causal attention never lets a real token see the padding after it, and without one SDPA runs its causal
+    kernel, not its masked one (SmolLM2's forward and backward on CPU: 0.87-0.92 of the time for 4 rows of ~300
+    tokens, ~0.97 for 13 of ~150, side by side)."""
     kept = {}
 
     def actions_only(decoder, inputs, out):
@@ -95,7 +110,7 @@ def actions_forward(model, input_ids: torch.Tensor, predicts: torch.Tensor,
         out = model(input_ids=input_ids, past_key_values=cache, use_cache=cache is not None)
     finally:
         hook.remove()
-    return kept["states"], out.logits[0].float()
+    return kept["states"], out.logits[0]
 
 
 def collate(micro_batch: MicroBatch, pad_id: int, share_prefix: bool = False) -> dict[str, torch.Tensor]:

@@ -68,6 +68,35 @@ def test_score_is_the_tempered_softmax_of_the_full_forward_pass(model):
     assert not entropy.requires_grad and score(model, batch, entropy_grad=True)[2].requires_grad
 
 
+def test_score_keeps_for_the_backward_only_the_heads_logits_and_scores_chunks_alike(monkeypatch):
+    """The vocabulary-wide fp32 math runs a chunk of rows at a time, recomputed in the backward: of the tensors as
+    large as [response tokens, vocabulary], the graph holds the head's own logits (in the model's dtype) and no
+    fp32 copy; chunks of 7 rows give the same scores and gradients as one chunk."""
+    from lightning_ray.learner import scoring
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY)).to(torch.bfloat16)
+    batch = collate([(t, 1.0) for t in batch_of(6)], pad_id=0)
+    results = []
+    for elements in (1 << 26, 7 * TINY["vocab_size"]):
+        monkeypatch.setattr(scoring, "SCORED_ELEMENTS", elements)
+        model.zero_grad()
+        held = []
+
+        def pack(x):
+            if x.dim() == 2 and x.shape[-1] == TINY["vocab_size"]:  # [tokens, vocabulary]: logits, a chunk's too
+                held.append(x.dtype)
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            scores = score(model, batch, entropy_grad=True)
+        (scores.logprobs.sum() + scores.entropy.sum()).backward()
+        assert held and set(held) == {torch.bfloat16}, held
+        results.append((*scores[:3], torch.cat([p.grad.flatten() for p in model.parameters()])))
+    for one, chunked in zip(*results):
+        assert torch.equal(one.detach(), chunked.detach())
+
+
 def test_the_warm_ups_loss_is_the_models_own_with_a_mask_and_labels(model):
     """The tiny and rag models' warm-ups skip the attention mask and the LM head on padding (models/tiny.py): on
     right-padded rows, the loss and its gradient are what the model's own with a mask and -100 labels give."""
