@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import AsyncIterator, Callable
 
+import ray
 import torch
 import torch.nn.functional as F
 import transformers
@@ -68,6 +69,24 @@ class _Batch:
     version: int | None = None  # the weights the cache was computed under
 
 
+def _device() -> torch.device:
+    """The replica's GPU where Ray gave it one (Ray sets CUDA_VISIBLE_DEVICES to it: it is cuda:0 here). Given one
+    that torch cannot use, it refuses: serving on the CPUs instead is 10-100x slower, and silent."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if ray.is_initialized() and (gpus := ray.get_gpu_ids()):
+        raise RuntimeError(f"this replica was given GPUs {gpus} (serve.resources.GPU), but torch {torch.__version__} "
+                           f"cannot use CUDA (torch.version.cuda={torch.version.cuda}; None: a CPU-only build): "
+                           "install a CUDA build of torch that the node's driver supports, or serve on CPUs")
+    return torch.device("cpu")
+
+
+def _is_device_error(e: BaseException) -> bool:
+    """A CUDA error: the context is usually lost with it (an illegal address, a device-side assert), and every
+    later step would fail the same way."""
+    return isinstance(e, torch.AcceleratorError) or isinstance(e, RuntimeError) and "CUDA error" in str(e)
+
+
 class HFEngine(WeightLoading):
     def __init__(self, model_path: str, dtype: str = "float32", seed: int | None = 0,
                  gpu_memory_utilization: float | None = 0.9,
@@ -83,8 +102,7 @@ class HFEngine(WeightLoading):
         if seed is not None:  # requests without a seed of their own draw from the process's generator
             torch.manual_seed(seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        # The replica's GPU where Ray gave it one (Ray sets CUDA_VISIBLE_DEVICES to it: it is cuda:0 here)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = _device()
         if self.device.type == "cuda" and gpu_memory_utilization is not None:  # colocated: the rest is the learner's
             torch.cuda.set_per_process_memory_fraction(gpu_memory_utilization)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype),
@@ -159,6 +177,8 @@ class HFEngine(WeightLoading):
                 self._back_off(everyone, e)
             except BaseException as e:  # the model failed: every request in the step gets the error, and the thread
                 # goes on for the next ones (a dead one would leave every later request waiting)
+                if _is_device_error(e):  # the replica is replaced (its health check fails)
+                    self.broken = f"the device failed: {e}"
                 for r in everyone:
                     if not r.ended:
                         r.end(e)

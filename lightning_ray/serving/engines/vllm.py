@@ -151,6 +151,20 @@ class VLLMEngine(WeightLoading):
         self._admitting = 0  # streams past the gate that vLLM may not count as unfinished yet
         self._load_lock = asyncio.Lock()
 
+    _broken: str | None = None
+
+    @property
+    def broken(self) -> str | None:
+        """A load that failed part way, or vLLM's engine core dead: any exception in a step kills it, and every
+        request after it fails (EngineDeadError) while the replica would look healthy."""
+        if self._broken is None and self.engine.errored:
+            return f"vLLM's engine core died: {self.engine.dead_error}"
+        return self._broken
+
+    @broken.setter
+    def broken(self, reason: str | None) -> None:
+        self._broken = reason
+
     async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         await self._open.wait()
         k, forced = params.top_logprobs, self._forced(params)
@@ -306,8 +320,11 @@ class VLLMEngine(WeightLoading):
                     finally:
                         await self.engine.resume_generation()
                 else:
-                    # the output processor's count: AsyncLLM's own getter of it is not in vLLM 0.25
+                    # the output processor's count: AsyncLLM's own getter of it is not in vLLM 0.25. A dead engine
+                    # core fails its requests without removing them from it: the count would never reach 0
                     while self._admitting or self.engine.output_processor.get_num_unfinished_requests():
+                        if self.engine.errored:
+                            raise RuntimeError(f"vLLM's engine core died: {self.engine.dead_error}")
                         await asyncio.sleep(0.005)
                     yield
             finally:
