@@ -149,11 +149,13 @@ def bare_steps(model_path, batch, steps: int, token_budget: int, threads: int, t
 
 def learner_config(token_budget: int, workers: int, threads: int, stage: str | int, learner: dict, cuda: bool):
     """The run's config of the learner alone: on a GPU it publishes as placement=colocated does (CUDA IPC handles,
-    or LoRA's adapter), to replicas that would share its GPU; on CPUs through the object store."""
+    or LoRA's adapter), to replicas that would share its GPU, or with several ranks as placement=split does; on CPUs
+    through the object store."""
     device = {"CPU": 1, "GPU": 1} if cuda else {"CPU": 1}
+    transport = "auto" if not cuda else "cuda_ipc" if workers == 1 else "collective"
     return validate({"run_dir": tempfile.mkdtemp(), "serve": {"resources": device}, "learner": {**learner,
         "num_workers": workers, "threads_per_worker": threads, "micro_batch_tokens": token_budget, "lr": 1e-6,
-        "zero_stage": stage, "resources_per_worker": device, "weight_sync": "cuda_ipc" if cuda else "auto",
+        "zero_stage": stage, "resources_per_worker": device, "weight_sync": transport,
         "max_logprob_gap": None}})  # made-up served logprobs
 
 

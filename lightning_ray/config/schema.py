@@ -159,6 +159,18 @@ class EngineConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _one_engine_per_replica(self):
+        # A replica holds its GPUs (serve.resources) and is one engine: vLLM's data parallelism would run engines the
+        # weight sync never reaches (its NCCL group counts one), its Ray executor would ask Ray for GPUs the replica
+        # already holds (waiting up to 30 min), and pipeline stages lack the LM head the weight load re-ties
+        for key, fine in (("data_parallel_size", (1,)), ("pipeline_parallel_size", (1,)),
+                          ("distributed_executor_backend", ("mp", "uni"))):
+            if self.options.get(key) not in (None, *fine):
+                raise ValueError(f"engine.options.{key}={self.options[key]}: a replica is one engine on its own "
+                                 "GPUs; more replicas (serve.num_replicas) or engine.tensor_parallel_size instead")
+        return self
+
+    @model_validator(mode="after")
     def _hf_takes_no_options(self):
         if self.kind == "hf" and self.options:  # else it fails inside a Serve replica, far from the cause
             raise ValueError(f"engine.options {sorted(self.options)}: the hf engine takes none (vLLM's engine "
@@ -592,7 +604,15 @@ class TrainConfig(_Strict):
     def _weight_sync_fits_the_devices(self):
         from lightning_ray import weight_sync
 
-        weight_sync.of_run(self)  # raises where the transport cannot join the learner's device to the replicas'
+        # raises where the transport cannot join the learner's device to the replicas'
+        if weight_sync.of_run(self) == "cuda_ipc":  # rank 0's handles open on its own GPU only
+            others = [f"{key}={value}" for key, value in (("learner.num_workers", self.learner.num_workers),
+                                                          ("engine.tensor_parallel_size",
+                                                           self.engine.tensor_parallel_size)) if value > 1]
+            if others:
+                raise ValueError(f"learner.weight_sync=cuda_ipc (placement=colocated) shares one GPU between the "
+                                 f"learner's rank 0 and the engine: {', '.join(others)} puts ranks or engine "
+                                 "workers on other GPUs, which it cannot reach; placement=split (collective)")
         return self
 
     @model_validator(mode="after")

