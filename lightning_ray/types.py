@@ -205,6 +205,11 @@ class Transition(ArrayModel):
     # The LoRA adapter that served the call, which trains on it (algorithm.adapters); None: the base, or learner.lora's
     # one adapter
     adapter: str | None = None
+    # Sampled under a grammar's mask (a JSON response format, a required tool call): its logprobs are the masked
+    # distribution's, which the learner's softmax over the whole vocabulary does not reproduce (the learner neither
+    # compares them with its own nor importance-weights by them), and a token the grammar alone allowed (logprob 0)
+    # was no choice of the policy's (out of loss_mask)
+    constrained: bool = False
 
     @model_validator(mode="after")
     def _one_logprob_per_response_token(self) -> Transition:

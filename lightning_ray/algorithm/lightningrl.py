@@ -70,6 +70,7 @@ def _transitions(rollout: Rollout, spans: list[Span], policy_model: str, agent_r
             policy_version=s.attributes[semconv.POLICY_VERSION],
             temperature=_temperature(s),
             adapter=s.attributes.get(semconv.ADAPTER),
+            **_constrained(s),
         )
         for i, s in enumerate(calls)
     ], len(selected) - len(calls)
@@ -142,8 +143,8 @@ def merge_calls(transitions: list[Transition]) -> tuple[list[Transition], int]:
     breaks = 0
     for t in transitions:
         last = runs[-1][-1] if runs and runs[-1][-1].rollout_id == t.rollout_id else None
-        if last is not None and (last.temperature, last.policy_version, last.adapter) == \
-                (t.temperature, t.policy_version, t.adapter):
+        if last is not None and (last.temperature, last.policy_version, last.adapter, last.constrained) == \
+                (t.temperature, t.policy_version, t.adapter, t.constrained):
             if _extends(t, last):
                 runs[-1].append(t)
                 continue
@@ -185,6 +186,14 @@ def scored_faithfully(span: Span) -> bool:
     sampling = span.attributes.get(semconv.SAMPLING, {})
     return (sampling.get("temperature", 1.0) > 0 and sampling.get("top_p", 1.0) >= 1.0
             and not sampling.get("constrained"))
+
+
+def _constrained(span: Span) -> dict:
+    """A grammar-constrained call's Transition fields: the tokens it forced (the only one allowed: logprob 0 under
+    the mask) are no action of the policy's."""
+    if not span.attributes.get(semconv.SAMPLING, {}).get("constrained"):
+        return {}
+    return {"constrained": True, "loss_mask": (np.asarray(span.attributes[semconv.LOGPROBS]) != 0).astype(np.int8)}
 
 
 def _temperature(span: Span) -> float:

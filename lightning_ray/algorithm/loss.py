@@ -26,7 +26,8 @@ def token_weights(transitions: list[Transition], aggregation: LossAggregation, m
             return 1.0 / (max_tokens * n)
         raise ValueError(f"unknown loss aggregation {aggregation!r}")
 
-    return [np.repeat(np.array([weight(k) for k in c], np.float32), c) for c in calls]
+    # a call with no action token (a grammar forced each one: Transition.constrained) weighs nothing
+    return [np.repeat(np.array([weight(k) if k else 0.0 for k in c], np.float32), c) for c in calls]
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,

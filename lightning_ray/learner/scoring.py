@@ -115,9 +115,10 @@ def actions_forward(model, input_ids: torch.Tensor, predicts: torch.Tensor,
 
 def collate(micro_batch: MicroBatch, pad_id: int, share_prefix: bool = False) -> dict[str, torch.Tensor]:
     """Right-padded prompt+response rows. Position i of `mask` predicts token i+1, and is 1 where that token is
-    the policy's action; the flat per-token tensors (advantages, weights, served_logprobs) follow the actions in row
-    order, as `score` returns them; `row_tokens` and `sample_returns` give each row's share and return; `shared`,
-    with share_prefix, how many leading tokens all rows have in common (`score` runs them once)."""
+    the policy's action; the flat per-token tensors (advantages, weights, served_logprobs, constrained: whether a
+    grammar masked the served one) follow the actions in row order, as `score` returns them; `row_tokens` and
+    `sample_returns` give each row's share and return; `shared`, with share_prefix, how many leading tokens all rows
+    have in common (`score` runs them once)."""
     rows = micro_batch or []
     width = max([len(t.prompt_ids) + len(t.response_ids) for t, _ in rows] + [2])
     n = max(len(rows), 1)  # an empty micro-batch is one row of padding: no tokens, zero loss, still a backward
@@ -133,11 +134,13 @@ def collate(micro_batch: MicroBatch, pad_id: int, share_prefix: bool = False) ->
         return torch.from_numpy(np.repeat(np.array(values, np.float32), tokens))
 
     served = np.concatenate([np.zeros(0), *(t.logprobs[t.action_mask == 1] for t, _ in rows)], dtype=np.float32)
+    constrained = np.concatenate([np.zeros(0, bool), *(np.full(t.action_tokens, t.constrained) for t, _ in rows)])
     weights = np.concatenate([np.zeros(0), *(np.broadcast_to(w, t.action_tokens) for t, w in rows)], dtype=np.float32)
     return {"input_ids": torch.from_numpy(input_ids), "mask": torch.from_numpy(mask),
             "temperature": torch.tensor([t.temperature for t, _ in rows] or [1.0]),
             "advantages": per_action([t.advantage for t, _ in rows]), "weights": torch.from_numpy(weights),
-            "served_logprobs": torch.from_numpy(served), "row_tokens": tokens,
+            "served_logprobs": torch.from_numpy(served), "constrained": torch.from_numpy(constrained),
+            "row_tokens": tokens,
             "sample_returns": [t.returns for t, _ in rows],
             "shared": shared_prefix([t for t, _ in rows]) if share_prefix else 0}
 

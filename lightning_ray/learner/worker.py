@@ -320,8 +320,9 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
                 # DeepSpeed averages gradients over ranks; the weights already normalize over the whole mini-batch.
                 weights = batch["weights"] * world_size
                 is_weights = None
-                if alg.tis_cap:  # sampler → old policy; the ratio takes it on from there
+                if alg.tis_cap:  # sampler → old policy; the ratio takes it on from there (a grammar's: unknown)
                     is_weights = truncated_is_weights(batch["old_untempered"], batch["served_logprobs"], alg.tis_cap)
+                    is_weights = torch.where(batch["constrained"], 1.0, is_weights)
                     if epoch == 0:
                         totals["tis_capped"] += (is_weights >= alg.tis_cap).sum()
                 loss, stats = policy_loss(scores.logprobs, batch["old_logprobs"], batch["advantages"], weights,
@@ -346,10 +347,13 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
                 totals["clip_frac"] += stats["clip_frac"] * len(scores.logprobs)
                 totals["entropy"] += scores.entropy.detach().sum()
             if epoch == m == 0:  # every old logprob is known, and no weight has moved yet
-                # how far the trainer is from the server on the same tokens (both untempered): ~1e-7 when they agree
-                gap = torch.tensor([sum((b["old_untempered"] - b["served_logprobs"]).abs().sum().item()
-                                        for b in batches), tokens], dtype=torch.float64, device=engine.device)
-                totals["logprob_abs_diff"] = gap[0].item()
+                # how far the trainer is from the server on the same tokens (both untempered): ~1e-7 when they agree;
+                # a grammar's masked logprobs are not the trainer's to match
+                compared = [~b["constrained"] for b in batches]
+                gap = torch.tensor([sum((b["old_untempered"] - b["served_logprobs"]).abs()[c].sum().item()
+                                        for b, c in zip(batches, compared)), sum(int(c.sum()) for c in compared)],
+                                   dtype=torch.float64, device=engine.device)
+                totals["logprob_abs_diff"] = gap[0].item() / max(gap[1].item(), 1)
                 if max_logprob_gap is not None:
                     check_logprob_gap(gap, max_logprob_gap, world_size)
             stepped = time.perf_counter()
@@ -366,7 +370,7 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
             "grad_norm": sum(n for n, _ in norms) / len(norms),  # each before clipping
             "clip_frac": totals["clip_frac"] / updates, "entropy": totals["entropy"] / updates,
             "kl_ref": critic_kl / per_token + totals["kl_ref"] / updates,
-            "logprob_abs_diff": totals["logprob_abs_diff"] / per_token, "tis_capped": totals["tis_capped"] / per_token}
+            "logprob_abs_diff": totals["logprob_abs_diff"], "tis_capped": totals["tis_capped"] / per_token}
 
 
 def micro_step(engine) -> None:

@@ -414,6 +414,17 @@ def test_calls_whose_prompts_extend_the_context_merge_into_one_masked_sequence()
     assert merged[1] == other
 
 
+def test_a_grammar_constrained_call_merges_only_with_constrained_ones_and_a_wholly_forced_one_weighs_nothing():
+    """(Its tokens are not compared with the learner's or importance-weighted: a sequence is one or the other.)"""
+    first = call("a", [1, 2, 3], [4, 5])
+    forced = call("a", [1, 2, 3, 4, 5, 9], [6]).model_copy(update={"constrained": True,
+                                                                   "loss_mask": np.zeros(1, np.int8)})
+    merged, breaks = merge_calls([first, forced])
+    assert breaks == 0 and [m.constrained for m in merged] == [False, True]
+    weights = token_weights(merged, "sequence_mean", max_tokens=4)
+    assert [w.tolist() for w in weights] == [[0.25, 0.25], []]
+
+
 def test_a_re_rendered_prompt_breaks_the_sequence_and_is_counted():
     first = call("a", [1, 2, 3], [4, 5])
     drifted = call("a", [1, 2, 3, 45, 9], [6])  # the answer re-tokenized as one token: not the sampled ids

@@ -475,6 +475,50 @@ def test_a_step_whose_loss_is_not_finite_is_skipped(one_rank, stage):
     assert all(torch.isfinite(p).all() for p in engine.module.parameters())
 
 
+def test_a_grammar_constrained_calls_masked_logprobs_neither_fail_the_first_step_nor_weigh_its_tokens(
+        one_rank, tokenizer, tmp_path):
+    """The HF engine samples one call freely and one under a JSON schema: the constrained call's logprobs are the
+    grammar-masked distribution's (nats above the learner's whole-vocabulary ones on a random model), which neither
+    trips learner.max_logprob_gap nor importance-weights its tokens (min(ratio, cap) would have made them ~0), and the
+    tokens the grammar alone allowed (logprob 0) are out of the loss. The same weights serve and train."""
+    import asyncio
+
+    from lightning_ray.algorithm.lightningrl import transitions_from_spans
+    from lightning_ray.serving.engines import SamplingParams, generate, make_engine
+    from lightning_ray.tracing import semconv
+    from lightning_ray.types import Rollout, Span, Task
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**TINY, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+                                    "eos_token_id": tokenizer.eos_token_id})).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    served = make_engine("hf", str(tmp_path), dtype="float32")
+    prompt = tokenizer.encode("a question")
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    spans = []
+    for i, constraint in enumerate((None, schema)):
+        out = asyncio.run(generate(served, prompt, SamplingParams(max_tokens=12, seed=i, json_schema=constraint)))
+        spans.append(Span(rollout_id="r", attempt_id="a", name=semconv.LLM_CALL, start_time=i, origin="server",
+                          attributes={semconv.MODEL: "policy", semconv.PROMPT_TOKEN_IDS: prompt,
+                                      semconv.COMPLETION_TOKEN_IDS: out.token_ids, semconv.LOGPROBS: out.logprobs,
+                                      semconv.POLICY_VERSION: 0, semconv.FINISH_REASONS: [out.finish_reason],
+                                      semconv.SAMPLING: {"temperature": 1.0, "constrained": constraint is not None}}))
+    rollout = Rollout(rollout_id="r", task=Task(task_id="t", input={}), attempt_id="a", reward=1.0)
+    free, constrained = transitions_from_spans(rollout, spans, "policy")
+    assert not free.constrained and constrained.constrained
+    assert constrained.loss_mask.tolist() == (constrained.logprobs != 0).tolist()  # forced tokens: no action
+    free, constrained = (t.model_copy(update={"advantage": 1.0}) for t in (free, constrained))
+    learner = engine_for(LlamaForCausalLM.from_pretrained(tmp_path).float(), lr=1e-9)
+    with torch.no_grad():
+        learners = score(learner.module, collate([(constrained, 1.0)], pad_id=0)).untempered.numpy()
+    assert (constrained.logprobs[constrained.action_mask == 1] - learners).mean() > 1  # the grammar's mass
+    stats = step(learner, [free, constrained], max_logprob_gap=0.1, tis_cap=2.0)
+    assert stats["logprob_abs_diff"] < 1e-4  # the free call's tokens alone, as the server sampled them
+    # the first step's ratio is 1 and every advantage 1: the loss is -(Σ weights × importance weights) = -1
+    assert stats["loss"] == pytest.approx(-1.0, abs=1e-3)
+
+
 def test_a_first_step_far_from_the_servers_logprobs_fails_before_any_update(one_rank):
     transitions = batch_of(4, seed=7)  # served logprobs of -1: nothing like this model's
     engine = engine_for(fresh())
