@@ -11,10 +11,10 @@ from pathlib import Path
 
 import ray
 
-from lightning_ray.config import TrainConfig
+from lightning_ray.config import ConfigError, TrainConfig
 from lightning_ray.learner.checkpoint import Checkpoint
 from lightning_ray.models import resolve_adapter, resolve_model_path
-from lightning_ray.placement import ON_HEAD, actor_options, share_a_gpu
+from lightning_ray.placement import ON_HEAD, actor_options, gpus_asked, share_a_gpu
 from lightning_ray.rollout.dispatch import run_to_end
 from lightning_ray.rollout.worker import RolloutWorker
 from lightning_ray.serving.app import APP_NAME, policy_target
@@ -37,6 +37,19 @@ def learner_waits_for_engine(cfg: TrainConfig) -> bool:
     return cfg.engine.kind == "vllm" and share_a_gpu(cfg.learner.resources_per_worker, cfg.serve.resources)
 
 
+def check_gpus(cfg: TrainConfig, learner: bool, detected: float) -> None:
+    """Refuses a run whose placement asks for more GPUs than this machine's Ray detected (none: a container started
+    without its GPUs, a driver NVML cannot reach, a CPU machine)."""
+    s, t = cfg.serve, cfg.learner
+    replicas = s.autoscaling.get("min_replicas", 1) if s.autoscaling else s.num_replicas
+    asked = gpus_asked(s.resources, replicas, t.resources_per_worker, t.num_workers if learner else 0)
+    if asked > detected:
+        raise ConfigError(f"the run asks for {asked:g} GPUs (serve.resources.GPU x replicas"
+                          + (", learner.resources_per_worker.GPU x learner.num_workers" if learner else "")
+                          + f": a GPU placement), and Ray detected {detected:g} on this machine: check that "
+                          "nvidia-smi sees them here, or placement=cpu")
+
+
 class Services:
     def __init__(self, cfg: TrainConfig, rollout_workers: bool = True, learner: bool = False,
                  resume: Checkpoint | None = None):
@@ -56,7 +69,7 @@ class Services:
         self._since = time.perf_counter()
         try:
             if self.owns_ray:
-                self._start_ray(cfg)
+                self._start_ray(cfg, learner)
             self._start(cfg, rollout_workers, learner, resume)
             self._starting(None)
         except BaseException as e:
@@ -74,7 +87,7 @@ class Services:
             parts = ", ".join(f"{name} {s:.1f}" for name, s in self.start_seconds.items())
             console.print(f"started in {sum(self.start_seconds.values()):.1f} s ({parts})")
 
-    def _start_ray(self, cfg: TrainConfig) -> None:
+    def _start_ray(self, cfg: TrainConfig, learner: bool) -> None:
         local = cfg.ray.address is None
         if local and cfg.serve.direct_ingress:  # read by Serve's controller and replicas as they start
             os.environ.update(DIRECT_INGRESS)
@@ -88,6 +101,8 @@ class Services:
                            **({"num_cpus": cfg.ray.num_cpus, "_metrics_export_port": cfg.ray.metrics_export_port,
                                "_system_config": {"worker_maximum_startup_concurrency": 16}} if local else {}))
         _link_ray_logs(context.address_info["session_dir"], cfg.run_path / "logs")
+        if local:  # else the replicas or ranks would wait for GPUs for ever, behind a spinner (a cluster may grow)
+            check_gpus(cfg, learner, ray.cluster_resources().get("GPU", 0))
         if context.dashboard_url:
             console.print(f"Ray dashboard at http://{context.dashboard_url} (metrics: lightning_ray_*)")
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import ROOT
 import yaml
 from omegaconf import OmegaConf
@@ -265,15 +266,22 @@ def test_the_rl_run_an_imitation_prints_keeps_its_placement_and_model_and_drops_
 def test_a_runs_local_cluster_hides_the_gpus_from_components_given_none(tmp_path):
     """On a GPU node Ray leaves a worker given no GPU its CUDA_VISIBLE_DEVICES as it is, so with placement=cpu the
     engine took the GPU beside a learner on CPUs: a run's local cluster hides them (Ray's override on zero).
-    Checked in a process of its own (a cluster the run starts), by what a worker given no GPU sees."""
+    Checked in a process of its own (a cluster the run starts), by what a worker given no GPU sees. And a GPU
+    placement asking for more GPUs than the cluster detected is refused (its replicas waited for ever): here, none."""
     script = f"""
 import os, ray
 from lightning_ray.config import compose
-from lightning_ray.services import Services
+from lightning_ray.services import Services, check_gpus
 cfg = compose(["run_dir={tmp_path}", "ray.num_cpus=1"])
-Services._start_ray(Services.__new__(Services), cfg)
+Services._start_ray(Services.__new__(Services), cfg, learner=True)
 print("SEEN", repr(ray.get(ray.remote(num_cpus=0)(lambda: os.environ.get("CUDA_VISIBLE_DEVICES")).remote())))
+try:
+    check_gpus(compose(["run_dir={tmp_path}", "placement=colocated"]), True, ray.cluster_resources().get("GPU", 0))
+except ValueError as e:
+    print("REFUSED", e)
 """
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "RAY_ADDRESS")}
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert "SEEN ''" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    if not torch.cuda.is_available():
+        assert "REFUSED the run asks for 1 GPUs" in out.stdout and "Ray detected 0" in out.stdout, out.stdout[-2000:]
