@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shlex
 from functools import lru_cache
 from pathlib import Path
+from unittest.mock import patch
 
 import jsonschema
 import pytest
@@ -60,15 +62,19 @@ def test_cpu_and_gpu_worker_groups_share_the_run_volume(name):
 
 
 def test_the_job_trains_into_the_shared_volume_and_a_retry_goes_on_there():
-    from lightning_ray.config import compose
+    from lightning_ray.config import compose, loopback
 
     spec = MANIFESTS["rayjob.yaml"]["spec"]
-    program, *overrides = spec["entrypoint"].removeprefix("python ").split()
-    cfg = compose(overrides)  # the config the job would run with
+    program, *overrides = shlex.split(spec["entrypoint"].removeprefix("python "))  # as the head's shell would
+    with patch.dict(os.environ, {"LIGHTNING_RAY_API_KEY": "a key"}):  # the Secret's, in every pod
+        cfg = compose(overrides)  # the config the job would run with
     assert program == "jobs/train.py" and cfg.ray.address == "auto"
     assert cfg.run_path.parent == Path("/runs") and cfg.resume == "auto" and spec["backoffLimit"] > 0
     # the driver resolves the model on the head and hands the path to pods of their own: a path they all read
     assert Path(cfg.model.cache_dir).is_relative_to("/runs")
+    # a rollout worker on a pod without a replica reaches the replicas on the pods' network (with direct ingress
+    # Serve runs its proxy on the head only), with the key
+    assert not loopback(cfg.serve.host) and cfg.serve.api_key == "a key"
 
 
 @pytest.mark.parametrize("name", ["rayjob.yaml", "raycluster.yaml"])
@@ -81,8 +87,11 @@ def test_every_node_of_a_training_cluster_downloads_to_the_shared_volume_and_let
     spec = cluster_spec(MANIFESTS[name])
     for pod in [spec["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in spec["workerGroupSpecs"])]:
         [container] = pod["containers"]
-        env = {e["name"]: e["value"] for e in container.get("env", [])}
+        env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
         assert Path(env.get("HF_HOME", "~")).is_relative_to("/runs") and DIRECT_INGRESS.items() <= env.items()
+        # the callers' key, from its Secret; and a component given no GPU sees none (as on a run's local cluster)
+        assert env["LIGHTNING_RAY_API_KEY"] == {"secretKeyRef": {"name": "lightning-ray-api-key", "key": "api_key"}}
+        assert env["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] == "1"
 
 
 def test_the_gpu_image_runs_the_python_of_the_head():
