@@ -78,6 +78,13 @@ def clear_stale_build_locks(extensions_dir: str, max_age_s: float = 900) -> list
     return stale
 
 
+OUT_OF_MEMORY = ("the learner ran out of GPU memory: lower learner.micro_batch_tokens (each micro-batch's tokens), "
+                 "keep learner.gradient_checkpointing on, share the states over more ranks (learner.zero_stage=3) or "
+                 "keep the optimizer on the host (learner.offload_optimizer=true), or train LoRA adapters "
+                 "(learner.lora={}); colocated, the engine's share is engine.gpu_memory_utilization, freed while the "
+                 "learner trains with engine.sleep_while_training=true")
+
+
 def train_loop_per_worker(cfg: dict) -> None:
     """One rank (learn); an error in it goes to the driver before Ray Train sees it, so the run fails at once with
     it rather than restarting the ranks into the same error (restarts are for ranks that die: the driver tells the
@@ -86,6 +93,8 @@ def train_loop_per_worker(cfg: dict) -> None:
     try:
         learn(cfg, nonce)
     except Exception as e:
+        if isinstance(e, torch.OutOfMemoryError):  # the same batch would run out again on a restart or a resume
+            e.add_note(OUT_OF_MEMORY)
         with suppress(Exception):
             cfg["outbox"].put({"rank": ray.train.get_context().get_world_rank(), "nonce": nonce,
                                "error": "".join(traceback.format_exception(e))})

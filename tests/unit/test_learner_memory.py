@@ -36,3 +36,24 @@ def test_zero_offload_lora_and_a_reference_each_move_the_bound_as_they_should():
 
 def test_on_cpus_the_check_stands_aside():  # it would ask CUDA for its free memory
     check_fits(torch.nn.Linear(4, 4), torch.device("cpu"), 1, 0, offload=False, reference=False)
+
+
+def test_a_rank_out_of_gpu_memory_tells_the_driver_which_settings_lower_it(monkeypatch):
+    """(The same batch would run out again on a restart or a resume.) A CUDA out-of-memory error cannot be produced
+    on CPUs: the rank's work raises torch's, as a step that ran out would."""
+    from types import SimpleNamespace
+
+    import ray.train
+
+    from lightning_ray.learner import worker
+
+    def out_of_memory(cfg, nonce):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.27 GiB")
+
+    monkeypatch.setattr(worker, "learn", out_of_memory)
+    monkeypatch.setattr(ray.train, "get_context", lambda: SimpleNamespace(get_world_rank=lambda: 0))
+    posted = []
+    with pytest.raises(torch.OutOfMemoryError):
+        worker.train_loop_per_worker({"outbox": SimpleNamespace(put=posted.append)})
+    [message] = posted
+    assert "Tried to allocate" in message["error"] and "learner.micro_batch_tokens" in message["error"]
