@@ -15,10 +15,13 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 import shutil
+import stat
 import tempfile
 import uuid
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
+from functools import cached_property
 from pathlib import Path
 from typing import AsyncIterator, get_args
 from unittest.mock import patch  # os.environ changed for a scope, restored after
@@ -130,12 +133,18 @@ class VLLMEngine(WeightLoading):
         transfer = {"weight_transfer_config": WeightTransferConfig(backend=weight_transfer)} if weight_transfer else {}
         if weight_transfer == "ipc":
             allow_ipc_handles()
+        logs = output_files()
         with one_process_on_cpu(engine_args):
-            self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-                model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                logprobs_mode="raw_logprobs",  # untempered, as the interface requires (and vLLM's default)
-                worker_extension_cls=f"{__name__}.WorkerExtension",  # adds load_checkpoint to vLLM's workers
-                disable_log_stats=True, enable_sleep_mode=self.sleep_mode, **engine_args, **transfer))
+            try:
+                self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+                    model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+                    logprobs_mode="raw_logprobs",  # untempered, as the interface requires (and vLLM's default)
+                    worker_extension_cls=f"{__name__}.WorkerExtension",  # adds load_checkpoint to vLLM's workers
+                    disable_log_stats=True, enable_sleep_mode=self.sleep_mode, **engine_args, **transfer))
+            except RuntimeError as e:  # vLLM's engine core failed to start: "See root cause above"
+                if message := start_failure(e, logs):
+                    raise RuntimeError(message) from e
+                raise
         self.weight_transfer = weight_transfer
         self._transfer_init: dict | None = None  # the weight-transfer engine's last init info
         self._update_info: dict = {}  # what of it this vLLM reads with each update instead
@@ -215,9 +224,17 @@ class VLLMEngine(WeightLoading):
         (prompt,) = self.engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=list(prompt_ids))])
         return prompt
 
+    @cached_property
+    def eos_ids(self) -> set[int]:
+        """Every end-of-sequence id vLLM stops on when it samples, as the HF engine does: the tokenizer's and the
+        generation config's (one or a list; Llama 3.1's <|eom_id|> is only there). A forced generation ends on them
+        too, as a sampled one would."""
+        configured = self.engine.model_config.try_get_generation_config().get("eos_token_id")
+        return {i for i in [self.tokenizer.eos_token_id, *(configured if isinstance(configured, list)
+                                                            else [configured])] if i is not None}
+
     def _stops(self, params: SamplingParams) -> list[int]:
-        return [t for t in (None if params.ignore_eos else self.tokenizer.eos_token_id, *params.stop_token_ids)
-                if t is not None]
+        return [*(() if params.ignore_eos else self.eos_ids), *params.stop_token_ids]
 
     def _forced(self, params: SamplingParams) -> list[int] | None:
         return forced_generation(params, set(self._stops(params))) if params.forced_token_ids else None
@@ -377,6 +394,47 @@ class VLLMEngine(WeightLoading):
         self.engine.shutdown()
         del self.engine  # AsyncLLM.__del__ shuts down again: let it run now, not at interpreter exit (noisy)
         shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+
+# The last line of a Python traceback: "ValueError: To serve at least one request ...", "torch.OutOfMemoryError: ..."
+EXCEPTION_LINE = re.compile(r"\b(?:\w+\.)*\w*(?:Error|Exception): .*")
+
+
+def output_files() -> list[tuple[int, str, int]]:
+    """This process's stdout and stderr where they are files, each with its size now. In a Ray worker they are its
+    log files, which vLLM's engine core process inherits and logs its errors to."""
+    files = []
+    for fd in (1, 2):
+        with suppress(OSError):
+            if stat.S_ISREG((st := os.fstat(fd)).st_mode):
+                files.append((fd, os.readlink(f"/proc/self/fd/{fd}"), st.st_size))
+    return files
+
+
+def start_failure(error: RuntimeError, logs: list[tuple[int, str, int]]) -> str | None:
+    """`error` with its root cause: the last exceptions that vLLM's processes wrote to `logs` (output_files) since
+    they were listed. vLLM raises only "Engine core initialization failed. See root cause above.", yet what is above
+    is in the replica's log, which is not on the terminal (Ray's log_to_driver is off unless verbose). Then the
+    settings that size vLLM's memory, the usual cause. None where the diagnosis itself fails."""
+    try:
+        causes = []
+        for fd, _, start in logs:
+            with open(f"/proc/self/fd/{fd}", "rb") as log:  # opened anew: Ray opens its logs write-only
+                log.seek(max(start, log.seek(0, os.SEEK_END) - 2**18))
+                for line in log.read().decode(errors="replace").splitlines():
+                    if (cause := EXCEPTION_LINE.search(line)) and cause[0] not in causes:
+                        causes.append(cause[0])
+        paths, told = ", ".join(path for _, path, _ in logs), [str(error)]
+        if causes:
+            told += [f"The root cause, as vLLM's processes logged it (in {paths}):", *(f"  {c}" for c in causes[-3:])]
+        elif logs:
+            told.append(f"vLLM's log: {paths}")
+        return "\n".join([*told, "Settings that size vLLM's memory: engine.gpu_memory_utilization (its share of the "
+                           "GPU: weights, KV cache; under placement=colocated the learner shares the GPU and needs the "
+                           "rest), engine.max_model_len and engine.max_num_seqs (what the KV cache must hold); on CPUs "
+                           "its KV cache is engine.env.VLLM_CPU_KVCACHE_SPACE GiB"])
+    except Exception:  # never in the way of vLLM's own error
+        return None
 
 
 def allow_ipc_handles() -> None:
