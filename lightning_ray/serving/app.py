@@ -59,6 +59,10 @@ api.state.agent_routes = {("POST", "/v1/chat/completions"), ("POST", "/v1/comple
 APP_NAME = "policy"
 
 
+# sampling options served only at their neutral values (first: the one to name): a trained policy samples as it is
+UNSERVED_SAMPLING = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "top_k": (-1, 0),
+                     "min_p": (0,), "repetition_penalty": (1,)}
+
 # Each proxy routes a rollout's calls to one replica (its prefix cache), another only if that one is dead or full.
 # A stopping replica checks for requests still running every 0.1 s, not Serve's 2 s: a run's end waits ~2 s less.
 # Serve's own logging at WARNING: at INFO it builds an access-log record for every request, then drops it.
@@ -163,10 +167,11 @@ class PolicyServer:
         """Before anything is encoded: the model is the one served, no sampling option that would change the
         policy's distribution, a response schema (if any) that can be enforced."""
         self.adapters.check(body.model)
-        for field in ("presence_penalty", "frequency_penalty"):
-            if getattr(body, field, None):
-                raise ApiError(422, f"{field} is not supported (a penalty would change the policy's "
-                                    f"distribution away from the one trained)", param=field, code="unsupported")
+        for field, neutral in UNSERVED_SAMPLING.items():
+            if getattr(body, field, None) not in (None, *neutral):
+                raise ApiError(422, f"{field} is not supported (it would change the policy's distribution away from "
+                                    f"the one trained): leave it out, or at {neutral[0]}", param=field,
+                               code="unsupported")
         await check_schema(schema, schema_param)
 
     def generate(self, operation: str, body, trace: CallTrace, prompts: list[list[int]], max_tokens: int | None,

@@ -131,8 +131,13 @@ class _Sampling(_Request):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Served at their neutral values only (PolicyServer.check_request): each would change the policy's distribution
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = None  # vLLM's extensions, as an agent's extra_body sends them
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks, tests)
 
     @field_validator("stop")

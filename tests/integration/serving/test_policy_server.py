@@ -564,6 +564,9 @@ def test_a_llama3_template_gets_its_tool_calls_parsed_and_forced_in_its_own_json
             "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}]},
      400, "tools"),  # a call that decoding cannot enforce
     (CHAT, {"model": MODEL, "messages": MESSAGES, "presence_penalty": 1.0}, 422, "presence_penalty"),
+    # vLLM's sampling extensions and logit_bias: ignored before, the tokens then scored as drawn without them
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "top_k": 20, "repetition_penalty": 1.05}, 422, "top_k"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "a", "logit_bias": {"5": 3}}, 422, "logit_bias"),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
         "name": "a", "schema": {"type": "object", "properties": {"a": {"type": "integr"}}}}}},  # not a JSON schema
      400, "response_format.json_schema.schema"),
@@ -606,7 +609,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, pat
     assert error["message"] and error["type"] == "invalid_request_error"
     if param:
         assert error["param"] == param
-    assert client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).choices
+    assert client(server).chat.completions.create(  # and their neutral values are served
+        model=MODEL, messages=MESSAGES, max_tokens=2, logit_bias={}, extra_body={"top_k": -1, "min_p": 0}).choices
 
 
 def test_api_key_is_required_when_configured(server):
