@@ -17,13 +17,16 @@ vLLM's trainer-side engine (`NCCLTrainerWeightTransferEngine`) is not used: it d
 (push), and one group over the trainer and every engine would need every replica there at once, which a late
 replica, a replaced one or a dead one breaks.
 
-Every step is bounded by serve.sync_timeout_s: a transfer that fails or stalls raises on both sides (the replica
-reports it to the registry, the barrier raises it) and the group is dropped; nothing waits forever.
+The sender serves one replica at a time. Each transfer, building its group included (NCCL's init waits for ever
+for a peer that never joins), is bounded by serve.sync_timeout_s from when the sender takes the request: a
+transfer that fails or stalls raises on both sides (the replica reports it to the registry, the barrier raises it)
+and the group is dropped; nothing waits forever, and the next publish, which waits for the transfer, goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import socket
@@ -32,6 +35,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from unittest.mock import patch  # os.environ changed for a scope, restored after
 
 import ray
@@ -129,13 +133,14 @@ class CollectivePublisher:
                 if not reuse:
                     if group is not None:
                         group.close()
+                        group = None  # closed once: not again if its successor is not built
                     self.groups.pop(replica, None)
                     self._close_groups_of_gone_replicas()
-                    group = (_VllmNcclGroup(answer["group"], self.host, listener, self.device, self.timeout_s,
-                                            1 + request.get("peers", 1))
-                             if wire == "vllm_nccl" else
-                             _TorchGroup(answer["group"], self.store, 0, self.device, self.timeout_s))
-                    self.groups[replica] = group
+                    make = (partial(_VllmNcclGroup, answer["group"], self.host, listener, self.device, self.timeout_s,
+                                    1 + request.get("peers", 1))
+                            if wire == "vllm_nccl" else
+                            partial(_TorchGroup, answer["group"], self.store, 0, self.device, self.timeout_s, deadline))
+                    group = self.groups[replica] = _build(make, deadline, f"replica {replica}")
                 for i, buffer in enumerate(self.buffers):
                     group.broadcast(buffer, deadline)
                     self._sent(i)
@@ -196,14 +201,20 @@ class CollectiveReceiver:
         return await self.registry.request_transfer.remote(request, self.timeout_s)
 
     def _receive_buckets(self, offer: CollectiveOffer, answer: dict, device: torch.device) -> list[torch.Tensor]:
+        deadline = time.monotonic() + self.timeout_s
         if answer["new_group"]:
             self._drop()
-            store = dist.TCPStore(offer.host, offer.port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
-            self.group = _TorchGroup(answer["group"], store, 1, device, self.timeout_s)
+
+            def join() -> _TorchGroup:
+                store = dist.TCPStore(offer.host, offer.port, is_master=False,
+                                      timeout=timedelta(seconds=self.timeout_s))
+                return _TorchGroup(answer["group"], store, 1, device, self.timeout_s, deadline)
+
+            self.group = _build(join, deadline, f"the learner at {offer.host}:{offer.port}")
             self.learner = (offer.host, offer.port)
         if self.group is None:
             raise RuntimeError("the learner kept a weight-transfer group this replica no longer has")
-        buffers, deadline = bk.allocate(offer.buckets, device), time.monotonic() + self.timeout_s
+        buffers = bk.allocate(offer.buckets, device)
         for buffer in buffers:
             self.group.broadcast(buffer, deadline)
         return buffers
@@ -263,7 +274,7 @@ class _Group:
 class _TorchGroup(_Group):
     wire = "torch"
 
-    def __init__(self, key: str, store, rank: int, device: torch.device, timeout_s: float):
+    def __init__(self, key: str, store, rank: int, device: torch.device, timeout_s: float, deadline: float):
         self.key = key
         prefixed = dist.PrefixStore(f"weights/{key}/", store)
         if device.type == "cuda":
@@ -273,6 +284,9 @@ class _TorchGroup(_Group):
             # replica that died mid-transfer would then take the learner down with it
             with patch.dict(os.environ, TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
                 self.pg = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+            # NCCL builds its communicator in the first collective, blocking: here, which _build bounds, not in the
+            # first bucket's broadcast
+            self.broadcast(torch.zeros(1, device=device), deadline)
         else:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(seconds=timeout_s))
 
@@ -334,6 +348,27 @@ class _RemoteGroup(_Group):
 
     def close(self) -> None:
         pass
+
+
+def _build(make, deadline: float, peer: str) -> _Group:
+    """`make()` a group in a thread of its own, waited for until the deadline: building one meets the peer in NCCL's
+    init, which waits for ever for a peer that never joins (one that died, or cannot reach us). Past the deadline the
+    group is abandoned to that thread, never used, and closed if it is built after all."""
+    built = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            built.set_result(make())
+        except BaseException as e:
+            built.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="weight-group").start()
+    concurrent.futures.wait([built], max(0.0, deadline - time.monotonic()))
+    if not built.done():
+        built.add_done_callback(lambda late: late.exception() is None and late.result().close())
+        raise TimeoutError(f"weight sync: no transfer group with {peer} by the deadline (serve.sync_timeout_s): it "
+                           f"did not join (died, or cannot reach this node)")
+    return built.result()
 
 
 def _wait_until(done, deadline: float, abort) -> None:

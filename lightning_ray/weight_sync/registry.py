@@ -28,6 +28,7 @@ class WeightRegistry:
         self.publisher = None  # the learner's actor, when a transport needs it alive (collective)
         self.transfer_requests: asyncio.Queue = asyncio.Queue()
         self.transfers: dict[str, asyncio.Future] = {}  # request id -> the learner's answer
+        self.taken: dict[str, float] = {}  # request id -> when the learner's sender took it
         self.sleep_epoch, self.asleep = 0, {}  # replica id -> the last sleep request it acknowledged
         self.wake_epoch = 0  # the last sleep request that ended with no new version to wake on (request_wake)
 
@@ -70,29 +71,35 @@ class WeightRegistry:
         self.publisher = handle
 
     async def request_transfer(self, request: dict, timeout_s: float) -> dict:
-        """The learner's answer once its sender takes the request; raises if it does not within timeout_s, or at
-        once if the learner is dead."""
+        """The learner's answer once its sender takes the request; raises if it does not answer within timeout_s of
+        taking it, or at once if the learner is dead. Queued, a request waits its turn: the sender serves one replica
+        at a time, each transfer bounded by its own timeout_s (weight_sync/collective.py)."""
         loop = asyncio.get_running_loop()
-        answer, deadline = loop.create_future(), loop.time() + timeout_s
+        answer = loop.create_future()
         self.transfers[request["id"]] = answer
         self.transfer_requests.put_nowait(request)
         try:
             while True:
+                deadline = self.taken.get(request["id"], float("inf")) + timeout_s
                 try:
                     return await asyncio.wait_for(asyncio.shield(answer), max(0.0, min(5.0, deadline - loop.time())))
                 except asyncio.TimeoutError:
                     if loop.time() >= deadline:
-                        raise TimeoutError(f"the learner did not take the weight transfer request for version "
-                                           f"{request['version']} in {timeout_s}s") from None
+                        raise TimeoutError(f"the learner took the weight transfer request for version "
+                                           f"{request['version']} but did not answer in {timeout_s}s") from None
                     await self._check_publisher()
         finally:
             self.transfers.pop(request["id"], None)
+            self.taken.pop(request["id"], None)
 
     async def next_transfer(self, timeout_s: float) -> dict | None:
         try:
-            return await asyncio.wait_for(self.transfer_requests.get(), timeout_s)
+            request = await asyncio.wait_for(self.transfer_requests.get(), timeout_s)
         except asyncio.TimeoutError:
             return None
+        if request["id"] in self.transfers:  # still waited for
+            self.taken[request["id"]] = asyncio.get_running_loop().time()
+        return request
 
     async def answer_transfer(self, request_id: str, answer: dict) -> bool:
         """False if the replica stopped waiting (the learner then skips the transfer)."""
