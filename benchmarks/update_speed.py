@@ -14,7 +14,7 @@ for) vs a bare single-process PyTorch step of the same loss on the same hardware
 
 On a CUDA GPU both sides run bf16 with activation checkpointing and fused AdamW (ours: DeepSpeed's bf16 mode, which
 also keeps fp32 master weights; the bare loop steps its bf16 weights directly, as the anchors in the GPU node's notes
-were measured), one GPU each, the learner given the whole GPU. `--model qwen2.5-0.5b|qwen2.5-1.5b` builds a
+were measured), one GPU each, the learner alone on its GPU. `--model qwen2.5-0.5b|qwen2.5-1.5b` builds a
 random-init model of that shape (no download); `--prompt-tokens/--response-tokens` then make a synthetic batch.
 
 The batch: 64 calc episodes in the text protocol, as the trajectory level trains them (one sequence per episode,
@@ -149,9 +149,10 @@ def bare_steps(model_path, batch, steps: int, token_budget: int, threads: int, t
 
 def learner_config(token_budget: int, workers: int, threads: int, stage: str | int, learner: dict, cuda: bool):
     """The run's config of the learner alone: on a GPU it publishes as placement=colocated does (CUDA IPC handles,
-    or LoRA's adapter), to replicas that would share its GPU, or with several ranks as placement=split does; on CPUs
-    through the object store."""
-    device = {"CPU": 1, "GPU": 1} if cuda else {"CPU": 1}
+    or LoRA's adapter), to replicas that would share its GPU (half of it each, as colocated asks Ray: the learner
+    still has the whole GPU, nothing else runs there), or with several ranks as placement=split does (a GPU each); on
+    CPUs through the object store."""
+    device = {"CPU": 1} if not cuda else {"CPU": 1, "GPU": 0.5} if workers == 1 else {"CPU": 1, "GPU": 1}
     transport = "auto" if not cuda else "cuda_ipc" if workers == 1 else "collective"
     return validate({"run_dir": tempfile.mkdtemp(), "serve": {"resources": device}, "learner": {**learner,
         "num_workers": workers, "threads_per_worker": threads, "micro_batch_tokens": token_budget, "lr": 1e-6,

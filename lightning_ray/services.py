@@ -43,7 +43,7 @@ def check_gpus(cfg: TrainConfig, learner: bool, detected: float) -> None:
     s, t = cfg.serve, cfg.learner
     replicas = s.autoscaling.get("min_replicas", 1) if s.autoscaling else s.num_replicas
     asked = gpus_asked(s.resources, replicas, t.resources_per_worker, t.num_workers if learner else 0)
-    if asked > detected:
+    if asked > detected + 1e-6:  # fractions' sums: 0.2 x 3 + 0.8 x 3 is 9.000000000000002
         raise ConfigError(f"the run asks for {asked:g} GPUs (serve.resources.GPU x replicas"
                           + (", learner.resources_per_worker.GPU x learner.num_workers" if learner else "")
                           + f": a GPU placement), and Ray detected {detected:g} on this machine: check that "

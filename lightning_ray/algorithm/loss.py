@@ -15,7 +15,8 @@ def token_weights(transitions: list[Transition], aggregation: LossAggregation, m
     tokens whatever the micro-batches and ranks it is split into. The unit is the policy call: a trajectory's merged
     calls (Transition.call_tokens) weigh what they would as separate transitions, so both levels give one gradient."""
     calls = [t.call_tokens or [t.action_tokens] for t in transitions]
-    n, tokens = sum(map(len, calls)), sum(map(sum, calls))
+    # a call with no action token (a grammar forced each one: Transition.constrained) weighs nothing and counts not
+    n, tokens = sum(k > 0 for c in calls for k in c), sum(map(sum, calls))
 
     def weight(k: int) -> float:  # of each token of a call with k of them
         if aggregation == "token_mean":
@@ -26,7 +27,6 @@ def token_weights(transitions: list[Transition], aggregation: LossAggregation, m
             return 1.0 / (max_tokens * n)
         raise ValueError(f"unknown loss aggregation {aggregation!r}")
 
-    # a call with no action token (a grammar forced each one: Transition.constrained) weighs nothing
     return [np.repeat(np.array([weight(k) if k else 0.0 for k in c], np.float32), c) for c in calls]
 
 

@@ -606,13 +606,18 @@ class TrainConfig(_Strict):
 
         # raises where the transport cannot join the learner's device to the replicas'
         if weight_sync.of_run(self) == "cuda_ipc":  # rank 0's handles open on its own GPU only
+            s, replicas = self.serve, (self.serve.autoscaling or {}).get("max_replicas", self.serve.num_replicas)
             others = [f"{key}={value}" for key, value in (("learner.num_workers", self.learner.num_workers),
                                                           ("engine.tensor_parallel_size",
                                                            self.engine.tensor_parallel_size)) if value > 1]
+            if s.resources["GPU"] * replicas + self.learner.resources_per_worker["GPU"] > 1 + 1e-6:
+                others.append(f"serve.resources.GPU={s.resources['GPU']} x {replicas} replicas (serve.num_replicas"
+                              f"{', serve.autoscaling' if s.autoscaling else ''}) beside the learner's share")
             if others:
                 raise ValueError(f"learner.weight_sync=cuda_ipc (placement=colocated) shares one GPU between the "
-                                 f"learner's rank 0 and the engine: {', '.join(others)} puts ranks or engine "
-                                 "workers on other GPUs, which it cannot reach; placement=split (collective)")
+                                 f"learner's rank 0 and the engine: {', '.join(others)} puts ranks, engine "
+                                 "workers or replicas on other GPUs, which it cannot reach; placement=split "
+                                 "(collective)")
         return self
 
     @model_validator(mode="after")

@@ -93,7 +93,8 @@ def train_loop_per_worker(cfg: dict) -> None:
     try:
         learn(cfg, nonce)
     except Exception as e:
-        if isinstance(e, torch.OutOfMemoryError):  # the same batch would run out again on a restart or a resume
+        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e):  # cuBLAS, NCCL: RuntimeErrors
+            # the same batch would run out again on a restart or a resume
             e.add_note(OUT_OF_MEMORY)
         with suppress(Exception):
             cfg["outbox"].put({"rank": ray.train.get_context().get_world_rank(), "nonce": nonce,

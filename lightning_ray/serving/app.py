@@ -61,7 +61,8 @@ APP_NAME = "policy"
 
 # sampling options served only at their neutral values (first: the one to name): a trained policy samples as it is
 UNSERVED_SAMPLING = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "top_k": (-1, 0),
-                     "min_p": (0,), "repetition_penalty": (1,)}
+                     "min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,), "bad_words": ([],),
+                     "allowed_token_ids": ([],)}
 
 # Each proxy routes a rollout's calls to one replica (its prefix cache), another only if that one is dead or full.
 # A stopping replica checks for requests still running every 0.1 s, not Serve's 2 s: a run's end waits ~2 s less.

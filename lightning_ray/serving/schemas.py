@@ -138,6 +138,9 @@ class _Sampling(_Request):
     top_k: int | None = None  # vLLM's extensions, as an agent's extra_body sends them
     min_p: float | None = None
     repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks, tests)
 
     @field_validator("stop")

@@ -94,7 +94,7 @@ class CollectivePublisher:
     def close(self) -> None:
         self._stop.set()
         self._sender.join(timeout=5)
-        for group in self.groups.values():
+        for group in list(self.groups.values()):  # the sender, if still in a transfer, may change them
             group.close()
 
     # ---- the sender thread ---------------------------------------------------------------------------------
@@ -148,6 +148,8 @@ class CollectivePublisher:
                 self.groups.pop(replica, None)
                 if group is not None:
                     group.close()
+                if listener is not None:  # a group that was not built: its rendezvous too
+                    listener.close()
                 raise
 
     def _close_groups_of_gone_replicas(self) -> None:

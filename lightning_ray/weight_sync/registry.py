@@ -79,14 +79,14 @@ class WeightRegistry:
         self.transfers[request["id"]] = answer
         self.transfer_requests.put_nowait(request)
         try:
-            while True:
+            while True:  # queued: no deadline while the learner lives (_check_publisher), one taken: timeout_s
                 deadline = self.taken.get(request["id"], float("inf")) + timeout_s
                 try:
                     return await asyncio.wait_for(asyncio.shield(answer), max(0.0, min(5.0, deadline - loop.time())))
                 except asyncio.TimeoutError:
                     if loop.time() >= deadline:
-                        raise TimeoutError(f"the learner took the weight transfer request for version "
-                                           f"{request['version']} but did not answer in {timeout_s}s") from None
+                        raise TimeoutError(f"the learner did not answer the weight transfer request for version "
+                                           f"{request['version']} in {timeout_s}s of its turn") from None
                     await self._check_publisher()
         finally:
             self.transfers.pop(request["id"], None)
@@ -129,14 +129,19 @@ class WeightRegistry:
         await self._notify()
 
     async def wait_synced(self, version: int, timeout_s: float) -> None:
-        """Until every live replica serves `version`; raises at once if one could not load it."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
+        """Until every live replica serves `version`; raises at once if one could not load it, or once timeout_s
+        passed without one more replica serving it (the collective transport serves them one after another)."""
+        loop = asyncio.get_running_loop()
+        deadline, done = loop.time() + timeout_s, 0
         synced = lambda: (self.acked and min(self.acked.values()) >= version) or self._failures(version)  # noqa: E731
         while not await self._wait(synced, 1.0):
             await self._forget_dead([r for r, v in self.acked.items() if v < version])
-            if asyncio.get_running_loop().time() > deadline:
+            if (now := sum(v >= version for v in self.acked.values())) > done:  # progress: another timeout_s
+                deadline, done = loop.time() + timeout_s, now
+            if loop.time() > deadline:
                 behind = {r: v for r, v in self.acked.items() if v < version}
-                raise TimeoutError(f"replicas still behind policy version {version} after {timeout_s}s: {behind}")
+                raise TimeoutError(f"replicas still behind policy version {version}, none caught up in the last "
+                                   f"{timeout_s}s: {behind}")
         if failures := self._failures(version):
             raise RuntimeError(f"policy version {version} could not be loaded: {failures}")
 

@@ -422,7 +422,7 @@ def test_a_grammar_constrained_call_merges_only_with_constrained_ones_and_a_whol
     merged, breaks = merge_calls([first, forced])
     assert breaks == 0 and [m.constrained for m in merged] == [False, True]
     weights = token_weights(merged, "sequence_mean", max_tokens=4)
-    assert [w.tolist() for w in weights] == [[0.25, 0.25], []]
+    assert [w.tolist() for w in weights] == [[0.5, 0.5], []]  # one call with actions: its tokens share 1
 
 
 def test_a_re_rendered_prompt_breaks_the_sequence_and_is_counted():

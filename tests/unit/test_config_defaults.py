@@ -168,6 +168,8 @@ def test_a_run_recorded_before_the_learner_had_its_keys_reads_as_it_was_written(
     (["learner.weight_sync=cuda_ipc"], "learner.weight_sync=cuda_ipc"),  # CPUs
     # rank 0's IPC handles open on its own GPU only: not a second rank's, nor a tensor-parallel engine's other GPU
     (["placement=colocated", "learner.num_workers=2"], "learner.num_workers=2"),
+    (["placement=colocated", "serve.num_replicas=2"], "x 2 replicas"),  # 0.5 x 2 beside the learner's 0.5
+    (["placement=colocated", "serve.autoscaling={max_replicas: 3}"], "serve.autoscaling"),
     (["placement=colocated", "engine=vllm", "engine.tensor_parallel_size=2", "serve.resources.GPU=2"],
      "engine.tensor_parallel_size=2"),
 ])

@@ -24,7 +24,7 @@ def benchmark(name: str):
 @pytest.mark.parametrize("learner, transport", [({}, "cuda_ipc"), ({"lora": {}}, "adapter")])
 def test_the_update_steps_learner_publishes_as_on_one_gpu(learner, transport):
     cfg = benchmark("update_speed").learner_config(8192, 1, 4, "auto", learner, cuda=True)
-    assert cfg.learner.resources_per_worker["GPU"] == 1 and weight_sync.of_run(cfg) == transport
+    assert cfg.learner.resources_per_worker["GPU"] == 0.5 and weight_sync.of_run(cfg) == transport
 
 
 def test_the_update_steps_learner_of_several_ranks_publishes_as_split_does():

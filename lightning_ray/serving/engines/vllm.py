@@ -134,6 +134,7 @@ class VLLMEngine(WeightLoading):
         if weight_transfer == "ipc":
             allow_ipc_handles()
         logs = output_files()
+        self._logs = ", ".join(path for _, path, _ in logs) or self._logs
         with one_process_on_cpu(engine_args):
             try:
                 self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
@@ -161,13 +162,14 @@ class VLLMEngine(WeightLoading):
         self._load_lock = asyncio.Lock()
 
     _broken: str | None = None
+    _logs = "its stdout and stderr"  # where vLLM's processes log: in a Ray worker, the replica's log files
 
     @property
     def broken(self) -> str | None:
         """A load that failed part way, or vLLM's engine core dead: any exception in a step kills it, and every
         request after it fails (EngineDeadError) while the replica would look healthy."""
-        if self._broken is None and self.engine.errored:
-            return f"vLLM's engine core died: {self.engine.dead_error}"
+        if self._broken is None and getattr(self, "engine", None) is not None and self.engine.errored:  # (shut down)
+            return f"vLLM's engine core died (its error: the replica's log, {self._logs}): {self.engine.dead_error}"
         return self._broken
 
     @broken.setter

@@ -567,6 +567,7 @@ def test_a_llama3_template_gets_its_tool_calls_parsed_and_forced_in_its_own_json
     # vLLM's sampling extensions and logit_bias: ignored before, the tokens then scored as drawn without them
     (CHAT, {"model": MODEL, "messages": MESSAGES, "top_k": 20, "repetition_penalty": 1.05}, 422, "top_k"),
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "logit_bias": {"5": 3}}, 422, "logit_bias"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "a", "allowed_token_ids": [5, 6]}, 422, "allowed_token_ids"),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
         "name": "a", "schema": {"type": "object", "properties": {"a": {"type": "integr"}}}}}},  # not a JSON schema
      400, "response_format.json_schema.schema"),

@@ -110,21 +110,30 @@ def test_a_group_whose_peer_never_joins_fails_in_time_and_frees_the_learner(regi
 @pytest.mark.timeout(60)
 def test_replicas_queued_behind_each_other_each_get_the_whole_timeout(registry, model):
     """Three replicas ask at once; each transfer takes 0.6 timeout_s (the sender pauses after the first bucket, so
-    the replica waits for the second within its own deadline). The third is taken 1.2 timeout_s after it asked."""
+    the replica waits for the second within its own deadline). The third is taken 1.2 timeout_s after it asked, and
+    the trainer's barrier, waiting for all three with the same timeout, sees one more catch up within each."""
     learner = publisher(registry)
     learner._sent = lambda bucket: time.sleep(0.6 * TIMEOUT_S) if bucket == 0 else None
     replicas = {f"replica-{i}": (CollectiveReceiver(registry, f"replica-{i}", TIMEOUT_S), Engine()) for i in range(3)}
+    ray.get([registry.ack.remote(name, 0) for name in replicas])  # serving version 0
     try:
         offer = learner.publish(1, model)
 
+        async def receive_and_ack(name, replica, engine) -> bool:
+            loaded = await replica.receive(offer, 1, engine, serving_goes_on)
+            await registry.ack.remote(name, 1)
+            return loaded
+
         async def all_receive():
-            return await asyncio.gather(*(replica.receive(offer, 1, engine, serving_goes_on)
-                                          for replica, engine in replicas.values()))
+            return await asyncio.gather(*(receive_and_ack(name, *pair) for name, pair in replicas.items()))
 
         start = time.monotonic()
+        synced = registry.wait_synced.remote(1, TIMEOUT_S)
         assert asyncio.run(all_receive()) == [True, True, True]
         assert time.monotonic() - start >= 3 * 0.6 * TIMEOUT_S  # one after another
+        ray.get(synced, timeout=TIMEOUT_S)  # the barrier saw them all, though it took longer than its timeout
         for _, engine in replicas.values():
             assert all(torch.equal(engine.loaded[1][n], t) for n, t in sent(model).items())
     finally:
         learner.close()
+
