@@ -136,4 +136,3 @@ def test_replicas_queued_behind_each_other_each_get_the_whole_timeout(registry, 
             assert all(torch.equal(engine.loaded[1][n], t) for n, t in sent(model).items())
     finally:
         learner.close()
-
