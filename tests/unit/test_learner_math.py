@@ -476,7 +476,7 @@ def test_a_step_whose_loss_is_not_finite_is_skipped(one_rank, stage):
 
 
 def test_a_grammar_constrained_calls_masked_logprobs_neither_fail_the_first_step_nor_weigh_its_tokens(
-        one_rank, tokenizer, tmp_path):
+        one_rank, tokenizer, small_model):
     """The HF engine samples one call freely and one under a JSON schema: the constrained call's logprobs are the
     grammar-masked distribution's (nats above the learner's whole-vocabulary ones on a random model), which neither
     trips learner.max_logprob_gap nor importance-weights its tokens (min(ratio, cap) would have made them ~0), and the
@@ -488,11 +488,7 @@ def test_a_grammar_constrained_calls_masked_logprobs_neither_fail_the_first_step
     from lightning_ray.tracing import semconv
     from lightning_ray.types import Rollout, Span, Task
 
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**{**TINY, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
-                                    "eos_token_id": tokenizer.eos_token_id})).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    served = make_engine("hf", str(tmp_path), dtype="float32")
+    served = make_engine("hf", small_model, dtype="float32")
     prompt = tokenizer.encode("a question")
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
               "additionalProperties": False}
@@ -509,7 +505,7 @@ def test_a_grammar_constrained_calls_masked_logprobs_neither_fail_the_first_step
     assert not free.constrained and constrained.constrained
     assert constrained.loss_mask.tolist() == (constrained.logprobs != 0).tolist()  # forced tokens: no action
     free, constrained = (t.model_copy(update={"advantage": 1.0}) for t in (free, constrained))
-    learner = engine_for(LlamaForCausalLM.from_pretrained(tmp_path).float(), lr=1e-9)
+    learner = engine_for(LlamaForCausalLM.from_pretrained(small_model).float(), lr=1e-9)
     with torch.no_grad():
         learners = score(learner.module, collate([(constrained, 1.0)], pad_id=0)).untempered.numpy()
     assert (constrained.logprobs[constrained.action_mask == 1] - learners).mean() > 1  # the grammar's mass

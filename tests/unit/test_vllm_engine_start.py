@@ -4,13 +4,13 @@ does not show it), and a forced generation ends on the end-of-sequence ids that 
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
-import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig
 
 from lightning_ray.serving.engines import SamplingParams, make_engine
 
@@ -21,17 +21,13 @@ EOM = 0  # the tiny tokenizer's <|endoftext|>: an end of turn that only the gene
 
 
 @pytest.fixture(scope="module")
-def model_path(tokenizer, tmp_path_factory):
-    """A small random model whose generation config ends on EOM besides the tokenizer's EOS, as Llama 3.1's ends on
+def model_path(small_model, tmp_path_factory):
+    """The small model, its generation config ending on EOM besides the tokenizer's EOS, as Llama 3.1's ends on
     <|eom_id|> besides <|eot_id|>."""
     path = tmp_path_factory.mktemp("model")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=1,
-        num_key_value_heads=1, max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)).save_pretrained(path)
-    GenerationConfig(eos_token_id=[tokenizer.eos_token_id, EOM]).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    shutil.copytree(small_model, path, dirs_exist_ok=True)
+    GenerationConfig(eos_token_id=[GenerationConfig.from_pretrained(small_model).eos_token_id, EOM]).save_pretrained(
+        path)
     return str(path)
 
 
