@@ -29,11 +29,6 @@ def share_a_gpu(a: dict[str, float], b: dict[str, float]) -> bool:
     return 0 < a.get("GPU", 0) < 1 and 0 < b.get("GPU", 0) < 1
 
 
-def gpus_asked(serve: dict, replicas: int, learner: dict, ranks: int) -> float:
-    """The GPUs a run's replicas and learner ranks ask Ray for together (colocated's halves add up to one)."""
-    return serve.get("GPU", 0) * replicas + learner.get("GPU", 0) * ranks
-
-
 def job_working_dir() -> str | None:
     """The working_dir a `ray job submit` gave this driver, if any: then the current directory is Ray's temporary
     copy of it, deleted with the cluster, and no place for results."""

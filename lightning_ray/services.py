@@ -14,7 +14,7 @@ import ray
 from lightning_ray.config import ConfigError, TrainConfig
 from lightning_ray.learner.checkpoint import Checkpoint
 from lightning_ray.models import resolve_adapter, resolve_model_path
-from lightning_ray.placement import ON_HEAD, actor_options, gpus_asked, share_a_gpu
+from lightning_ray.placement import ON_HEAD, actor_options, share_a_gpu
 from lightning_ray.rollout.dispatch import run_to_end
 from lightning_ray.rollout.worker import RolloutWorker
 from lightning_ray.serving.app import APP_NAME, policy_target
@@ -42,7 +42,9 @@ def check_gpus(cfg: TrainConfig, learner: bool, detected: float) -> None:
     without its GPUs, a driver NVML cannot reach, a CPU machine)."""
     s, t = cfg.serve, cfg.learner
     replicas = s.autoscaling.get("min_replicas", 1) if s.autoscaling else s.num_replicas
-    asked = gpus_asked(s.resources, replicas, t.resources_per_worker, t.num_workers if learner else 0)
+    # colocated's halves add up to one
+    asked = s.resources.get("GPU", 0) * replicas + (t.resources_per_worker.get("GPU", 0) * t.num_workers if learner
+                                                    else 0)
     if asked > detected + 1e-6:  # fractions' sums: 0.2 x 3 + 0.8 x 3 is 9.000000000000002
         raise ConfigError(f"the run asks for {asked:g} GPUs (serve.resources.GPU x replicas"
                           + (", learner.resources_per_worker.GPU x learner.num_workers" if learner else "")
