@@ -36,7 +36,8 @@ from lightning_ray.serving.http import ApiError, CallTrace, trace_ids
 from lightning_ray.serving.gate import DrainTimeout, Gate
 from lightning_ray.serving.responses import ResponsesRequest, create_response
 from lightning_ray.serving.routing import RolloutAffinityRouter
-from lightning_ray.serving.schemas import ChatCompletionRequest, CompletionRequest, JsonSchemaFormat, check_schema
+from lightning_ray.serving.schemas import (UNSERVED_SAMPLING, ChatCompletionRequest, CompletionRequest,
+                                          JsonSchemaFormat, check_schema)
 from lightning_ray.serving.teacher import TAUGHT, answer_tokens, make_teacher
 from lightning_ray.serving.templates import resolve_chat_template
 from lightning_ray.serving.tools import tool_call_format
@@ -58,11 +59,6 @@ api.state.agent_routes = {("POST", "/v1/chat/completions"), ("POST", "/v1/comple
                           ("POST", "/v1/embeddings"), ("GET", "/v1/models")}
 APP_NAME = "policy"
 
-
-# sampling options served only at their neutral values (first: the one to name): a trained policy samples as it is
-UNSERVED_SAMPLING = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "top_k": (-1, 0),
-                     "min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,), "bad_words": ([],),
-                     "allowed_token_ids": ([],)}
 
 # Each proxy routes a rollout's calls to one replica (its prefix cache), another only if that one is dead or full.
 # A stopping replica checks for requests still running every 0.1 s, not Serve's 2 s: a run's end waits ~2 s less.

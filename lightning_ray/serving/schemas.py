@@ -122,6 +122,13 @@ class TextFormat(JsonSchemaFormat):
         return json_constraint(self.type, self)
 
 
+# _Sampling's options served only at their neutral values (first: the one to name), a trained policy sampling as it
+# is: PolicyServer.check_request refuses others
+UNSERVED_SAMPLING = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "top_k": (-1, 0),
+                     "min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,), "bad_words": ([],),
+                     "allowed_token_ids": ([],)}
+
+
 class _Sampling(_Request):
     model: str = Field(min_length=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -131,7 +138,7 @@ class _Sampling(_Request):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Served at their neutral values only (PolicyServer.check_request): each would change the policy's distribution
+    # Served at their neutral values only (UNSERVED_SAMPLING): each would change the policy's distribution
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None

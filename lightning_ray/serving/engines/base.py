@@ -13,6 +13,13 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 LOWEST_TEMPERATURE = 0.01  # vLLM's: it samples a lower one (but 0, greedy) at this, with a warning
 
 
+def end_ids(tokenizer_eos: int | None, configured: int | list[int] | None) -> set[int]:
+    """Every end-of-sequence id an engine stops on, as vLLM does: the tokenizer's and the generation config's (one or
+    a list; chat models often end turns on a token of their own, Llama 3.1's <|eom_id|> only there)."""
+    return {i for i in [tokenizer_eos, *(configured if isinstance(configured, list) else [configured])]
+            if i is not None}
+
+
 class SamplingParams(BaseModel):
     max_tokens: int = 16
     temperature: float = 1.0

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from lightning_ray.serving.engines.base import (SamplingParams, TokenDelta, WeightLoading, check_weights,
+from lightning_ray.serving.engines.base import (SamplingParams, TokenDelta, WeightLoading, check_weights, end_ids,
                                                 forced_generation)
 from lightning_ray.serving.engines.grammar import JsonGrammars, apply_bitmask
 from lightning_ray.serving.engines.sampling import sample
@@ -107,11 +107,8 @@ class HFEngine(WeightLoading):
             torch.cuda.set_per_process_memory_fraction(gpu_memory_utilization)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype),
                                                           attn_implementation="sdpa").to(self.device).eval()
-        # Every end-of-sequence id, as vLLM stops on them: the tokenizer's and the generation config's (one or a
-        # list; chat models often end turns on a token of their own). Same stops, same training data per engine.
-        configured = self.model.generation_config.eos_token_id
-        self.eos_ids = {i for i in [self.tokenizer.eos_token_id, *(configured if isinstance(configured, list)
-                                                                    else [configured])] if i is not None}
+        # the stops vLLM's are: same stops, same training data per engine
+        self.eos_ids = end_ids(self.tokenizer.eos_token_id, self.model.generation_config.eos_token_id)
         self.lock = threading.Lock()  # the weights: held for one decoding step, or for a load
         self.asleep, self._host = False, {}  # sleep's pinned host copies of the weights, made once
         self.policy_version = 0

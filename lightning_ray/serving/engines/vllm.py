@@ -56,7 +56,7 @@ from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 
 from lightning_ray.serving.engines import grammar  # noqa: E402
 from lightning_ray.serving.engines.base import (SamplingParams, TokenDelta, WeightLoading, check_weights,  # noqa: E402
-                                                forced_generation)
+                                                end_ids, forced_generation)
 from lightning_ray.weight_sync.adapter import DEFAULT, Adapter, read_all  # noqa: E402
 
 WEIGHTS_DIR_PREFIX = "lightning-ray-vllm-weights-"  # + the owner's pid: a dead owner's directory is swept
@@ -228,12 +228,9 @@ class VLLMEngine(WeightLoading):
 
     @cached_property
     def eos_ids(self) -> set[int]:
-        """Every end-of-sequence id vLLM stops on when it samples, as the HF engine does: the tokenizer's and the
-        generation config's (one or a list; Llama 3.1's <|eom_id|> is only there). A forced generation ends on them
-        too, as a sampled one would."""
-        configured = self.engine.model_config.try_get_generation_config().get("eos_token_id")
-        return {i for i in [self.tokenizer.eos_token_id, *(configured if isinstance(configured, list)
-                                                            else [configured])] if i is not None}
+        """The end-of-sequence ids vLLM stops on when it samples: a forced generation ends on them too."""
+        return end_ids(self.tokenizer.eos_token_id,
+                       self.engine.model_config.try_get_generation_config().get("eos_token_id"))
 
     def _stops(self, params: SamplingParams) -> list[int]:
         return [*(() if params.ignore_eos else self.eos_ids), *params.stop_token_ids]
