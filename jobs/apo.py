@@ -2,7 +2,7 @@
 
 The policy critiques and rewrites the task's system prompt from its own worst validation rollouts; a rewrite is kept
 only when it measures better (lightning_ray/algorithm/apo.py). Writes apo_rounds.jsonl, apo.json and best_prompt.txt
-to the run directory; train or evaluate with the result by task.system_prompt="$(cat <run_dir>/best_prompt.txt)"."""
+to the run directory; train or evaluate with the result by "task.system_prompt='$(cat <run_dir>/best_prompt.txt)'" (in Hydra's quotes)."""
 
 import json
 

@@ -2,7 +2,7 @@
 from a lightning_ray store over HTTP, runs where it is, and streams its spans and rewards back.
 
     client = LightningClient("http://head:8000/store", api_key=...)   # the operator's key, serve.api_key
-    client.work(agent, reward, policy_url="http://head:8000", model="tiny-calc")
+    client.work(agent, reward, policy_url="http://head:8000", model="policy")  # the run's model.name
 
 The agent never sees that key: it gets one of its own for its attempt (lightning_ray/auth.py). The client offers
 the same calls as the Ray StoreClient (store/protocol.py), so both drive the same rollout runner.
