@@ -3,10 +3,10 @@ time, each row's token and logprob read back before the next (what the engine di
 
     python benchmarks/sampling.py [--rows 1 8 32 64] [--vocab 151936] [--temperature 1.0] [--top-p 0.9]
 
-Per step each side turns [rows, vocab] float32 logits into every row's token and its logprob on the host: softmax,
-the top_p nucleus, the draw, log_softmax. On a CUDA GPU (where there is one) a read back per row waits for the GPU
-each time. The vocabulary defaults to Qwen2.5's. Prints one JSON line per batch size: both sides' milliseconds per
-step and the per-row side's time over ours (≥ 1: ours is faster).
+Per step each side turns [rows, vocab] float32 logits into every row's token and its logprob on the host: the
+tempered log-softmax, the top_p nucleus, the draw. On a CUDA GPU (where there is one) a read back per row waits for
+the GPU each time. The vocabulary defaults to Qwen2.5's. Prints one JSON line per batch size: both sides'
+milliseconds per step and the per-row side's time over ours (≥ 1: ours is faster).
 """
 
 from __future__ import annotations
@@ -22,16 +22,15 @@ from lightning_ray.serving.engines.sampling import sample
 
 def batched(logits: torch.Tensor, temperature: float, top_p: float) -> list[tuple[int, float]]:
     rows = len(logits)
-    tokens = sample(logits, [temperature] * rows, [top_p] * rows, [None] * rows)
-    logprobs = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
-    return list(zip(tokens.tolist(), logprobs.tolist()))
+    tokens, logprobs = sample(logits, [temperature] * rows, [top_p] * rows, [None] * rows)
+    return list(zip(tokens.tolist(), logprobs.gather(-1, tokens[:, None])[:, 0].tolist()))
 
 
 def row_at_a_time(logits: torch.Tensor, temperature: float, top_p: float) -> list[tuple[int, float]]:
     out = []
     for row in logits:
-        token = int(sample(row[None], [temperature], [top_p], [None]))
-        out.append((token, torch.log_softmax(row, -1)[token].item()))
+        token, logprobs = sample(row[None], [temperature], [top_p], [None])
+        out.append((int(token), logprobs[0, token].item()))
     return out
 
 

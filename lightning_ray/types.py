@@ -196,6 +196,9 @@ class Transition(ArrayModel):
     advantage: float = 0.0  # with a critic (ppo) the learner computes one per token instead
     policy_version: int
     temperature: float = 1.0
+    # < 1: drawn within a nucleus, so its logprobs are renormalized there, higher than the learner's over the whole
+    # vocabulary (compared with the learner's on full-vocabulary calls only; importance-weighted as they are)
+    top_p: float = 1.0
     # Trajectory level (several calls merged into one sequence): 1 for the policy's response tokens, 0 for the
     # tool results and user turns between them, which are context, not actions. None: every response token is.
     loss_mask: Mask | None = None

@@ -199,12 +199,22 @@ def stream_while_publishing(deployed, publish_version, n: int) -> tuple[list[str
 ATOL = 1e-3  # measured max |vLLM - HF| on the tiny model in fp32: ~2e-6
 
 
-def rescore(model, prompt: list[int], ids: list[int]):
-    """Log-softmax over the whole vocabulary at each generated position: [len(ids), vocab]."""
+def rescore(model, prompt: list[int], ids: list[int], temperature: float = 1.0, top_p: float = 1.0):
+    """Each generated position's logprobs [len(ids), vocab] under the distribution a token is drawn from there: the
+    softmax at `temperature` (0: greedy, untempered), within the smallest set of most likely tokens whose
+    probability reaches `top_p`, renormalized (-inf outside it)."""
     import torch
 
     with torch.inference_mode():
-        return torch.log_softmax(model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float(), -1)
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
+    logprobs = torch.log_softmax(logits / (temperature or 1.0), -1)
+    if temperature and top_p < 1.0:
+        for row in logprobs:
+            probs, order = row.exp().sort(descending=True)
+            outside = order[probs.cumsum(0) - probs >= top_p]
+            row[outside] = -torch.inf
+            row -= row.logsumexp(0)
+    return logprobs
 
 
 def perturbed(model, seed: int):
@@ -220,17 +230,17 @@ def perturbed(model, seed: int):
     return new
 
 
-def logprob_errors(model, prompt: list[int], ids: list[int], logprobs: list[float]):
-    """|reported - HF| per token under the given model."""
+def logprob_errors(model, prompt: list[int], ids: list[int], logprobs: list[float], **sampling):
+    """|reported - HF| per token under the given model (drawn with `sampling`: rescore's temperature, top_p)."""
     import torch
 
-    expected = rescore(model, prompt, ids).gather(1, torch.tensor(ids)[:, None])[:, 0]
+    expected = rescore(model, prompt, ids, **sampling).gather(1, torch.tensor(ids)[:, None])[:, 0]
     return (torch.tensor(logprobs) - expected).abs()
 
 
-def logprob_error(model, prompt: list[int], ids: list[int], logprobs: list[float]) -> float:
+def logprob_error(model, prompt: list[int], ids: list[int], logprobs: list[float], **sampling) -> float:
     """Max |reported - HF| under the given model."""
-    return logprob_errors(model, prompt, ids, logprobs).max().item()
+    return logprob_errors(model, prompt, ids, logprobs, **sampling).max().item()
 
 
 def check_kept_generation(engine, old_model, run) -> None:

@@ -69,6 +69,7 @@ def _transitions(rollout: Rollout, spans: list[Span], policy_model: str, agent_r
             finish_reason=s.attributes[semconv.FINISH_REASONS][0],
             policy_version=s.attributes[semconv.POLICY_VERSION],
             temperature=_temperature(s),
+            top_p=s.attributes.get(semconv.SAMPLING, {}).get("top_p", 1.0),
             adapter=s.attributes.get(semconv.ADAPTER),
             **_constrained(s),
         )
@@ -143,8 +144,8 @@ def merge_calls(transitions: list[Transition]) -> tuple[list[Transition], int]:
     breaks = 0
     for t in transitions:
         last = runs[-1][-1] if runs and runs[-1][-1].rollout_id == t.rollout_id else None
-        if last is not None and (last.temperature, last.policy_version, last.adapter, last.constrained) == \
-                (t.temperature, t.policy_version, t.adapter, t.constrained):
+        if last is not None and (last.temperature, last.top_p, last.policy_version, last.adapter, last.constrained) \
+                == (t.temperature, t.top_p, t.policy_version, t.adapter, t.constrained):
             if _extends(t, last):
                 runs[-1].append(t)
                 continue

@@ -52,8 +52,8 @@ def truncated_is_weights(learner_logprobs: torch.Tensor, sampler_logprobs: torch
                          cap: float) -> torch.Tensor:
     """min(π_learner / π_sampler, cap) per token, no gradient: corrects the surrogate's expectation for tokens that
     another policy sampled (an older version, or the serving engine's slightly different numerics), and the cap
-    bounds the variance a rare token could add. Both logprobs untempered, as the engine reports them: exact at
-    temperature 1, an approximation of the sampled distribution's ratio otherwise."""
+    bounds the variance a rare token could add. The sampler's logprobs are the distribution it drew from (the
+    call's temperature and nucleus), the learner's at the same temperature."""
     return torch.exp(learner_logprobs - sampler_logprobs).clamp(max=cap).detach()
 
 

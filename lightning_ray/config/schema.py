@@ -431,7 +431,9 @@ class LearnerConfig(_Strict):
     num_workers: int = Field(1, gt=0)  # Ray Train workers (DeepSpeed data-parallel ranks)
     threads_per_worker: int = Field(2, gt=0)  # torch threads in each: workers × threads ≈ the cores to train on
     micro_batch_tokens: int = Field(2048, gt=0)  # padded tokens per forward/backward: bounds the memory
-    zero_stage: Literal["auto", 0, 1, 2, 3] = "auto"  # auto: 0 for one worker (nothing to partition), else 2
+    # auto: 0 for one fp32 worker (nothing to partition), 1 for one bf16 worker (a ZeRO optimizer keeps the fp32
+    # master weights), 2 for more or with offload_optimizer (learner/driver.py zero_stage)
+    zero_stage: Literal["auto", 0, 1, 2, 3] = "auto"
     # The learner's compute dtype. bfloat16: DeepSpeed's bf16 mode, fp32 master weights and optimizer state; auto:
     # bfloat16 on CUDA, float32 on CPUs (bf16 matmuls without AMX ran ~10x slower than fp32; with AMX a step ran 2x
     # faster, but its weights start on bf16's grid, so small updates move what it serves less: make train 0.80
@@ -460,10 +462,11 @@ class LearnerConfig(_Strict):
     # Ray Train restarts the ranks when one's process dies (FailureConfig.max_failures), at most this often in a run:
     # they go on from the latest checkpoint (learner/driver.py). An error raised in a rank fails the run at once.
     max_restarts: int = Field(3, ge=0)
-    # The first step fails, before any update, where the learner's untempered logprobs of the sampled tokens are
-    # further than this from the server's, per token on average (metrics' logprob_abs_diff: ~1e-7 at fp32 on CPUs,
-    # < 0.05 in bf16 on a GPU): the two would not compute the same policy (another model or revision, chat template,
-    # dtype, logit processing). null: no check
+    # The first step fails, before any update, where the learner's logprobs of the sampled tokens (at the calls'
+    # temperatures; calls drawn within a top_p nucleus or a grammar left out) are further than this from the
+    # server's, per token on average (metrics' logprob_abs_diff: ~1e-7 at fp32 on CPUs, < 0.05 in bf16 on a GPU):
+    # the two would not compute the same policy (another model or revision, chat template, dtype, logit
+    # processing). null: no check
     max_logprob_gap: float | None = Field(0.1, gt=0)
     # each Ray Train worker's resources, and how its placement group spreads the workers over nodes
     resources_per_worker: Resources = {"CPU": 1}

@@ -38,14 +38,13 @@ def policy_of(module: torch.nn.Module) -> torch.nn.Module:
 
 class Scores(NamedTuple):
     logprobs: torch.Tensor  # under each call's sampling temperature (with gradient)
-    untempered: torch.Tensor  # to compare with the engine's
     entropy: torch.Tensor  # of each position's sampling distribution
     values: torch.Tensor | None  # the value head's estimate at each position (a critic's module only)
 
 
 def score(module: torch.nn.Module, batch: dict[str, torch.Tensor], entropy_grad: bool = False) -> Scores:
-    """Per response token, flat in row order: its logprob under the call's sampling temperature (with gradient)
-    and untempered; the entropy of the position's sampling distribution (with gradient for an entropy bonus); a
+    """Per response token, flat in row order: its logprob under the call's sampling temperature (with gradient);
+    the entropy of the position's sampling distribution (with gradient for an entropy bonus); a
     critic's value estimate. Only the positions that predict a response token go through the LM head, so the
     [rows, width, vocabulary] logits of the whole micro-batch never exist; they do go through the model's own
     forward after the decoder, whatever it does to the logits (Gemma-2's soft-capping, Granite's scaling, ...).
@@ -73,21 +72,18 @@ def score(module: torch.nn.Module, batch: dict[str, torch.Tensor], entropy_grad:
     chunks = [checkpoint(token_scores, *chunk, use_reentrant=False) if grad else token_scores(*chunk)
               for chunk in zip(*(x.split(SCORED_ELEMENTS // logits.shape[-1] or 1) for x in
                                  (logits, targets, temperature)))]
-    tempered, untempered, entropy = (torch.cat(x) for x in zip(*chunks))
+    logprobs, entropy = (torch.cat(x) for x in zip(*chunks))
     entropy = entropy if entropy_grad else entropy.detach()
     values = module.value_head(states).squeeze(-1).float() if isinstance(module, WithValueHead) else None
-    return Scores(tempered, untempered, entropy, values)
+    return Scores(logprobs, entropy, values)
 
 
 def token_scores(logits: torch.Tensor, targets: torch.Tensor,
-                 temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows of the head's logits -> each target's logprob at the row's temperature and at 1 (no gradient), and the
-    entropy of the tempered distribution, in fp32."""
-    logits = logits.float()
-    log_p = torch.log_softmax(logits / temperature[:, None], -1)
-    with torch.no_grad():
-        untempered = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
-    return log_p.gather(-1, targets[:, None]).squeeze(-1), untempered, -(log_p.exp() * log_p).sum(-1)
+                 temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the head's logits -> each target's logprob at the row's temperature, and the entropy of the tempered
+    distribution, in fp32."""
+    log_p = torch.log_softmax(logits.float() / temperature[:, None], -1)
+    return log_p.gather(-1, targets[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
 
 
 def actions_forward(model, input_ids: torch.Tensor, predicts: torch.Tensor,
@@ -116,7 +112,8 @@ def actions_forward(model, input_ids: torch.Tensor, predicts: torch.Tensor,
 def collate(micro_batch: MicroBatch, pad_id: int, share_prefix: bool = False) -> dict[str, torch.Tensor]:
     """Right-padded prompt+response rows. Position i of `mask` predicts token i+1, and is 1 where that token is
     the policy's action; the flat per-token tensors (advantages, weights, served_logprobs, constrained: whether a
-    grammar masked the served one) follow the actions in row order, as `score` returns them; `row_tokens` and
+    grammar masked the served one, compared: whether the learner's logprob is the served one's to match, neither a
+    grammar's nor a nucleus's) follow the actions in row order, as `score` returns them; `row_tokens` and
     `sample_returns` give each row's share and return; `shared`, with share_prefix, how many leading tokens all rows
     have in common (`score` runs them once)."""
     rows = micro_batch or []
@@ -134,12 +131,14 @@ def collate(micro_batch: MicroBatch, pad_id: int, share_prefix: bool = False) ->
         return torch.from_numpy(np.repeat(np.array(values, np.float32), tokens))
 
     served = np.concatenate([np.zeros(0), *(t.logprobs[t.action_mask == 1] for t, _ in rows)], dtype=np.float32)
-    constrained = np.concatenate([np.zeros(0, bool), *(np.full(t.action_tokens, t.constrained) for t, _ in rows)])
+    constrained, compared = (np.concatenate([np.zeros(0, bool), *(np.full(t.action_tokens, f(t)) for t, _ in rows)])
+                             for f in (lambda t: t.constrained, lambda t: not t.constrained and t.top_p >= 1.0))
     weights = np.concatenate([np.zeros(0), *(np.broadcast_to(w, t.action_tokens) for t, w in rows)], dtype=np.float32)
     return {"input_ids": torch.from_numpy(input_ids), "mask": torch.from_numpy(mask),
             "temperature": torch.tensor([t.temperature for t, _ in rows] or [1.0]),
             "advantages": per_action([t.advantage for t, _ in rows]), "weights": torch.from_numpy(weights),
             "served_logprobs": torch.from_numpy(served), "constrained": torch.from_numpy(constrained),
+            "compared": torch.from_numpy(compared),
             "row_tokens": tokens,
             "sample_returns": [t.returns for t, _ in rows],
             "shared": shared_prefix([t for t, _ in rows]) if share_prefix else 0}

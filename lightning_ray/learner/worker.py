@@ -317,8 +317,7 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
     critic_kl = critic_advantages(engine.module, batches, alg, reference) if critic else 0.0
     with torch.no_grad():  # the old policy, for the steps after the first (the first's come with its own forward)
         for batch in (b for mini in steps[1:] for b in mini):
-            old = score(engine.module, batch)
-            batch["old_logprobs"], batch["old_untempered"] = old.logprobs, old.untempered
+            batch["old_logprobs"] = score(engine.module, batch).logprobs
     norms, optimizer_s = [], 0.0
     for epoch in range(alg.ppo_epochs):
         for m, mini in enumerate(steps):
@@ -326,12 +325,12 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
                 micro_step(engine)
                 scores = score(engine.module, batch, entropy_grad=alg.entropy_coef > 0)
                 if "old_logprobs" not in batch:  # the first step: no weight has moved yet
-                    batch["old_logprobs"], batch["old_untempered"] = scores.logprobs.detach(), scores.untempered
+                    batch["old_logprobs"] = scores.logprobs.detach()
                 # DeepSpeed averages gradients over ranks; the weights already normalize over the whole mini-batch.
                 weights = batch["weights"] * world_size
                 is_weights = None
                 if alg.tis_cap:  # sampler → old policy; the ratio takes it on from there (a grammar's: unknown)
-                    is_weights = truncated_is_weights(batch["old_untempered"], batch["served_logprobs"], alg.tis_cap)
+                    is_weights = truncated_is_weights(batch["old_logprobs"], batch["served_logprobs"], alg.tis_cap)
                     is_weights = torch.where(batch["constrained"], 1.0, is_weights)
                     if epoch == 0:
                         totals["tis_capped"] += (is_weights >= alg.tis_cap).sum()
@@ -357,11 +356,10 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
                 totals["clip_frac"] += stats["clip_frac"] * len(scores.logprobs)
                 totals["entropy"] += scores.entropy.detach().sum()
             if epoch == m == 0:  # every old logprob is known, and no weight has moved yet
-                # how far the trainer is from the server on the same tokens (both untempered): ~1e-7 when they agree;
-                # a grammar's masked logprobs are not the trainer's to match
-                compared = [~b["constrained"] for b in batches]
-                gap = torch.tensor([sum((b["old_untempered"] - b["served_logprobs"]).abs()[c].sum().item()
-                                        for b, c in zip(batches, compared)), sum(int(c.sum()) for c in compared)],
+                # how far the trainer is from the server on the same tokens, both at the call's temperature: ~1e-7
+                # when they agree; a grammar's or a nucleus's renormalized logprobs are not the trainer's to match
+                gap = torch.tensor([sum((b["old_logprobs"] - b["served_logprobs"]).abs()[b["compared"]].sum().item()
+                                        for b in batches), sum(int(b["compared"].sum()) for b in batches)],
                                    dtype=torch.float64, device=engine.device)
                 totals["logprob_abs_diff"] = gap[0].item() / max(gap[1].item(), 1)
                 if max_logprob_gap is not None:
@@ -404,7 +402,7 @@ def trained_only(engine, names: list[str], trained: set[str]) -> None:
 
 
 def check_logprob_gap(gap: torch.Tensor, max_gap: float, world_size: int) -> None:
-    """gap: this rank's summed |learner − served| untempered logprob and its token count. Every rank raises, or none:
+    """gap: this rank's summed |learner − served| logprob and its token count. Every rank raises, or none:
     a step some ranks took without the others would wait for them forever."""
     if world_size > 1:
         dist.all_reduce(gap)

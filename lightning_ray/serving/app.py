@@ -269,8 +269,9 @@ class PolicyServer:
         messages, tools = conversation
         answer = await self.teacher.answer(self.taught[trace.rollout_id], messages, tools)
         forced = answer_tokens(self.tokenizer, messages, tools, answer)
-        return self.fit_length(prompts[0], params.model_copy(update={"forced_token_ids": forced,
-                                                                     "max_tokens": len(forced)}), None)
+        # scored, not drawn: untempered (as both engines score forced tokens), and so recorded and imitated
+        return self.fit_length(prompts[0], params.model_copy(update={
+            "forced_token_ids": forced, "max_tokens": len(forced), "temperature": 1.0, "top_p": 1.0}), None)
 
     async def run(self, operation: str, prompts: list[list[int]], params: SamplingParams, n: int, stop: list[str],
                   trace: CallTrace, attrs: dict, conversation=None):

@@ -52,20 +52,18 @@ def batch_of(n: int, seed: int = 0) -> list[Transition]:
 def test_score_is_the_tempered_softmax_of_the_full_forward_pass(model):
     transitions = batch_of(6)
     batch = collate([(t, 1.0) for t in transitions], pad_id=0)
-    tempered, untempered, entropy, _ = score(model, batch)
-    expected_t, expected_u, expected_h = [], [], []
+    tempered, entropy, _ = score(model, batch)
+    expected_t, expected_h = [], []
     with torch.no_grad():
         for t in transitions:  # one unpadded row at a time, the whole vocabulary, the textbook way
             ids = torch.tensor([[*t.prompt_ids, *t.response_ids]], dtype=torch.long)
             logits = model(ids).logits[0, len(t.prompt_ids) - 1 : -1]
             target = torch.from_numpy(t.response_ids).long()[:, None]
             expected_t += torch.log_softmax(logits / t.temperature, -1).gather(-1, target).squeeze(-1).tolist()
-            expected_u += torch.log_softmax(logits, -1).gather(-1, target).squeeze(-1).tolist()
             expected_h += torch.distributions.Categorical(logits=logits / t.temperature).entropy().tolist()
     assert torch.allclose(tempered.detach(), torch.tensor(expected_t), atol=1e-5)
-    assert torch.allclose(untempered, torch.tensor(expected_u), atol=1e-5)
     assert torch.allclose(entropy, torch.tensor(expected_h), atol=1e-4)
-    assert not entropy.requires_grad and score(model, batch, entropy_grad=True)[2].requires_grad
+    assert not entropy.requires_grad and score(model, batch, entropy_grad=True).entropy.requires_grad
 
 
 def test_score_keeps_for_the_backward_only_the_heads_logits_and_scores_chunks_alike(monkeypatch):
@@ -92,7 +90,7 @@ def test_score_keeps_for_the_backward_only_the_heads_logits_and_scores_chunks_al
             scores = score(model, batch, entropy_grad=True)
         (scores.logprobs.sum() + scores.entropy.sum()).backward()
         assert held and set(held) == {torch.bfloat16}, held
-        results.append((*scores[:3], torch.cat([p.grad.flatten() for p in model.parameters()])))
+        results.append((*scores[:2], torch.cat([p.grad.flatten() for p in model.parameters()])))
     for one, chunked in zip(*results):
         assert torch.equal(one.detach(), chunked.detach())
 
@@ -292,15 +290,15 @@ def test_score_applies_the_models_own_logit_processing(model_class, config):
     torch.manual_seed(0)
     model = model_class(config).float()
     transitions = batch_of(4, seed=6)
-    _, untempered, *_ = score(model, collate([(t, 1.0) for t in transitions], pad_id=0))
+    tempered, *_ = score(model, collate([(t, 1.0) for t in transitions], pad_id=0))
     expected = []
     with torch.no_grad():
         for t in transitions:
             ids = torch.tensor([[*t.prompt_ids, *t.response_ids]], dtype=torch.long)
             logits = model(ids).logits[0, len(t.prompt_ids) - 1 : -1]
             target = torch.from_numpy(t.response_ids).long()[:, None]
-            expected += torch.log_softmax(logits.float(), -1).gather(-1, target).squeeze(-1).tolist()
-    assert torch.allclose(untempered, torch.tensor(expected), atol=1e-5)
+            expected += torch.log_softmax(logits.float() / t.temperature, -1).gather(-1, target).squeeze(-1).tolist()
+    assert torch.allclose(tempered.detach(), torch.tensor(expected), atol=1e-5)
 
 
 # ---- train_step: the steps a batch takes, through a real DeepSpeed engine ----------------------------------------
@@ -507,7 +505,7 @@ def test_a_grammar_constrained_calls_masked_logprobs_neither_fail_the_first_step
     free, constrained = (t.model_copy(update={"advantage": 1.0}) for t in (free, constrained))
     learner = engine_for(LlamaForCausalLM.from_pretrained(small_model).float(), lr=1e-9)
     with torch.no_grad():
-        learners = score(learner.module, collate([(constrained, 1.0)], pad_id=0)).untempered.numpy()
+        learners = score(learner.module, collate([(constrained, 1.0)], pad_id=0)).logprobs.numpy()
     assert (constrained.logprobs[constrained.action_mask == 1] - learners).mean() > 1  # the grammar's mass
     stats = step(learner, [free, constrained], max_logprob_gap=0.1, tis_cap=2.0)
     assert stats["logprob_abs_diff"] < 1e-4  # the free call's tokens alone, as the server sampled them
@@ -523,7 +521,28 @@ def test_a_first_step_far_from_the_servers_logprobs_fails_before_any_update(one_
         step(engine, transitions, max_logprob_gap=0.1)
     assert parameter_digest(engine.module) == before
     with torch.no_grad():  # what a server running these weights reports
-        served = [score(fresh(), collate([(t, 1.0)], pad_id=0)).untempered.numpy() for t in transitions]
+        served = [score(fresh(), collate([(t, 1.0)], pad_id=0)).logprobs.numpy() for t in transitions]
     transitions = [t.model_copy(update={"logprobs": lp.astype(np.float64)}) for t, lp in zip(transitions, served)]
     stats = step(engine_for(fresh()), transitions, max_logprob_gap=0.1)
     assert stats["updated"] and stats["logprob_abs_diff"] < 1e-5
+
+
+def test_a_call_drawn_within_a_nucleus_is_importance_weighted_not_compared(one_rank):
+    """top_p < 1: the engine's logprobs are renormalized within the nucleus, above the learner's over the whole
+    vocabulary. Not a sign of another policy (left out of learner.max_logprob_gap's check), but the ratio truncated
+    importance sampling weighs by: π_learner / π_sampler < 1 on those tokens."""
+    transitions = [t.model_copy(update={"advantage": 1.0}) for t in batch_of(4, seed=9)]
+    with torch.no_grad():  # a server running these weights, the odd calls drawn within a nucleus
+        served = [score(fresh(), collate([(t, 1.0)], pad_id=0)).logprobs.numpy() + (i % 2) for i, t in
+                  enumerate(transitions)]
+    nucleus_share = sum(len(t.response_ids) for t in transitions[1::2]) / sum(len(t.response_ids) for t in transitions)
+    assert 0.1 < nucleus_share < 0.9
+    drawn = [t.model_copy(update={"logprobs": lp.astype(np.float64)}) for t, lp in zip(transitions, served)]
+    with pytest.raises(ValueError, match="learner.max_logprob_gap"):  # the same numbers from full-vocabulary calls
+        step(engine_for(fresh()), drawn, max_logprob_gap=0.1)
+    drawn = [t.model_copy(update={"top_p": 0.9 if i % 2 else 1.0}) for i, t in enumerate(drawn)]
+    stats = step(engine_for(fresh()), drawn, max_logprob_gap=0.1, tis_cap=2.0)
+    assert stats["logprob_abs_diff"] < 1e-5  # the full-vocabulary calls alone
+    # the first step's ratio is 1 and every advantage 1: the loss is -(Σ weights × importance weights), each weight
+    # 1 but e^-1 on the nucleus calls' tokens
+    assert -1 + 1e-3 < stats["loss"] < -math.exp(-1)

@@ -1,4 +1,5 @@
-"""The HF engine's batch sampler draws what each row's temperature and top_p say, and a seeded row alone."""
+"""The HF engine's batch sampler draws what each row's temperature and top_p say, and a seeded row alone; the
+logprobs it reports are the distribution it drew from."""
 
 import pytest
 import torch
@@ -13,28 +14,39 @@ ROWS = 20_000  # a frequency's standard error at most 0.0035
 def frequencies(temperature: float, top_p: float) -> torch.Tensor:
     torch.manual_seed(0)
     logits = PROBS.log().repeat(ROWS, 1)
-    tokens = sample(logits, [temperature] * ROWS, [top_p] * ROWS, [None] * ROWS)
+    tokens, _ = sample(logits, [temperature] * ROWS, [top_p] * ROWS, [None] * ROWS)
     return torch.bincount(tokens, minlength=len(PROBS)) / ROWS
 
 
-def test_rows_are_drawn_from_their_softmax():
-    assert torch.allclose(frequencies(1.0, 1.0), PROBS, atol=0.015)
+def within(probs: torch.Tensor, kept: int) -> torch.Tensor:
+    """The first `kept` of `probs`, renormalized: a nucleus."""
+    return torch.cat([probs[:kept] / probs[:kept].sum(), torch.zeros(len(probs) - kept)])
 
 
-def test_temperature_flattens_the_draw():
-    assert torch.allclose(frequencies(2.0, 1.0), torch.softmax(PROBS.log() / 2, -1), atol=0.015)
+TEMPERED = torch.softmax(PROBS.log() / 0.5, -1)  # [0.68, 0.25, 0.06, 0.01]
 
 
-def test_top_p_keeps_the_smallest_prefix_reaching_it():
-    # 0.5 < 0.7 <= 0.5 + 0.3: tokens 0 and 1 only, in the ratio 5:3
-    assert torch.allclose(frequencies(1.0, 0.7), torch.tensor([0.625, 0.375, 0.0, 0.0]), atol=0.015)
+@pytest.mark.parametrize("temperature, top_p, drawn_from", [
+    (1.0, 1.0, PROBS),
+    (2.0, 1.0, torch.softmax(PROBS.log() / 2, -1)),  # flatter
+    (1.0, 0.7, within(PROBS, 2)),  # 0.5 < 0.7 <= 0.5 + 0.3: the smallest prefix reaching top_p
+    (0.5, 0.7, within(TEMPERED, 2)),  # the nucleus of the tempered distribution
+    (0.0, 0.7, PROBS),  # greedy: untempered, the whole vocabulary (vLLM resets a greedy call's top_p)
+])
+def test_rows_are_drawn_from_the_distribution_their_logprobs_give(temperature, top_p, drawn_from):
+    """The logprobs are vLLM's processed_logprobs, what the learner compares (at the call's temperature) and
+    importance-weights against: the distribution the draws follow."""
+    _, logprobs = sample(PROBS.log()[None], [temperature], [top_p], [None])
+    assert torch.allclose(logprobs.exp()[0], drawn_from, atol=1e-6)
+    if temperature:
+        assert torch.allclose(frequencies(temperature, top_p), drawn_from, atol=0.015)
 
 
 def test_greedy_rows_take_the_argmax_beside_sampled_ones():
     torch.manual_seed(0)
     logits = torch.randn(64, 1000)
     temperature = [0.0 if i % 2 else 1.0 for i in range(64)]
-    tokens = sample(logits, temperature, [1.0] * 64, [None] * 64)
+    tokens, _ = sample(logits, temperature, [1.0] * 64, [None] * 64)
     assert torch.equal(tokens[1::2], logits[1::2].argmax(-1))
     assert not torch.equal(tokens[::2], logits[::2].argmax(-1))  # 32 draws from flat-ish rows: not all the argmax
 
@@ -49,7 +61,7 @@ def test_a_seeded_row_draws_the_same_beside_any_others():
         for _ in range(20):
             logits = torch.cat([torch.randn(companions, 1000), row])
             rows = companions + 1
-            out.append(int(sample(logits, [1.0] * rows, [0.9] * rows, [None] * companions + [generator])[-1]))
+            out.append(int(sample(logits, [1.0] * rows, [0.9] * rows, [None] * companions + [generator])[0][-1]))
         return out
 
     alone = draws(0)
@@ -65,5 +77,5 @@ def test_a_temperature_is_the_one_vllm_samples_at_whichever_engine_serves(asked)
     ours = SamplingParams(temperature=asked).temperature
     assert ours == vllm.SamplingParams(temperature=asked).temperature
     logits = torch.tensor([[0.0, 1e-3]])  # 0.001 apart: at 0.01 both are drawn, greedily the second only
-    drawn = {sample(logits, [ours], [1.0], [torch.Generator().manual_seed(s)]).item() for s in range(64)}
+    drawn = {sample(logits, [ours], [1.0], [torch.Generator().manual_seed(s)])[0].item() for s in range(64)}
     assert drawn == ({1} if asked == 0 else {0, 1})

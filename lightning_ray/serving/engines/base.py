@@ -50,6 +50,13 @@ class SamplingParams(BaseModel):
         return temperature and max(temperature, LOWEST_TEMPERATURE)
 
     @model_validator(mode="after")
+    def _greedy_has_no_nucleus(self):
+        """As vLLM: a greedy call's top_p is 1 (its logprobs are over the whole vocabulary, untempered)."""
+        if not self.temperature:
+            self.top_p = 1.0
+        return self
+
+    @model_validator(mode="after")
     def _json_needs_eos(self):
         if self.json_schema is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a JSON constraint: the JSON ends with the EOS token")
@@ -62,8 +69,9 @@ class TokenDelta(BaseModel):
     """New tokens since the last delta. The last delta of a stream has finish_reason set."""
 
     token_ids: list[int]
-    # log p(token) under the serving policy, untempered; under a JSON constraint, renormalized over the tokens
-    # the grammar allows (the distribution the token was sampled from; what vLLM reports)
+    # log p(token) under the distribution the serving policy drew it from: its logits at the call's temperature,
+    # renormalized within the top_p nucleus and the tokens a JSON constraint allows (vLLM's processed_logprobs); a
+    # greedy or forced token's untempered
     logprobs: list[float]
     top_logprobs: list[dict[int, float]] = []  # per token, when asked for; tokens a constraint rules out are left out
     finish_reason: str | None = None  # "stop" (end of sequence or stop token) or "length"

@@ -1,10 +1,11 @@
 """HF transformers engine: the small embedded engine, CPU-friendly, and on a CUDA device where the replica has one.
 
-A plain sampling loop over the KV cache rather than `model.generate`: it streams token by token, reports the
-raw (untempered) logprob of every sampled token, and seeds a per-request generator. The requests in flight decode
-together, one batch (continuous batching): each step runs every request's next token through the model at once,
-a request that arrives joins at the next step (its prompt run on its own, its KV cache then laid beside the others',
-left-padded), and one that ends leaves. So agents calling at once share each step, where one request at a time made
+A plain sampling loop over the KV cache rather than `model.generate`: it streams token by token, reports every
+sampled token's logprob under the distribution it was drawn from (the call's temperature and top_p, as vLLM's
+`processed_logprobs`), and seeds a per-request generator. The requests in flight decode together, one batch
+(continuous batching): each step runs every request's next token through the model at once, a request that arrives
+joins at the next step (its prompt run on its own, its KV cache then laid beside the others', left-padded), and one
+that ends leaves. So agents calling at once share each step, where one request at a time made
 their calls wait in turn. A weight load lands between two steps, and the generations that go on across it
 (serve.drain=keep) re-read their contexts under the new weights: each token is sampled by one version, the one its
 delta names. With LoRA adapters each request in a batch runs with its own (peft's mixed-adapter batches). A JSON
@@ -348,9 +349,8 @@ class HFEngine(WeightLoading):
                     apply_bitmask(logits[i], r.bitmask.to(logits.device))  # the mask is filled on the host
                 except Exception as e:  # this request's alone
                     failed[i] = e
-        logprobs = torch.log_softmax(logits, -1)
-        tokens = sample(logits, [r.params.temperature for r in requests], [r.params.top_p for r in requests],
-                        [r.rng for r in requests])
+        tokens, logprobs = sample(logits, [r.params.temperature for r in requests], [r.params.top_p for r in requests],
+                                  [r.rng for r in requests])
         token_logprobs = logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
         tokens = tokens.tolist()
         top_values, top_ids = logprobs.topk(max(r.params.top_logprobs or 0 for r in requests))

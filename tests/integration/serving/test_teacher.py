@@ -38,24 +38,27 @@ def rollout(server, taught: bool) -> str:
     return server["store"].enqueue([task])[0].rollout_id
 
 
-def chat(server, rollout_id: str):
+def chat(server, rollout_id: str, temperature: float = 0.0):
     client = OpenAI(base_url=f"{server['url']}/rollouts/{rollout_id}/attempts/at-1/v1", api_key="-", max_retries=0)
-    return client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=64, logprobs=True)
+    return client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=temperature, max_tokens=64,
+                                          logprobs=True)
 
 
 def test_a_taught_call_is_the_teachers_answer_as_the_policys_own_tokens(server):
     taught, own = rollout(server, True), rollout(server, False)
-    a, b = chat(server, taught), chat(server, own)
+    a, b = chat(server, taught, temperature=0.7), chat(server, own)
     [ta] = server["store"].query_spans([taught])
     [tb] = server["store"].query_spans([own])
     assert ta.attributes[semconv.TEACHER] == server["teacher"] and semconv.TEACHER not in tb.attributes
     assert b.choices[0].finish_reason == "stop"  # the policy's greedy answer ended its turn within 64 tokens
     # The teacher is the policy's own model, greedy: its answer, rendered in the policy's template and scored by the
-    # policy, is the policy's greedy answer token for token, with the logprobs sampling them gave.
+    # policy, is the policy's greedy answer token for token, with the logprobs sampling them gave: untempered, what
+    # the call asked notwithstanding (scored, not drawn), and so recorded, to be imitated at temperature 1.
     assert a.choices[0].message.content == b.choices[0].message.content
     assert a.choices[0].token_ids == b.choices[0].token_ids
     assert ta.attributes[semconv.COMPLETION_TOKEN_IDS].tolist() == tb.attributes[semconv.COMPLETION_TOKEN_IDS].tolist()
     np.testing.assert_allclose(ta.attributes[semconv.LOGPROBS], tb.attributes[semconv.LOGPROBS], atol=1e-4)
+    assert ta.attributes[semconv.SAMPLING]["temperature"] == 1.0
     assert [t.logprob for t in a.choices[0].logprobs.content] == ta.attributes[semconv.LOGPROBS].tolist()
 
 
