@@ -43,9 +43,9 @@ def build_tiny_model(out_dir: str | Path, warmup_steps: int = 1000, seed: int = 
     out = Path(out_dir)
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
-    config = LlamaConfig(
+    config = LlamaConfig(  # positions for the tests' longest contexts (the sql and rag agents': 2,048)
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=2048,
         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )

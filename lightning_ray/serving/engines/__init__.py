@@ -21,12 +21,24 @@ def make_engine(kind: str, model_path: str, max_model_len: int | None = None, **
     if kind == "hf":
         from lightning_ray.serving.engines.hf import HFEngine
 
+        check_positions(model_path, max_model_len)
         return HFEngine(model_path, **options)
     if kind == "vllm":
         from lightning_ray.serving.engines.vllm import VLLMEngine
 
         return VLLMEngine(model_path, max_model_len=max_model_len, **options)
     raise ValueError(f"unknown engine {kind!r}: expected 'hf' or 'vllm'")
+
+
+def check_positions(model_path: str, max_model_len: int | None) -> None:
+    """A context past the model's positions would be served from positions it never learned, silently: refused, as
+    vLLM refuses it."""
+    from transformers import AutoConfig
+
+    positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    if max_model_len and positions and max_model_len > positions:
+        raise ValueError(f"engine.max_model_len={max_model_len} is more than the model's {positions} positions "
+                         f"(max_position_embeddings in {model_path}/config.json): lower engine.max_model_len")
 
 
 def engine_options(e: EngineConfig) -> dict:

@@ -51,6 +51,17 @@ def test_concurrent_requests_get_what_each_gets_alone(engine, model):
         assert logprob_error(model, p, b.token_ids, b.logprobs) < ATOL
 
 
+@pytest.mark.parametrize("params", [dict(temperature=0.6, seed=1), dict(temperature=0.6, top_p=0.9, seed=2)])
+def test_a_sampled_tokens_logprob_is_under_the_distribution_it_was_drawn_from(engine, model, params):
+    """The call's temperature and nucleus, as vLLM's processed_logprobs: what the learner compares and
+    importance-weights against (it scores each token at its call's temperature)."""
+    p = prompts(engine, 1)[0]
+    g = asyncio.run(generate(engine, p, SamplingParams(max_tokens=24, ignore_eos=True, **params)))
+    sampling = {k: v for k, v in params.items() if k != "seed"}
+    assert logprob_error(model, p, g.token_ids, g.logprobs, **sampling) < ATOL
+    assert logprob_error(model, p, g.token_ids, g.logprobs) > 0.01  # not the untempered ones
+
+
 def test_requests_decode_in_the_same_steps(engine):
     """Each request's tokens come while the others' do, not one request after another."""
     ps, order = prompts(engine, 4), []
@@ -101,6 +112,12 @@ def test_a_request_that_hangs_up_leaves_the_others_going(engine, model):
     assert seen == 3
     assert kept.token_ids == expected.token_ids
     assert len(other.token_ids) == 24 and logprob_error(model, ps[2], other.token_ids, other.logprobs) < ATOL
+
+
+def test_a_context_past_the_models_positions_is_refused_at_the_start(tiny_model_path):
+    """As vLLM refuses it: served, its positions past the model's would be ones it never learned."""
+    with pytest.raises(ValueError, match=r"engine.max_model_len=4096 is more than the model's 2048 positions"):
+        make_engine("hf", str(tiny_model_path), max_model_len=4096)
 
 
 def test_max_num_seqs_makes_the_rest_wait_their_turn(tiny_model_path):
