@@ -30,7 +30,7 @@ def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
     t = torch.tensor([v if sampled else 1.0 for v, sampled in zip(temperature, sampled_rows)], device=device)
     logprobs = torch.log_softmax(logits / t[:, None], -1)
     top_p = [p if sampled else 1.0 for p, sampled in zip(top_p, sampled_rows)]
-    if any(p < 1.0 for p in top_p):  # outside the smallest prefix (by probability) whose mass reaches top_p: 0
+    if any(p < 1.0 for p in top_p):  # outside the smallest prefix (by probability) whose mass reaches top_p: -inf
         p = torch.tensor(top_p, device=device)
         sorted_logprobs, order = logprobs.sort(-1, descending=True)
         sorted_probs = sorted_logprobs.exp()
