@@ -69,6 +69,8 @@ class Learner:
                 "model_path": str(model_path), "inboxes": self.inboxes, "outbox": self.outbox, "registry": registry,
                 "weight_sync": {"kind": weight_sync.of_run(cfg),
                                 "timeout_s": cfg.serve.sync_timeout_s},
+                # an engine on the ranks' GPUs wakes into the memory the step leaves (colocated, asleep while it trains)
+                "engine_wakes_beside": weight_sync.of_run(cfg) == "cuda_ipc" and cfg.engine.sleep_while_training,
                 "learner": resolved(t), "algorithm": cfg.algorithm,
                 "extensions_dir": str(Path("~/.cache/lightning_ray/torch_extensions").expanduser()),
             },

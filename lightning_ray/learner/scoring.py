@@ -69,21 +69,23 @@ def score(module: torch.nn.Module, batch: dict[str, torch.Tensor], entropy_grad:
     # head's logits only, not several fp32 [response tokens, vocabulary] copies (a 1.5B Qwen's 16k-token micro-batch
     # of responses: ~9 GB each)
     grad = torch.is_grad_enabled()
-    chunks = [checkpoint(token_scores, *chunk, use_reentrant=False) if grad else token_scores(*chunk)
+    chunks = [checkpoint(token_scores, *chunk, entropy_grad, use_reentrant=False) if grad else token_scores(*chunk)
               for chunk in zip(*(x.split(SCORED_ELEMENTS // logits.shape[-1] or 1) for x in
                                  (logits, targets, temperature)))]
     logprobs, entropy = (torch.cat(x) for x in zip(*chunks))
-    entropy = entropy if entropy_grad else entropy.detach()
     values = module.value_head(states).squeeze(-1).float() if isinstance(module, WithValueHead) else None
     return Scores(logprobs, entropy, values)
 
 
-def token_scores(logits: torch.Tensor, targets: torch.Tensor,
-                 temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
+                 entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of the head's logits -> each target's logprob at the row's temperature, and the entropy of the tempered
-    distribution, in fp32."""
+    distribution (with gradient only for an entropy bonus: else the backward's recompute stops at the logprobs), in
+    fp32."""
     log_p = torch.log_softmax(logits.float() / temperature[:, None], -1)
-    return log_p.gather(-1, targets[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(log_p.exp() * log_p).sum(-1)
+    return log_p.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
 def actions_forward(model, input_ids: torch.Tensor, predicts: torch.Tensor,
