@@ -322,8 +322,8 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
     # PPO: every token's advantage from the value head, before any weight moves
     critic = alg.estimator == "ppo"
     critic_kl = critic_advantages(engine.module, batches, alg, reference) if critic else 0.0
-    with torch.no_grad():  # the old policy, for the steps after the first (the first's come with its own forward)
-        for batch in (b for mini in steps[1:] for b in mini):
+    with torch.no_grad():  # the old policy, for the steps after the first (the first's come with its own forward;
+        for batch in (b for mini in steps[1:] for b in mini if "old_logprobs" not in b):  # PPO's with its critic's)
             batch["old_logprobs"] = score(engine.module, batch).logprobs
     norms, optimizer_s = [], 0.0
     for epoch in range(alg.ppo_epochs):
@@ -452,16 +452,18 @@ def optimizer_step(engine, world_size: int) -> tuple[float, bool]:
 def critic_advantages(module: torch.nn.Module, batches: list[dict], alg: AlgorithmConfig,
                       reference: torch.nn.Module | None) -> float:
     """PPO (algorithm/ppo.py): each sample's token rewards, GAE against the value head's estimates, advantages
-    whitened over the whole batch; written into the batches as their `advantages` and `returns` (value targets).
-    Returns the summed KL to the reference where it is a reward penalty (0 otherwise)."""
+    whitened over the whole batch; written into the batches as their `advantages` and `returns` (value targets),
+    beside their `old_logprobs` (no weight has moved yet). Returns the summed KL to the reference where it is a
+    reward penalty (0 otherwise)."""
     kl_sum = 0.0
     with torch.no_grad():
         for batch in batches:
             scores = score(module, batch)
+            batch["old_logprobs"] = scores.logprobs
             kl = None
             if reference is not None and alg.kl_penalty == "reward":
                 kl = kl_to_reference(scores.logprobs, score(reference, batch).logprobs, alg.kl_estimator)
-                kl_sum += kl.sum().item()
+                kl_sum += kl.sum()  # on the device: read once
             advantages, targets, start = [], [], 0
             for tokens, sample_return in zip(batch["row_tokens"], batch["sample_returns"]):
                 end = start + tokens
@@ -476,7 +478,7 @@ def critic_advantages(module: torch.nn.Module, batches: list[dict], alg: Algorit
     whitened = whiten(torch.cat([b["advantages"] for b in batches])).split([len(b["advantages"]) for b in batches])
     for batch, a in zip(batches, whitened):
         batch["advantages"] = a
-    return kl_sum
+    return float(kl_sum)
 
 
 def peak_mib(device: torch.device) -> float:

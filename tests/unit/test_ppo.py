@@ -102,3 +102,12 @@ def test_critic_advantages_are_whitened_gae_over_the_whole_batch_however_it_is_s
     assert torch.allclose(whole[0]["advantages"], whiten(raw), atol=1e-5)
     assert torch.allclose(torch.cat([b["advantages"] for b in split]), whole[0]["advantages"], atol=1e-5)
     assert torch.allclose(whole[0]["returns"], torch.cat([torch.full_like(v, t.returns) for t, v in zip(ts, values)]))
+
+
+def test_the_critics_pass_gives_every_batch_its_old_policy(actor_critic):
+    """No weight has moved before it: its logprobs are the old policy's for every mini-batch, so PPO's later
+    mini-batches need no forward of their own for it."""
+    batches = [collate([(t, 1.0)], pad_id=0) for t in samples()]
+    critic_advantages(actor_critic, batches, PPO, None)
+    for batch in batches:
+        assert torch.equal(batch["old_logprobs"], score(actor_critic, batch).logprobs.detach())
