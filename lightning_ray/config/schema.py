@@ -464,8 +464,8 @@ class LearnerConfig(_Strict):
     max_restarts: int = Field(3, ge=0)
     # The first step fails, before any update, where the learner's logprobs of the sampled tokens (at the calls'
     # temperatures; calls drawn within a top_p nucleus or a grammar left out) are further than this from the
-    # server's, per token on average (metrics' logprob_abs_diff: ~1e-7 at fp32 on CPUs, < 0.05 in bf16 on a GPU):
-    # the two would not compute the same policy (another model or revision, chat template, dtype, logit
+    # server's, per token on average (metrics' logprob_abs_diff: ~1e-7 at fp32 on CPUs; bf16 on a GPU not measured
+    # here): the two would not compute the same policy (another model or revision, chat template, dtype, logit
     # processing). null: no check
     max_logprob_gap: float | None = Field(0.1, gt=0)
     # each Ray Train worker's resources, and how its placement group spreads the workers over nodes

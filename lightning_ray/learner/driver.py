@@ -35,7 +35,7 @@ from lightning_ray.learner.mailboxes import Mailbox, Mailboxes
 from lightning_ray.learner.scoring import MicroBatch, shared_prefix
 from lightning_ray.learner.worker import train_loop_per_worker
 from lightning_ray.metrics import count_error
-from lightning_ray.placement import ON_HEAD
+from lightning_ray.placement import ON_HEAD, share_a_gpu
 from lightning_ray.types import Transition
 from lightning_ray import weight_sync
 
@@ -69,8 +69,7 @@ class Learner:
                 "model_path": str(model_path), "inboxes": self.inboxes, "outbox": self.outbox, "registry": registry,
                 "weight_sync": {"kind": weight_sync.of_run(cfg),
                                 "timeout_s": cfg.serve.sync_timeout_s},
-                # an engine on the ranks' GPUs wakes into the memory the step leaves (colocated, asleep while it trains)
-                "engine_wakes_beside": weight_sync.of_run(cfg) == "cuda_ipc" and cfg.engine.sleep_while_training,
+                "engine_wakes_beside": engine_wakes_beside(cfg),
                 "learner": resolved(t), "algorithm": cfg.algorithm,
                 "extensions_dir": str(Path("~/.cache/lightning_ray/torch_extensions").expanduser()),
             },
@@ -298,6 +297,12 @@ def learner_dtype(t: LearnerConfig) -> str:
 def on_gpus(t: LearnerConfig) -> bool:
     """Whether the ranks get GPUs (learner.resources_per_worker): what every `auto` of the learner goes by."""
     return t.resources_per_worker.get("GPU", 0) > 0
+
+
+def engine_wakes_beside(cfg: TrainConfig) -> bool:
+    """Whether an engine on the ranks' GPUs wakes into the memory a step leaves: colocated (a GPU shared, whatever
+    the transport: LoRA's adapters too), asleep while the learner trains."""
+    return cfg.engine.sleep_while_training and share_a_gpu(cfg.learner.resources_per_worker, cfg.serve.resources)
 
 
 def zero_stage(t: LearnerConfig) -> int:

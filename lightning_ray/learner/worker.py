@@ -369,7 +369,7 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
                 gap = torch.stack([sum(torch.where(b["compared"], (b["old_logprobs"] - b["served_logprobs"]).abs(), 0)
                                        .sum() for b in batches).double(),
                                    sum(b["compared"].sum() for b in batches).double()])
-                totals["logprob_abs_diff"] = gap[0] / gap[1].clamp(min=1)
+                totals["logprob_gap"] = gap.clone()  # before the ranks' sum (the check's)
                 if max_logprob_gap is not None:
                     check_logprob_gap(gap, max_logprob_gap, world_size)
             stepped = time.perf_counter()
@@ -378,7 +378,8 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
             norms.append(optimizer_step(engine, world_size))
             optimizer_s += time.perf_counter() - stepped
     skipped = sum(not applied for _, applied in norms)
-    totals = {k: v.item() if torch.is_tensor(v) else v for k, v in totals.items()}  # the step's one read
+    totals = {k: v.tolist() if torch.is_tensor(v) else v for k, v in totals.items()}  # the step's one read
+    gap, compared = totals["logprob_gap"]  # None: no token to compare (every call a grammar's or a nucleus's)
     updates, per_token = max(tokens * alg.ppo_epochs, 1), max(tokens, 1)
     return {"optimizer_s": optimizer_s, "loss": totals["loss"] / len(norms),
             "value_loss": totals["value_loss"] / len(norms), "tokens": tokens, "micro_batches": len(batches),
@@ -386,7 +387,7 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
             "grad_norm": sum(n for n, _ in norms) / len(norms),  # each before clipping
             "clip_frac": totals["clip_frac"] / updates, "entropy": totals["entropy"] / updates,
             "kl_ref": critic_kl / per_token + totals["kl_ref"] / updates,
-            "logprob_abs_diff": totals["logprob_abs_diff"], "tis_capped": totals["tis_capped"] / per_token}
+            "logprob_abs_diff": gap / compared if compared else None, "tis_capped": totals["tis_capped"] / per_token}
 
 
 def micro_step(engine) -> None:

@@ -73,9 +73,10 @@ class IterationRecord(BaseModel):
     loss: float | None = described("PPO-clip loss of the batch, averaged over its optimizer steps", optional=True)
     clip_frac: float | None = described("share of clipped tokens, averaged over the steps", optional=True)
     logprob_abs_diff: float | None = described(
-        "mean \\|learner logprob − served logprob\\| on the same tokens before the update (≈1e-5 with "
-        "vLLM: `benchmarks/results/lora_first_run.json`, `imitation_sql_pilot.json`; `learner.max_logprob_gap` "
-        "bounds it on the first step)", optional=True)
+        "mean \\|learner logprob − served logprob\\| on the same tokens before the update, at their calls' "
+        "temperatures (≈1e-5 with vLLM: `benchmarks/results/lora_first_run.json`, `imitation_sql_pilot.json`; "
+        "`learner.max_logprob_gap` bounds it on the first step); null where every call was a grammar's or drawn within "
+        "a top_p nucleus (none to compare)", optional=True)
     entropy: float | None = described(
         "mean entropy of the sampling distribution over the trained tokens", optional=True)
     kl_ref: float | None = described(
@@ -94,8 +95,8 @@ class IterationRecord(BaseModel):
     worker_digests: list[str] | None = described(
         "hash of each learner rank's parameters (ZeRO keeps them identical)", optional=True)
     learner_seconds: dict[str, float] | None = described(
-        "rank 0's step: forward/backward (`compute_s`), `optimizer_s`, `publish_s` (weights to the "
-        "registry), `digest_s`", optional=True)
+        "rank 0's step: the update (`compute_s`: forward, backward and the optimizer, whose `optimizer_s` is "
+        "within it), then `digest_s` and `publish_s` (weights to the registry)", optional=True)
     learner_peak_mib: float | None = described(
         "rank 0's peak memory so far, MiB: the GPU's allocated (CUDA), else the process's resident set", optional=True)
     served_policy_version: int | None = described("the version the endpoint serves after the sync", optional=True)
@@ -145,8 +146,9 @@ def iteration_record(iteration, rollouts, spans, transitions, adapted, sampling,
         "seconds": seconds,
     }
     if results:
-        def mean(key: str) -> float:  # over the ranks
-            return sum(r[key] for r in results) / len(results)
+        def mean(key: str) -> float | None:  # over the ranks that have one
+            values = [r[key] for r in results if r[key] is not None]
+            return sum(values) / len(values) if values else None
 
         record.update({
             "loss": sum(r["loss"] for r in results), "clip_frac": mean("clip_frac"),

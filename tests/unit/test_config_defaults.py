@@ -108,6 +108,19 @@ def test_the_learner_starts_after_a_vllm_engine_only_where_they_share_a_gpu(over
     assert (weight_sync.of_run(cfg), learner_waits_for_engine(cfg)) == (transport, waits)
 
 
+@pytest.mark.parametrize("overrides, wakes", [
+    (["placement=colocated"], True),
+    (["placement=colocated", "learner.lora={rank: 4}"], True),  # LoRA's adapter transport: the GPU shared all the same
+    (["placement=colocated", "engine.sleep_while_training=false"], False),
+    (["placement=split"], False),
+    ([], False),
+])
+def test_the_learner_gives_back_its_cached_gpu_memory_only_where_an_engine_wakes_into_it(overrides, wakes):
+    from lightning_ray.learner.driver import engine_wakes_beside
+
+    assert engine_wakes_beside(compose(["run_dir=x", *overrides])) == wakes
+
+
 @pytest.mark.parametrize("placement", sorted(p.stem for p in (CONFIGS / "placement").glob("*.yaml")))
 def test_a_placement_fits_the_local_clusters_cpus(placement):
     """The policy's replicas and the learner's ranks hold a CPU each for the whole run: a local cluster with fewer

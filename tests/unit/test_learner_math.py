@@ -577,3 +577,5 @@ def test_a_call_drawn_within_a_nucleus_is_importance_weighted_not_compared(one_r
     # the first step's ratio is 1 and every advantage 1: the loss is -(Σ weights × importance weights), each weight
     # 1 but e^-1 on the nucleus calls' tokens
     assert -1 + 1e-3 < stats["loss"] < -math.exp(-1)
+    every = step(engine_for(fresh()), [t.model_copy(update={"top_p": 0.9}) for t in drawn], max_logprob_gap=0.1)
+    assert every["updated"] and every["logprob_abs_diff"] is None  # no token to compare: none, not a perfect 0

@@ -42,6 +42,17 @@ def test_rows_are_drawn_from_the_distribution_their_logprobs_give(temperature, t
         assert torch.allclose(frequencies(temperature, top_p), drawn_from, atol=0.015)
 
 
+def test_a_row_without_a_nucleus_keeps_its_whole_vocabulary_beside_one_with():
+    """top_p 1 cuts nothing, even where float32's running sum reaches 1 before the tail (as vLLM: it masks no such
+    row), in a batch with a top_p < 1 row."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 151_936) * 4
+    _, logprobs = sample(logits, [0.7, 0.0, 0.7], [1.0, 0.9, 0.9], [None] * 3)
+    assert torch.isfinite(logprobs[:2]).all()  # the greedy row's top_p is 1 too
+    assert torch.allclose(logprobs[0], torch.log_softmax(logits[0] / 0.7, -1))
+    assert not torch.isfinite(logprobs[2]).all()
+
+
 def test_greedy_rows_take_the_argmax_beside_sampled_ones():
     torch.manual_seed(0)
     logits = torch.randn(64, 1000)
@@ -79,3 +90,11 @@ def test_a_temperature_is_the_one_vllm_samples_at_whichever_engine_serves(asked)
     logits = torch.tensor([[0.0, 1e-3]])  # 0.001 apart: at 0.01 both are drawn, greedily the second only
     drawn = {sample(logits, [ours], [1.0], [torch.Generator().manual_seed(s)])[0].item() for s in range(64)}
     assert drawn == ({1} if asked == 0 else {0, 1})
+
+
+def test_a_constrained_or_greedy_call_draws_without_a_nucleus():
+    """As vLLM for greedy calls; under a grammar so that the tokens it alone allowed stay told by their logprob of
+    0 (Transition.constrained), which a nucleus of one token would give any confident choice."""
+    assert SamplingParams(temperature=0.0, top_p=0.5).top_p == 1.0
+    assert SamplingParams(temperature=0.7, top_p=0.5, json_schema={"type": "object"}).top_p == 1.0
+    assert SamplingParams(temperature=0.7, top_p=0.5).top_p == 0.5

@@ -32,10 +32,12 @@ def make_engine(kind: str, model_path: str, max_model_len: int | None = None, **
 
 def check_positions(model_path: str, max_model_len: int | None) -> None:
     """A context past the model's positions would be served from positions it never learned, silently: refused, as
-    vLLM refuses it."""
+    vLLM refuses it (a model with RoPE scaling is left to its own rules)."""
     from transformers import AutoConfig
 
-    positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    config = AutoConfig.from_pretrained(model_path)
+    scaling = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    positions = None if scaling.get("factor") else getattr(config, "max_position_embeddings", None)
     if max_model_len and positions and max_model_len > positions:
         raise ValueError(f"engine.max_model_len={max_model_len} is more than the model's {positions} positions "
                          f"(max_position_embeddings in {model_path}/config.json): lower engine.max_model_len")

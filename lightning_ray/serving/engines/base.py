@@ -50,9 +50,11 @@ class SamplingParams(BaseModel):
         return temperature and max(temperature, LOWEST_TEMPERATURE)
 
     @model_validator(mode="after")
-    def _greedy_has_no_nucleus(self):
-        """As vLLM: a greedy call's top_p is 1 (its logprobs are over the whole vocabulary, untempered)."""
-        if not self.temperature:
+    def _no_nucleus(self):
+        """top_p 1 for a greedy call, as vLLM (its logprobs over the whole vocabulary, untempered), and under a JSON
+        constraint: the tokens the grammar alone allowed are told by their logprob of 0 (Transition.constrained),
+        which a nucleus of one token would give too."""
+        if not self.temperature or self.json_schema is not None:
             self.top_p = 1.0
         return self
 

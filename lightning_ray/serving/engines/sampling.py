@@ -34,7 +34,8 @@ def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
         p = torch.tensor(top_p, device=device)
         sorted_logprobs, order = logprobs.sort(-1, descending=True)
         sorted_probs = sorted_logprobs.exp()
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= p[:, None]
+        # a row with top_p 1 keeps every token: its float32 cumsum reaches 1 before the tail
+        outside = (sorted_probs.cumsum(-1) - sorted_probs >= p[:, None]) & (p[:, None] < 1.0)
         logprobs = torch.log_softmax(logprobs.scatter(-1, order, sorted_logprobs.masked_fill(outside, -math.inf)), -1)
     if not any(sampled_rows):
         return greedy, logprobs

@@ -142,8 +142,8 @@ class VLLMEngine(WeightLoading):
                 self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
                     model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
                     # what the tokens were drawn from, not vLLM's default raw (untempered) logprobs: the sampler's
-                    # side of the importance weights (algorithm.tis_cap). On CUDA, calls with top_p < 1 are then
-                    # drawn by PyTorch's top-p sampler, not FlashInfer's (which does not give those logprobs)
+                    # side of the importance weights (algorithm.tis_cap). On CUDA vLLM then samples with PyTorch's
+                    # top-p/top-k sampler, not FlashInfer's (which gives no processed logprobs)
                     logprobs_mode="processed_logprobs",
                     worker_extension_cls=f"{__name__}.WorkerExtension",  # adds load_checkpoint to vLLM's workers
                     disable_log_stats=True, enable_sleep_mode=self.sleep_mode, **engine_args, **transfer))
