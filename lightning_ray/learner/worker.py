@@ -194,8 +194,10 @@ def learn(cfg: dict, nonce: str) -> None:
             # the update no shorter, the barrier waiting for that load). Per agent: the base and every adapter.
             digest = parameter_digest(module if alg.adapters else policy)
             digested = time.perf_counter()
-            if on_cuda and cfg.get("engine_wakes_beside"):  # the step's cached blocks back to the GPU before the
-                torch.cuda.empty_cache()  # publish wakes the engine into them (else the next step reuses them)
+            # the step's cached blocks back to the GPU before the publish wakes a colocated engine into them (where
+            # none does, the next step reuses them)
+            if on_cuda and cfg.get("engine_wakes_beside"):
+                torch.cuda.empty_cache()
             # copied here: ZeRO-3 frees the gathered parameters when the block ends. Weights that no step moved
             # (each was skipped) are no new version.
             if rank == 0 and stats["updated"]:
@@ -322,8 +324,10 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
     # PPO: every token's advantage from the value head, before any weight moves
     critic = alg.estimator == "ppo"
     critic_kl = critic_advantages(engine.module, batches, alg, reference) if critic else 0.0
-    with torch.no_grad():  # the old policy, for the steps after the first (the first's come with its own forward;
-        for batch in (b for mini in steps[1:] for b in mini if "old_logprobs" not in b):  # PPO's with its critic's)
+    # the old policy, for the steps after the first (the first's comes with its own forward; PPO's every one with the
+    # critic's pass)
+    with torch.no_grad():
+        for batch in (b for mini in steps[1:] for b in mini if "old_logprobs" not in b):
             batch["old_logprobs"] = score(engine.module, batch).logprobs
     norms, optimizer_s = [], 0.0
     for epoch in range(alg.ppo_epochs):
@@ -379,7 +383,7 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
             optimizer_s += time.perf_counter() - stepped
     skipped = sum(not applied for _, applied in norms)
     totals = {k: v.tolist() if torch.is_tensor(v) else v for k, v in totals.items()}  # the step's one read
-    gap, compared = totals["logprob_gap"]  # None: no token to compare (every call a grammar's or a nucleus's)
+    gap, compared = totals["logprob_gap"]
     updates, per_token = max(tokens * alg.ppo_epochs, 1), max(tokens, 1)
     return {"optimizer_s": optimizer_s, "loss": totals["loss"] / len(norms),
             "value_loss": totals["value_loss"] / len(norms), "tokens": tokens, "micro_batches": len(batches),
@@ -387,6 +391,7 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
             "grad_norm": sum(n for n, _ in norms) / len(norms),  # each before clipping
             "clip_frac": totals["clip_frac"] / updates, "entropy": totals["entropy"] / updates,
             "kl_ref": critic_kl / per_token + totals["kl_ref"] / updates,
+            # None: no token to compare (every call a grammar's or drawn within a nucleus)
             "logprob_abs_diff": gap / compared if compared else None, "tis_capped": totals["tis_capped"] / per_token}
 
 
