@@ -133,8 +133,8 @@ def collate(micro_batch: MicroBatch, pad_id: int, share_prefix: bool = False) ->
         return torch.from_numpy(np.repeat(np.array(values, np.float32), tokens))
 
     served = np.concatenate([np.zeros(0), *(t.logprobs[t.action_mask == 1] for t, _ in rows)], dtype=np.float32)
-    constrained, compared = (np.concatenate([np.zeros(0, bool), *(np.full(t.action_tokens, f(t)) for t, _ in rows)])
-                             for f in (lambda t: t.constrained, lambda t: not t.constrained and t.top_p >= 1.0))
+    constrained = np.repeat([t.constrained for t, _ in rows], tokens).astype(bool)
+    compared = ~constrained & np.repeat([t.top_p >= 1.0 for t, _ in rows], tokens).astype(bool)
     weights = np.concatenate([np.zeros(0), *(np.broadcast_to(w, t.action_tokens) for t, w in rows)], dtype=np.float32)
     return {"input_ids": torch.from_numpy(input_ids), "mask": torch.from_numpy(mask),
             "temperature": torch.tensor([t.temperature for t, _ in rows] or [1.0]),
