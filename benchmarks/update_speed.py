@@ -14,7 +14,9 @@ for) vs a bare single-process PyTorch step of the same loss on the same hardware
 
 On a CUDA GPU both sides run bf16 with activation checkpointing and fused AdamW (ours: DeepSpeed's bf16 mode, which
 also keeps fp32 master weights; the bare loop steps its bf16 weights directly, as the anchors in the GPU node's notes
-were measured), one GPU each, the learner alone on its GPU. `--model qwen2.5-0.5b|qwen2.5-1.5b` builds a
+were measured), one GPU each, the learner alone on its GPU. The bare step is the textbook one, sharing none of
+the learner's code but how rows group into micro-batches (since 2026-12-07: the figures recorded before compare with
+a bare step that ran the learner's own collate and scoring). `--model qwen2.5-0.5b|qwen2.5-1.5b` builds a
 random-init model of that shape (no download); `--prompt-tokens/--response-tokens` then make a synthetic batch.
 
 The batch: 64 calc episodes in the text protocol, as the trajectory level trains them (one sequence per episode,
@@ -44,11 +46,9 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from lightning_ray.algorithm.loss import policy_loss, token_weights
 from lightning_ray.config import LoraConfig, ModelConfig, compose, validate
 from lightning_ray.learner import lora
 from lightning_ray.learner.driver import Learner, micro_batches, padded_size, zero_stage
-from lightning_ray.learner.scoring import collate, score, to_device
 from lightning_ray.models import SMOLLM2, resolve_model_path
 from lightning_ray.models.shaped import QWEN2_5, shaped_model
 from lightning_ray.tasks import calc
@@ -109,10 +109,11 @@ def synthetic_batch(vocab: int, n: int, prompt: int, response: int, seed: int = 
 
 
 def bare_steps(model_path, batch, steps: int, token_budget: int, threads: int, trains: str = "all") -> list[float]:
-    """The baseline: one process, plain PyTorch AdamW, the same micro-batches and loss, no Ray, no DeepSpeed.
-    trains: `all` the weights, `lora` adapters (learner.lora's defaults), or `nothing`: no weight trains, yet the
-    gradient flows back through every layer to the embeddings' output — what a frozen base costs before any
-    adapter, LoRA's floor (its adapters only add to it)."""
+    """The baseline: one process, plain PyTorch AdamW, `textbook_loss` over the same micro-batches (rows by length,
+    as many as the token budget holds), sharing none of the learner's scoring (until 2026-12-07 it ran the learner's
+    own collate and score, so their costs showed on both sides). trains: `all` the weights, `lora` adapters (learner.lora's
+    defaults), or `nothing`: no weight trains, yet the gradient flows back through every layer to the embeddings'
+    output — what a frozen base costs before any adapter, LoRA's floor (its adapters only add to it)."""
     torch.set_num_threads(threads)
     cuda = torch.cuda.is_available()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if cuda else torch.float32)
@@ -127,16 +128,12 @@ def bare_steps(model_path, batch, steps: int, token_budget: int, threads: int, t
         model.enable_input_require_grads()
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-6, fused=cuda) if trained else None
-    weighted = list(zip(batch, token_weights(batch, "token_mean", 96)))
-    share = not cuda  # as the learner's default: prefixes shared, unless gradient checkpointing is on
+    tokens = sum(len(t.response_ids) for t in batch)  # token_mean: each response token weighs 1/tokens
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        for mb in micro_batches(weighted, token_budget, share):
-            b = to_device(collate(mb, pad_id=0, share_prefix=share), model.device)
-            logprobs, *_ = score(model, b)
-            loss, _ = policy_loss(logprobs, logprobs.detach(), b["advantages"], b["weights"], 0.2)
-            loss.backward()
+        for mb in micro_batches([(t, 0.0) for t in batch], token_budget):
+            textbook_loss(model, [t for t, _ in mb], tokens).backward()
         if optimizer:
             torch.nn.utils.clip_grad_norm_(trained, 1.0)
             optimizer.step()
@@ -145,6 +142,25 @@ def bare_steps(model_path, batch, steps: int, token_budget: int, threads: int, t
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return times
+
+
+def textbook_loss(model, rows: list[Transition], tokens: int) -> torch.Tensor:
+    """The policy-gradient loss of `rows`, each response token weighing 1/tokens (token_mean over the batch): the
+    clipped surrogate at ratio 1 (one epoch, on-policy), whose gradient is the policy gradient's. Right-padded rows
+    through the decoder, the LM head on the positions that predict a response token, log-softmax in fp32 at each
+    row's temperature."""
+    device = model.device
+    sequences = [[*t.prompt_ids, *t.response_ids] for t in rows]
+    ids = torch.tensor([s + [0] * (max(map(len, sequences)) - len(s)) for s in sequences], device=device)
+    predicts = torch.zeros(ids.shape, dtype=torch.bool)
+    for i, t in enumerate(rows):
+        predicts[i, len(t.prompt_ids) - 1 : len(sequences[i]) - 1] = True
+    predicts = predicts.to(device)
+    per_row = lambda values: torch.tensor(values, device=device)[:, None].expand(ids.shape)[predicts]  # noqa: E731
+    hidden = model.get_decoder()(input_ids=ids).last_hidden_state[predicts]
+    logits = model.get_output_embeddings()(hidden).float() / per_row([t.temperature for t in rows])[:, None]
+    logprobs = logits.log_softmax(-1).gather(-1, ids.roll(-1, 1)[predicts][:, None]).squeeze(-1)
+    return -(per_row([t.advantage for t in rows]) * torch.exp(logprobs - logprobs.detach())).sum() / tokens
 
 
 def learner_config(token_budget: int, workers: int, threads: int, stage: str | int, learner: dict, cuda: bool):
