@@ -1,6 +1,7 @@
-"""The configs the GPU checks (scripts/gpu_check.sh's benchmarks) build for themselves pass the run's start checks.
-And the benchmarks compare like with like. They are built only where CUDA is, so a check added on CPUs would otherwise first fail them on a lent GPU node (as
-the weight-sync device check did to the update and weight-sync steps): built here with CUDA said to be there."""
+"""The configs the GPU checks (scripts/gpu_check.sh's benchmarks) build for themselves pass the run's start checks,
+and their baselines do the same work as ours. The configs are built only where CUDA is, so a check added on CPUs
+would otherwise first fail them on a lent GPU node (as the weight-sync device check did to the update and weight-sync
+steps): built here with CUDA said to be there."""
 
 from __future__ import annotations
 
