@@ -12,7 +12,7 @@ A group method compares each return with a baseline from the other rollouts of t
           falls back to the group baseline
 
 and the estimator turns return and baseline into an advantage:
-  grpo          (G - mean) / (std + eps)
+  grpo          (G - mean) / (std + eps), std the spread of the returns compared with the baseline
   dr_grpo       G - mean (Dr. GRPO: no std scaling, which over-weights groups that nearly agree)
   rloo          G - mean of the other rollouts (leave-one-out)
   reinforce_pp  G - mean, scaled by the std of the whole batch (REINFORCE++ with a group baseline); rescaling
@@ -81,16 +81,25 @@ def compute_advantages(transitions: list[Transition], estimator: str = "grpo", c
         for t in steps:
             turn_pool[group, t.step][rollout_id] = returns[rollout_id, t.step]
 
-    def pool(t: Transition) -> dict[str, float]:
+    # grpo's scale for a group baseline: the spread of the returns it is compared with, each rollout weighing one
+    # (under terminal credit, the std of the final rewards); the std of the averages would divide a step's return by
+    # ~0 when the rollouts' averages agree but their steps' returns do not (every rollout solved in two calls: per-step
+    # returns 0 then 1, averages all 0.5)
+    group_spread = {group: math.sqrt(mean(mean((returns[r, t.step] - mean(averages.values())) ** 2
+                                               for t in by_rollout[r]) for r in averages))
+                    for group, averages in group_pool.items()}
+
+    def pool(t: Transition) -> tuple[dict[str, float], float]:
+        """The returns of the baseline, and their spread."""
         if baseline == "turn" and len(turn_pool[t.group_id, t.step]) > 1:
-            return turn_pool[t.group_id, t.step]
+            return turn_pool[t.group_id, t.step], pstdev(turn_pool[t.group_id, t.step].values())
         if baseline in ("group", "turn"):
-            return group_pool[t.group_id]
+            return group_pool[t.group_id], group_spread[t.group_id]
         raise ValueError(f"unknown baseline {baseline!r}: expected group or turn")
 
     if estimator == "ppo":
         return [t.model_copy(update={"returns": returns[t.rollout_id, t.step]}) for t in transitions]
-    advantages = [_advantage(returns[t.rollout_id, t.step], pool(t), t.rollout_id, estimator, eps)
+    advantages = [_advantage(returns[t.rollout_id, t.step], *pool(t), t.rollout_id, estimator, eps)
                   for t in transitions]
     if estimator == "reinforce_pp" and len(advantages) > 1:
         scale = pstdev(advantages) + eps
@@ -108,10 +117,10 @@ def has_signal(t: Transition, estimator: str) -> bool:
     return estimator == "ppo" or t.advantage != 0
 
 
-def _advantage(g: float, pool: dict[str, float], own: str, estimator: str, eps: float) -> float:
+def _advantage(g: float, pool: dict[str, float], spread: float, own: str, estimator: str, eps: float) -> float:
     values = list(pool.values())
     if estimator == "grpo":
-        return (g - mean(values)) / (pstdev(values) + eps)
+        return (g - mean(values)) / (spread + eps)
     if estimator in ("dr_grpo", "reinforce_pp"):
         return g - mean(values)
     if estimator == "rloo":

@@ -215,6 +215,18 @@ def test_turn_level_baseline_compares_each_step_with_the_same_step_of_the_others
     assert group == pytest.approx([1 - 5 / 12, -5 / 12, -5 / 12, -5 / 12, 1 - 5 / 12])
 
 
+@pytest.mark.parametrize("credit", ["per_step", "discounted"])
+def test_grpo_scales_by_the_spread_of_the_returns_it_compares_not_of_the_rollouts_averages(credit):
+    """Four rollouts each solved in two calls, the final reward on the second: per-step returns 0 then 1 (discounted
+    0.9, 1), the rollouts' averages all alike. Scaled by the averages' std (0) the steps' advantages were ±5e5."""
+    ts = [transition(r, "g", 1.0, step=s) for r in "abcd" for s in (0, 1)]
+    out = advantages(ts, estimator="grpo", credit=credit, gamma=0.9)
+    assert out == pytest.approx([-1.0, 1.0] * 4, abs=1e-4)
+    # terminal credit: the std of the final rewards, as before (one rollout of two steps weighs as one of one)
+    mixed = [transition("a", "g", 1.0), transition("a", "g", 1.0, step=1), transition("b", "g", 0.0)]
+    assert advantages(mixed, estimator="grpo") == pytest.approx([1.0, 1.0, -1.0], abs=1e-4)
+
+
 def test_agent_rewards_before_the_last_become_the_step_rewards_of_the_calls_they_follow():
     rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}), attempt_id="at-1", reward=0.0)
     spans = [llm_span("ro-1", "policy", 1.0, [1], [2]), llm_span("ro-1", "policy", 3.0, [1], [3])]
