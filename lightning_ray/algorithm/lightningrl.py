@@ -39,7 +39,8 @@ def _transitions(rollout: Rollout, spans: list[Span], policy_model: str, agent_r
     spans = [s for s in spans if s.attempt_id == rollout.attempt_id]  # the attempt that ended the rollout
     rewards = sorted((s for s in spans if s.name == semconv.REWARD), key=lambda s: s.start_time)
     intermediate = [s for s in rewards if s.origin == "server"]  # AIR's: the platform's own, each must be a number
-    reward, emitted = rollout.reward, [s for s in rewards if s.origin == "client" and _number(s)]
+    reward, emitted = rollout.reward, [s for s in rewards if s.origin == "client" and _number(s)
+                                       and not s.attributes.get(semconv.REWARD_TASK)]
     if agent_rewards and emitted:
         reward, intermediate = emitted[-1].attributes[semconv.REWARD_VALUE], intermediate + emitted[:-1]
     # a NaN or infinite reward would poison its whole group's baseline: the rollout is left out, as a failed one

@@ -18,9 +18,10 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 from lightning_ray import auth, tracing
-from lightning_ray.store.errors import StaleAttempt
+from lightning_ray.store.errors import StaleAttempt, StoreError
 from lightning_ray.store.protocol import RolloutStore
 from lightning_ray.tracing import semconv
+from lightning_ray.tracing.context import current_attempt
 from lightning_ray.types import Rollout, new_id
 
 logger = logging.getLogger(__name__)
@@ -84,8 +85,27 @@ def run_attempt(store: RolloutStore, rollout: Rollout, agent: Callable, reward: 
     rid, aid = rollout.rollout_id, rollout.attempt_id
     base_url = f"{policy_url}/rollouts/{rid}/attempts/{aid}/v1"
     agent_key = auth.agent_key(api_key, rid, aid) if api_key else "EMPTY"
-    with (_heartbeats(store, rollout) as lease_lost,
-          tracing.trace_attempt(rid, aid, store.add_spans, tracing_backend),
+    with _heartbeats(store, rollout) as lease_lost:
+        try:
+            status, value, error = _traced_attempt(store, rollout, agent, reward, base_url, model, agent_key,
+                                                   tracing_backend)
+        except Exception as e:  # the spans' last hand-over: a trace with calls missing is not trained on
+            status, value, error = "failed", None, f"its spans did not all reach the store: {type(e).__name__}: {e}"
+            logger.warning("rollout %s attempt %s: %s", rid, aid, error)
+    if lease_lost.is_set():
+        logger.warning("rollout %s attempt %s lost its lease; its result is dropped", rid, aid)
+        return
+    try:
+        store.finish_attempt(rid, aid, status, value, error)
+    except StaleAttempt as e:  # timed out or went unresponsive in the store's eyes while we finished
+        logger.warning("%s", e)
+
+
+def _traced_attempt(store: RolloutStore, rollout: Rollout, agent: Callable, reward: Callable, base_url: str,
+                    model: str, agent_key: str, tracing_backend: str) -> tuple[str, float | None, str | None]:
+    """The agent's run in the attempt's trace, and its verdict: status, reward (None: the platform failed it), error."""
+    rid, aid = rollout.rollout_id, rollout.attempt_id
+    with (tracing.trace_attempt(rid, aid, _span_sink(store, rid), tracing_backend),
           tracing.span(semconv.ROLLOUT, {"task_id": rollout.task.task_id}) as root):
         try:
             answer = _within(rollout.config.timeout_seconds, agent, rollout.task.input, base_url=base_url,
@@ -105,19 +125,31 @@ def run_attempt(store: RolloutStore, rollout: Rollout, agent: Callable, reward: 
             value = None
             logger.warning("rollout %s: %s", rid, error)
         root.set_attributes({"answer": answer, "status": status, "error": error})
-        if value is not None:
-            tracing.emit_reward(value)
-    if lease_lost.is_set():
-        logger.warning("rollout %s attempt %s lost its lease; its result is dropped", rid, aid)
-        return
-    try:
-        store.finish_attempt(rid, aid, status, value, error)
-    except StaleAttempt as e:  # timed out or went unresponsive in the store's eyes while we finished
-        logger.warning("%s", e)
+        if value is not None:  # in the trace too, told from a reward the agent emitted (task.agent_rewards)
+            current_attempt.get().tracer.record(semconv.REWARD, {semconv.REWARD_VALUE: value,
+                                                                 semconv.REWARD_TASK: True})
+    return status, value, error
+
+
+def _span_sink(store: RolloutStore, rollout_id: str) -> Callable:
+    """The attempt's spans to the store. A span it refuses (empty name, ends before it starts, ...) is dropped and
+    said, the rest stored: it would be refused again at every try, and the batch kept for it would grow until the
+    attempt's end failed. Only not reaching the store raises (SpanBatch keeps the spans and tries again)."""
+    def sink(spans) -> None:
+        try:
+            store.add_spans(spans)
+        except StoreError as e:
+            logger.warning("rollout %s: the store refused spans of its trace: %s", rollout_id, e)
+
+    return sink
 
 
 class AttemptTimeout(Exception):
     """The agent ran past its attempt's deadline (rollout.timeout_seconds)."""
+
+
+class AgentAborted(Exception):
+    """The agent raised what is not an Exception (asyncio.CancelledError, SystemExit, KeyboardInterrupt)."""
 
 
 def _within(seconds: float | None, fn: Callable, *args, **kwargs):
@@ -132,8 +164,11 @@ def _within(seconds: float | None, fn: Callable, *args, **kwargs):
     def run():
         try:
             outcome["value"] = context.run(fn, *args, **kwargs)
-        except BaseException as e:  # re-raised on the caller's thread
+        except Exception as e:  # re-raised on the caller's thread
             outcome["error"] = e
+        except BaseException as e:  # no signal reaches this thread: the agent's own (a CancelledError escaping
+            # asyncio, sys.exit), its failure as any exception is, not the worker's end
+            outcome["error"] = AgentAborted(f"the agent raised {type(e).__name__}: {e}")
 
     thread = threading.Thread(target=run, daemon=True, name="agent")
     thread.start()

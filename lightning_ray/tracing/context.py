@@ -19,13 +19,15 @@ logger = logging.getLogger(__name__)
 class SpanBatch:
     """One attempt's finished spans, handed to the sink `size` at a time (one store call per batch, not per span)
     and the rest on `flush`. A failing sink does not disturb the agent mid-run: the batch is kept and retried with
-    the next one; only the attempt's final `flush` raises, so the worker learns that its spans did not arrive."""
+    the next one (the store ignores a span it already has); only the attempt's final `flush` raises, so the worker
+    learns that its spans did not arrive. `flush` first waits for batches other threads are handing over."""
 
     def __init__(self, sink: Sink, size: int = 512):
         self.sink, self.size = sink, size
         self._spans: list[Span] = []
         self._next = size  # hand over when this many are buffered (grows after a failure: no retry per span)
-        self._lock = threading.Lock()  # spans may end on several threads (an agent's tool pool)
+        self._sending = 0  # batches being handed over, by other threads too
+        self._lock = threading.Condition()  # spans may end on several threads (an agent's tool pool)
 
     def add(self, span: Span) -> None:
         with self._lock:
@@ -33,8 +35,9 @@ class SpanBatch:
             if len(self._spans) < self._next:
                 return
             batch, self._spans = self._spans, []
+            self._sending += 1
         try:
-            self.sink(batch)
+            self._hand_over(batch)
         except Exception:
             logger.warning("handing %d spans to the sink failed; keeping them for the next try", len(batch),
                            exc_info=True)
@@ -42,13 +45,22 @@ class SpanBatch:
                 self._spans[:0] = batch
                 self._next = len(self._spans) + self.size
         else:
-            self._next = self.size
+            with self._lock:
+                self._next = self.size
+        finally:
+            with self._lock:
+                self._sending -= 1
+                self._lock.notify_all()
 
     def flush(self) -> None:
         with self._lock:
+            self._lock.wait_for(lambda: not self._sending)
             batch, self._spans = self._spans, []
-        if batch:
-            self.sink(batch)
+        self._hand_over(batch)
+
+    def _hand_over(self, batch: list[Span]) -> None:
+        for i in range(0, len(batch), self.size):  # kept ones too: a store call's size stays bounded
+            self.sink(batch[i : i + self.size])
 
 
 @dataclass(frozen=True)

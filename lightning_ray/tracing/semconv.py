@@ -38,6 +38,8 @@ REWARD_VALUE = "lightning_ray.reward"
 # The span id of the policy call an intermediate reward is for (AIR's); a reward without one is credited by time, to
 # the last call that started before it.
 REWARD_CALL = "lightning_ray.reward.call"
+# On the reward span the runner records with the task's own reward (rollout/runner.py): not one the agent emitted
+REWARD_TASK = "lightning_ray.reward.task"
 
 # emit_message / emit_object payloads.
 MESSAGE_TEXT = "lightning_ray.message"

@@ -232,6 +232,9 @@ def test_agent_rewards_before_the_last_become_the_step_rewards_of_the_calls_they
     spans = [llm_span("ro-1", "policy", 1.0, [1], [2]), llm_span("ro-1", "policy", 3.0, [1], [3])]
     rewards = [(0.5, 0.2), (2.0, 0.3), (2.5, -0.1), (4.0, 1.0)]  # (time, value): the last is the final reward
     spans += [reward_span(v).model_copy(update={"start_time": when}) for when, v in rewards]
+    # and last, the runner's record of the task's own reward (rollout/runner.py): not the agent's
+    spans.append(reward_span(0.0).model_copy(update={"start_time": 5.0, "attributes": {
+        semconv.REWARD_VALUE: 0.0, semconv.REWARD_TASK: True}}))
     out = transitions_from_spans(rollout, spans, "policy", agent_rewards=True)
     assert [(t.step, t.step_reward, t.reward) for t in out] == [(0, pytest.approx(0.4), 1.0), (1, 0.0, 1.0)]
     # not opted in: the task's own reward, and nothing intermediate (an agent's rewards are not trusted)

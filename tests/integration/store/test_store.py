@@ -461,6 +461,39 @@ def test_a_reward_that_is_not_finite_fails_the_attempt_without_a_reward(ray_clus
     assert rewards == [0.0]  # the emitting agent's failure, scored as every agent error is; no NaN, no inf
 
 
+def test_a_refused_span_or_an_agents_base_exception_ends_the_attempt_with_its_verdict(ray_cluster):
+    """One span the store refuses (an empty name, as OpenTelemetry allows) is dropped and the rest of the trace
+    stored; an agent raising what is not an Exception (a CancelledError escaping its asyncio code) fails its own
+    rollout, scored 0. Before, both escaped run_attempt: no verdict, and over Ray the training run stopped. The
+    task's reward span is marked as the task's, so task.agent_rewards takes the agent's own, not it."""
+    import asyncio
+
+    from lightning_ray import tracing
+    from lightning_ray.rollout.runner import run_attempt
+
+    client = StoreClient.start()
+    ids = [r.rollout_id for r in client.enqueue([Task(task_id="bad-span", input={"cancel": False}),
+                                                  Task(task_id="cancelled", input={"cancel": True})])]
+
+    def agent(task, **openai_settings):  # no LLM here
+        if task["cancel"]:
+            raise asyncio.CancelledError()
+        with tracing.span(""):
+            pass
+        tracing.emit_reward(0.9)
+        return "answer"
+
+    for _ in ids:
+        run_attempt(client, client.dequeue("w"), agent, lambda task, answer: 0.0, "http://unused", "m")
+    bad_span, cancelled = client.get_rollouts(ids)
+    assert (bad_span.status, bad_span.reward) == ("succeeded", 0.0)
+    assert (cancelled.status, cancelled.reward) == ("failed", 0.0) and "CancelledError" in cancelled.error
+    rewards = [(s.attributes["lightning_ray.reward"], s.attributes.get("lightning_ray.reward.task"))
+               for s in client.query_spans([ids[0]], name="reward")]
+    assert rewards == [(0.9, None), (0.0, True)]
+    assert client.stats()["errors"]["invalid_spans"] == 1
+
+
 def test_waiting_for_rollouts_and_expiring_silent_attempts(ray_cluster):
     client = StoreClient.start(expire_every_s=0.05)
     # Only the second rollout has a lease: 2 s, so its retry's outlasts the waiter's 0.3 s below on a loaded machine.
