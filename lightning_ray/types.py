@@ -196,6 +196,9 @@ class Transition(ArrayModel):
     advantage: float = 0.0  # with a critic (ppo) the learner computes one per token instead
     policy_version: int
     temperature: float = 1.0
+    # Scored by the learner at this temperature instead (algorithm.objective=sft: 1, the model's own likelihood). The
+    # served logprobs, drawn at `temperature`, are then not the learner's to match nor to importance-weight by
+    score_temperature: float | None = None
     # < 1: drawn within a nucleus, so its logprobs are renormalized there, higher than the learner's over the whole
     # vocabulary (compared with the learner's on full-vocabulary calls only; importance-weighted as they are)
     top_p: float = 1.0

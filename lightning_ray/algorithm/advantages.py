@@ -136,11 +136,12 @@ def best_rollouts(transitions: list[Transition], min_reward: float) -> list[Tran
     min(r·A, clip(r)·A) with A = 1 has the gradient ∇r = ∇log π: the loss's gradient is exactly that of the
     negative log-likelihood of the kept tokens, aggregated as algorithm.loss_aggregation says.
 
-    Every transition is scored at temperature 1: SFT maximizes the samples' likelihood under the model itself,
-    softmax(logits), as fine-tuning on any data does; the sampling temperature τ only chose which answers were
-    drawn, and scoring at it would fit softmax(logits / τ) instead."""
+    Every transition is scored at temperature 1 (score_temperature): SFT maximizes the samples' likelihood under
+    the model itself, softmax(logits), as fine-tuning on any data does; the sampling temperature τ only chose which
+    answers were drawn, and scoring at it would fit softmax(logits / τ) instead. Their served logprobs, at τ, are
+    then neither compared with the learner's nor importance-weighted by."""
     best: dict[str, float] = {}
     for t in transitions:
         best[t.group_id] = max(best.get(t.group_id, t.reward), t.reward)
-    return [t.model_copy(update={"advantage": float(t.reward == best[t.group_id] >= min_reward), "temperature": 1.0})
-            for t in transitions]
+    return [t.model_copy(update={"advantage": float(t.reward == best[t.group_id] >= min_reward),
+                                 "score_temperature": 1.0}) for t in transitions]

@@ -113,9 +113,10 @@ def actions_forward(model, input_ids: torch.Tensor, predicts: torch.Tensor,
 
 def collate(micro_batch: MicroBatch, pad_id: int, share_prefix: bool = False) -> dict[str, torch.Tensor]:
     """Right-padded prompt+response rows. Position i of `mask` predicts token i+1, and is 1 where that token is
-    the policy's action; the flat per-token tensors (advantages, weights, served_logprobs, constrained: whether a
-    grammar masked the served one, compared: whether the learner's logprob is the served one's to match, neither a
-    grammar's nor a nucleus's) follow the actions in row order, as `score` returns them; `row_tokens` and
+    the policy's action; the flat per-token tensors (advantages, weights, served_logprobs, unweighted: whether the
+    served one is not the learner's to importance-weight by, a grammar's or drawn at another temperature than the
+    one scored at, compared: whether the learner's logprob is the served one's to match, neither those nor a
+    nucleus's) follow the actions in row order, as `score` returns them; `row_tokens` and
     `sample_returns` give each row's share and return; `shared`, with share_prefix, how many leading tokens all rows
     have in common (`score` runs them once)."""
     rows = micro_batch or []
@@ -133,13 +134,16 @@ def collate(micro_batch: MicroBatch, pad_id: int, share_prefix: bool = False) ->
         return torch.from_numpy(np.repeat(np.array(values, np.float32), tokens))
 
     served = np.concatenate([np.zeros(0), *(t.logprobs[t.action_mask == 1] for t, _ in rows)], dtype=np.float32)
-    constrained = np.repeat([t.constrained for t, _ in rows], tokens).astype(bool)
-    compared = ~constrained & np.repeat([t.top_p >= 1.0 for t, _ in rows], tokens).astype(bool)
+    scored_at = [t.temperature if t.score_temperature is None else t.score_temperature for t, _ in rows]
+    # served logprobs the learner's do not estimate: a grammar's masked ones, or drawn at another temperature
+    unweighted = np.repeat([t.constrained or at != t.temperature for (t, _), at in zip(rows, scored_at)],
+                           tokens).astype(bool)
+    compared = ~unweighted & np.repeat([t.top_p >= 1.0 for t, _ in rows], tokens).astype(bool)
     weights = np.concatenate([np.zeros(0), *(np.broadcast_to(w, t.action_tokens) for t, w in rows)], dtype=np.float32)
     return {"input_ids": torch.from_numpy(input_ids), "mask": torch.from_numpy(mask),
-            "temperature": torch.tensor([t.temperature for t, _ in rows] or [1.0]),
+            "temperature": torch.tensor(scored_at or [1.0]),
             "advantages": per_action([t.advantage for t, _ in rows]), "weights": torch.from_numpy(weights),
-            "served_logprobs": torch.from_numpy(served), "constrained": torch.from_numpy(constrained),
+            "served_logprobs": torch.from_numpy(served), "unweighted": torch.from_numpy(unweighted),
             "compared": torch.from_numpy(compared),
             "row_tokens": tokens,
             "sample_returns": [t.returns for t, _ in rows],

@@ -342,7 +342,7 @@ def train_step(engine, mini_batches: list[list[MicroBatch]], pad_id: int, alg: A
                 is_weights = None
                 if alg.tis_cap:  # sampler → old policy; the ratio takes it on from there (a grammar's: unknown)
                     is_weights = truncated_is_weights(batch["old_logprobs"], batch["served_logprobs"], alg.tis_cap)
-                    is_weights = torch.where(batch["constrained"], 1.0, is_weights)
+                    is_weights = torch.where(batch["unweighted"], 1.0, is_weights)
                     if epoch == 0:
                         totals["tis_capped"] += (is_weights >= alg.tis_cap).sum()
                 loss, stats = policy_loss(scores.logprobs, batch["old_logprobs"], batch["advantages"], weights,

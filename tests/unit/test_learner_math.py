@@ -579,3 +579,22 @@ def test_a_call_drawn_within_a_nucleus_is_importance_weighted_not_compared(one_r
     assert -1 + 1e-3 < stats["loss"] < -math.exp(-1)
     every = step(engine_for(fresh()), [t.model_copy(update={"top_p": 0.9}) for t in drawn], max_logprob_gap=0.1)
     assert every["updated"] and every["logprob_abs_diff"] is None  # no token to compare: none, not a perfect 0
+
+
+def test_sft_scores_at_1_calls_drawn_at_another_temperature_neither_compared_nor_weighted(one_rank):
+    """algorithm.objective=sft scores at temperature 1 what was drawn at 0.7: the served logprobs (at 0.7) are not
+    the learner's to match, nor to importance-weight by (the loss is the NLL's). Before, the first step with the
+    default sampling temperature failed learner.max_logprob_gap."""
+    from lightning_ray.algorithm.advantages import best_rollouts
+
+    transitions = [t.model_copy(update={"temperature": 0.7, "reward": float(i % 2)}) for i, t in
+                   enumerate(batch_of(4, seed=11))]
+    with torch.no_grad():  # a server running these weights, sampling at 0.7
+        served = [score(fresh(), collate([(t, 1.0)], pad_id=0)).logprobs.numpy() for t in transitions]
+    drawn = [t.model_copy(update={"logprobs": lp.astype(np.float64)}) for t, lp in zip(transitions, served)]
+    assert step(engine_for(fresh()), drawn, max_logprob_gap=0.1)["logprob_abs_diff"] < 1e-5  # RL: at 0.7, alike
+    kept = [t for t in best_rollouts(drawn, min_reward=1.0) if t.advantage]
+    stats = step(engine_for(fresh()), kept, max_logprob_gap=0.1, tis_cap=2.0)
+    assert stats["updated"] and stats["logprob_abs_diff"] is None  # nothing comparable: none, not a failure
+    # the first step's ratio is 1 and every advantage 1: -(Σ weights × importance weights) = -1 with weights of 1
+    assert stats["loss"] == pytest.approx(-1.0, abs=1e-5)

@@ -30,7 +30,7 @@ def test_each_group_keeps_its_best_rollouts_that_reach_the_bar():
     out = best_rollouts(batch, min_reward=1.0)
     assert [(t.rollout_id, t.advantage) for t in out] == [
         ("a", 1.0), ("a", 1.0), ("b", 0.0), ("c", 1.0), ("d", 0.0), ("e", 0.0), ("f", 1.0), ("h", 0.0)]
-    assert {t.temperature for t in out} == {1.0}  # sampled at 0.7, scored at 1
+    assert {(t.temperature, t.score_temperature) for t in out} == {(0.7, 1.0)}  # sampled at 0.7, scored at 1
     assert [t.rollout_id for t in best_rollouts(batch, min_reward=0.5) if t.advantage] == ["a", "a", "c", "d", "f"]
 
 
