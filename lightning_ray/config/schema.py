@@ -579,6 +579,14 @@ class TrainConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _air_reaches_training(self):
+        if self.task.air.enabled and self.algorithm.objective == "rl" and self.algorithm.credit == "terminal":
+            raise ValueError("task.air's rewards are intermediate ones, which algorithm.credit=terminal leaves out (it "
+                             "trains on the final reward alone): set algorithm.credit=per_step or discounted, with "
+                             "algorithm.level=transition")
+        return self
+
+    @model_validator(mode="after")
     def _teacher_is_imitated(self):
         if self.teacher.kind != "none" and self.algorithm.objective != "sft":
             raise ValueError(f"teacher.kind={self.teacher.kind} answers the training rollouts: imitation data, which "

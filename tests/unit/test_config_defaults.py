@@ -216,3 +216,11 @@ def test_a_replica_given_fewer_gpus_than_its_tensor_parallel_size_is_refused_at_
     cfg = compose(["run_dir=x", "placement=split", "engine=vllm", "engine.tensor_parallel_size=2",
                    "serve.resources.GPU=2"])
     assert cfg.serve.resources["GPU"] == 2
+
+
+def test_air_with_terminal_credit_is_refused_naming_the_credit():
+    """Terminal credit trains on the final reward alone: AIR's rewards would be computed, stored and never trained."""
+    with pytest.raises(ConfigError, match=re.escape("algorithm.credit=per_step")):
+        compose(["run_dir=x", "task.air.tool_error=-0.5"])
+    compose(["run_dir=x", "task.air.tool_error=-0.5", "algorithm.credit=per_step", "algorithm.level=transition"])
+    compose(["run_dir=x", "task.air.tool_error=-0.5", "algorithm=sft"])  # imitation: AIR's spans recorded, not trained
