@@ -13,6 +13,7 @@ import json
 import logging
 import re
 from typing import NamedTuple
+from urllib.parse import unquote
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -71,8 +72,9 @@ def trace_ids(request: Request) -> CallTrace:
     # OpenTelemetry's own W3C parser: a malformed traceparent gives an invalid context, ignored as W3C asks
     parent = get_current_span(_W3C.extract(request.headers)).get_span_context()
     trace_id, parent_id = (f"{parent.trace_id:032x}", f"{parent.span_id:016x}") if parent.is_valid else (None, None)
+    agent = request.headers.get(semconv.AGENT_HEADER)  # percent-encoded UTF-8 (tracing/agent_header.py)
     return CallTrace(request.headers.get(ROLLOUT_HEADER), request.headers.get(ATTEMPT_HEADER), trace_id, parent_id,
-                     request.headers.get(semconv.AGENT_HEADER))
+                     unquote(agent) if agent else None)
 
 
 def rollout_of(scope: dict) -> str | None:

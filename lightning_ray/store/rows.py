@@ -4,6 +4,7 @@ store's actor: built and read by the callers, so the single store process spends
 
 from __future__ import annotations
 
+import math
 import struct
 from functools import lru_cache
 
@@ -91,14 +92,20 @@ def span_from_row(r: tuple) -> Span:
                 events=[SpanEvent(**e) for e in msgspec.json.decode(r[11])] if r[11] != b"[]" else [], origin=r[13])
 
 
+def _time(x) -> bool:
+    # NaN would be stored as NULL: the NOT NULL violation is swallowed by INSERT OR IGNORE, and the span vanishes,
+    # counted as a duplicate. An int beyond int64 would fail the whole batch's insert.
+    return isinstance(x, float) and math.isfinite(x) or isinstance(x, int) and -2**63 <= x < 2**63
+
+
 def row_problem(r) -> str | None:
     """Why a span row cannot be stored, or None. Cheap: only what SQLite and readers rely on."""
     if not isinstance(r, (tuple, list)) or len(r) != 13:
         return "not a span row"
     if not (isinstance(r[0], str) and r[0]) or not (isinstance(r[5], str) and r[5]):
         return "span_id and name must be non-empty strings"
-    if not isinstance(r[6], (int, float)) or (r[7] is not None and (not isinstance(r[7], (int, float)) or r[7] < r[6])):
-        return "start_time must be a number and end_time, if set, not before it"
+    if not _time(r[6]) or (r[7] is not None and (not _time(r[7]) or r[7] < r[6])):
+        return "start_time must be a finite number and end_time, if set, one not before it"
     if r[8] not in SPAN_STATUSES:
         return f"status must be one of {SPAN_STATUSES}"
     if not all(v is None or isinstance(v, str) for v in (r[1], r[2], r[3], r[4], r[9])):

@@ -9,6 +9,7 @@ go to an optional fallback sink through the SDK's BatchSpanProcessor and our Sin
 from __future__ import annotations
 
 import logging
+import random
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace import Span as SdkSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import Status, StatusCode
 
 from lightning_ray.tracing import semconv
@@ -135,6 +137,33 @@ class OtelTracer:
         s.end()
 
 
+class SystemIdGenerator(IdGenerator):
+    """Ids from the OS's randomness, as the embedded tracer's (spans.new_span_id). The SDK's RandomIdGenerator draws
+    from the global `random` module: an agent that seeds it repeats its span ids, and the store, which keeps one span
+    per (rollout_id, span_id), drops a retried attempt's spans as duplicates."""
+
+    _random = random.SystemRandom()
+
+    def generate_span_id(self) -> int:
+        return self._random.getrandbits(64) or 1
+
+    def generate_trace_id(self) -> int:
+        return self._random.getrandbits(128) or 1
+
+    def is_trace_id_random(self) -> bool:
+        return True
+
+
+def _use_system_ids(provider: TracerProvider) -> None:
+    """Replace the SDK's default id generator (one a framework chose on purpose stays), also on the tracers the
+    provider already made (the SDK caches them): each keeps the generator it was made with."""
+    if type(provider.id_generator) is RandomIdGenerator:
+        provider.id_generator = SystemIdGenerator()
+        for tracer in list(getattr(provider, "_tracers", {}).values()):
+            if type(getattr(tracer, "id_generator", None)) is RandomIdGenerator:
+                tracer.id_generator = provider.id_generator
+
+
 _provider: TracerProvider | None = None
 _provider_lock = threading.Lock()
 
@@ -153,6 +182,7 @@ def setup_otel(sink: Sink | None = None, provider: TracerProvider | None = None)
                 if not isinstance(provider, TracerProvider):
                     provider = TracerProvider(span_limits=_UNLIMITED)
                     trace.set_tracer_provider(provider)
+            _use_system_ids(provider)
             fallback = BatchSpanProcessor(SinkSpanExporter(sink)) if sink is not None else None
             provider.add_span_processor(AttemptSpanProcessor(fallback))
             # each request made under an agent span names the agent (serving/adapters.py: its adapter serves it)

@@ -76,7 +76,7 @@ def _walk(resource_spans, resource_of, span_of, resource_key: str, scopes_key: s
                 for k, s in enumerate(_get_list(ss, spans_key)):
                     out.append(span_of(s, resource))
                 k = None
-    except (ValueError, TypeError, KeyError, AttributeError, binascii.Error) as e:
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, binascii.Error) as e:
         where = "".join(f"{name}[{n}]" for name, n in (("resourceSpans", i), (".scopeSpans", j), (".spans", k))
                         if n is not None) or "request"
         detail = str(e) if isinstance(e, OtlpDecodeError) else f"malformed ({type(e).__name__}: {e})"
@@ -104,6 +104,14 @@ def _hex_id(raw: bytes, size: int, name: str) -> str:
     if len(raw) != size or raw.count(0) == size:
         raise OtlpDecodeError(f"{name} must be {size} bytes, not all zero; got {raw.hex() or 'nothing'}")
     return raw.hex()
+
+
+_NO_PARENT = (b"", bytes(8))
+
+
+def _parent_id(raw: bytes) -> str | None:
+    # All zeros is no parent, as the OTel Collector reads it (some exporters send it for a root span).
+    return None if raw in _NO_PARENT else _hex_id(raw, 8, "parentSpanId")
 
 
 def _times(start: int, end: int) -> tuple[float, float]:
@@ -135,7 +143,7 @@ def _protobuf_span(s, resource: ResourceInfo) -> Span:
     status = s.status
     return make_span(
         _hex_id(s.trace_id, 16, "traceId"), _hex_id(s.span_id, 8, "spanId"),
-        _hex_id(s.parent_span_id, 8, "parentSpanId") if s.parent_span_id else None,
+        _parent_id(s.parent_span_id),
         s.name, *_times(s.start_time_unix_nano, s.end_time_unix_nano), _status(status.code), status.message,
         _pb_attributes(s.attributes),
         [SpanEvent(name=e.name, time=e.time_unix_nano / 1e9, attributes=_pb_attributes(e.attributes))
@@ -227,22 +235,35 @@ def _json_span(s: dict, resource: ResourceInfo) -> Span:
     parent = s.get("parentSpanId")
     return make_span(
         _json_id(s.get("traceId"), 16, "traceId"), _json_id(s.get("spanId"), 8, "spanId"),
-        _json_id(parent, 8, "parentSpanId") if parent else None,
-        _str(s.get("name", "")), *_times(int(s.get("startTimeUnixNano", 0)), int(s.get("endTimeUnixNano", 0))),
+        _parent_id(_json_bytes(parent, 8, "parentSpanId")) if parent else None,
+        _str(s.get("name", "")),
+        *_times(_nanos(s.get("startTimeUnixNano", 0), "startTimeUnixNano"),
+                _nanos(s.get("endTimeUnixNano", 0), "endTimeUnixNano")),
         _status(status.get("code", 0)), _str(status.get("message", "")),
         _json_attributes(s.get("attributes")),
-        [SpanEvent(name=_str(e.get("name", "")), time=int(e.get("timeUnixNano", 0)) / 1e9,
+        [SpanEvent(name=_str(e.get("name", "")), time=_nanos(e.get("timeUnixNano", 0), "timeUnixNano") / 1e9,
                    attributes=_json_attributes(e.get("attributes"))) for e in _list(s.get("events"))],
         resource,
     )
 
 
 def _json_id(value, size: int, name: str) -> str:
+    return _hex_id(_json_bytes(value, size, name), size, name)
+
+
+def _json_bytes(value, size: int, name: str) -> bytes:
     if not isinstance(value, str) or not value:
         raise OtlpDecodeError(f"{name} is missing")
     # OTLP JSON writes ids in hex; the plain protobuf JSON mapping (MessageToJson) in base64. Lengths tell them apart.
-    raw = bytes.fromhex(value) if len(value) == 2 * size else base64.b64decode(value, validate=True)
-    return _hex_id(raw, size, name)
+    return bytes.fromhex(value) if len(value) == 2 * size else base64.b64decode(value, validate=True)
+
+
+def _nanos(value, name: str) -> int:
+    # A fixed64 in the protobuf: bounded here too, or a huge one fails the conversion to float seconds.
+    n = int(value)
+    if not 0 <= n < 2**64:
+        raise OtlpDecodeError(f"{name} is out of range: not a uint64 of nanoseconds")
+    return n
 
 
 def _json_attributes(key_values) -> dict[str, Any]:

@@ -5,6 +5,7 @@ when an exception leaves a span, the SDK's status rules. Finished spans go to th
 
 from __future__ import annotations
 
+import logging
 import time
 from contextvars import ContextVar
 from typing import Any
@@ -15,6 +16,8 @@ from lightning_ray.tracing.spans import (
     attribute_value, clean_attributes, exception_attributes, make_span, new_span_id, new_trace_id,
 )
 from lightning_ray.types import SpanEvent
+
+logger = logging.getLogger(__name__)
 
 _current_span: ContextVar[LiveSpan | None] = ContextVar("lightning_ray_span", default=None)
 
@@ -43,7 +46,12 @@ class LiveSpan:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        _current_span.reset(self._token)
+        try:
+            _current_span.reset(self._token)
+        except ValueError:
+            # Closed in another context (an async generator the event loop finalizes in a task of its own): as the
+            # OpenTelemetry SDK does, the span still ends; only this context's current span is left as it is.
+            logger.debug("span %r closed in another context than it was opened in", self.name)
         # As OpenTelemetry's use_span: only Exception is an error (not GeneratorExit, KeyboardInterrupt).
         if isinstance(exc, Exception):
             self.record_exception(exc)

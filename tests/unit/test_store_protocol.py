@@ -14,8 +14,10 @@ from lightning_ray.client import LightningClient
 from lightning_ray.store import http
 from lightning_ray.store.client import StoreClient
 from lightning_ray.store.protocol import RolloutStore
+from lightning_ray.store.rows import span_row
 from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.store.trace_store import TraceStore
+from lightning_ray.types import Rollout, Span, Task
 
 OPERATIONS = [name for name, f in vars(RolloutStore).items() if inspect.isfunction(f) and not name.startswith("_")]
 
@@ -99,3 +101,18 @@ def test_the_shard_and_its_backend_offer_each_operation_by_its_parameters(layer)
             assert inspect.iscoroutinefunction(f), f"{layer.__name__}.{op} is not async"
         missing = parameters(getattr(RolloutStore, op)) - ENCODED.get(op, set()) - parameters(f)
         assert not missing, f"{layer.__name__}.{op}: no {missing}"
+
+
+def test_a_span_row_without_a_finite_time_is_rejected_not_lost():
+    """NaN is stored as NULL, whose NOT NULL violation INSERT OR IGNORE swallows: the span would vanish as a
+    'duplicate'. It is rejected with its reason instead, as an infinite time and an int SQLite cannot hold."""
+    db = SQLiteBackend()
+    db.enqueue([Rollout(rollout_id="r1", task=Task(task_id="t", input={}))])
+    good = span_row(Span(span_id="s0", trace_id="t", rollout_id="r1", name="ok", start_time=1.0, end_time=2.0))
+    bad = [(*good[:6], start, end, *good[8:])
+           for start, end in [(float("nan"), 2.0), (1.0, float("nan")), (float("inf"), None), (1.0, float("inf")),
+                              (2**63, None)]]
+    result = db.add_span_rows([good, *bad])
+    assert (result["accepted"], result["duplicates"], result["rejected"]) == (1, 0, len(bad))
+    assert all("start_time must be a finite number" in e for e in result["errors"])
+    assert [s.name for s in db.query_spans(["r1"])] == ["ok"]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import random
 from decimal import Decimal
 
 import pytest
@@ -15,11 +17,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Status, StatusCode
+from starlette.requests import Request
 
 from lightning_ray.tracing import (
     emit_exception, emit_message, emit_object, emit_reward, emit_tool, semconv, span, trace_attempt,
 )
-from lightning_ray.tracing.otel import setup_otel, span_from_otel
+from lightning_ray.serving.http import trace_ids
+from lightning_ray.tracing.agent_header import AgentHeader, AgentSpans
+from lightning_ray.tracing.otel import _use_system_ids, setup_otel, span_from_otel
 from lightning_ray.tracing.otlp import JSON, PROTOBUF, OtlpDecodeError, UnsupportedContentType, spans_from_otlp
 
 
@@ -239,6 +244,13 @@ def test_otlp_rejects_malformed_bodies():
     for fields, message in [
         ({"spanId": ""}, r"resourceSpans\[0\].scopeSpans\[0\].spans\[0\]: spanId is missing"),
         ({"traceId": "00" * 16}, "traceId must be 16 bytes, not all zero"),
+        ({"spanId": "00" * 8}, "spanId must be 8 bytes, not all zero"),
+        ({"parentSpanId": "00" * 4}, "parentSpanId must be 8 bytes"),
+        # not an OverflowError (a 500) converting to seconds
+        ({"startTimeUnixNano": "1" + "0" * 400, "endTimeUnixNano": "2" + "0" * 400},
+         "startTimeUnixNano is out of range"),
+        ({"endTimeUnixNano": "1" + "0" * 400}, "endTimeUnixNano is out of range"),
+        ({"events": [{"name": "e", "timeUnixNano": "1" + "0" * 400}]}, "timeUnixNano is out of range"),
         ({"endTimeUnixNano": "1"}, "endTimeUnixNano is before startTimeUnixNano"),
         ({"status": {"code": 7}}, "unknown status code 7"),
         ({"attributes": [{"key": "k", "value": {"intValue": "x"}}]}, "malformed"),
@@ -246,6 +258,75 @@ def test_otlp_rejects_malformed_bodies():
     ]:
         with pytest.raises(OtlpDecodeError, match=message):
             spans_from_otlp(json_span(**fields), JSON)
+
+
+def test_otlp_an_all_zero_parent_is_no_parent():
+    """As the OTel Collector reads it: some exporters send a root's parentSpanId as zeros."""
+    request = encode_spans(sdk_spans())
+    spans = request.resource_spans[0].scope_spans[0].spans
+    root = next(s for s in spans if not s.parent_span_id)
+    root.parent_span_id = bytes(8)
+    decoded = spans_from_otlp(request.SerializeToString(), PROTOBUF)
+    assert [s.parent_id for s in decoded] == [spans[0].parent_span_id.hex(), None]
+    assert spans_from_otlp(to_otlp_json(request), JSON) == decoded  # "0000000000000000"
+    assert spans_from_otlp(json_format.MessageToJson(request).encode(), JSON) == decoded  # base64
+
+
+def test_otel_span_ids_do_not_follow_a_seeded_random(otel_spans):
+    """An agent seeding `random` per task must not repeat its span ids: the store keeps one span per
+    (rollout_id, span_id) and would drop a retried attempt's spans as duplicates."""
+    def ids(tracer=None) -> set[str]:
+        random.seed(7)
+        if tracer is not None:
+            with tracer.start_as_current_span("s") as s:
+                return {f"{s.get_span_context().span_id:016x}"}
+        got = []
+        with trace_attempt("ro-5", "at-5", got.extend, backend="otel"):
+            with span("step"):
+                emit_reward(1.0)
+        return {s.span_id for s in got} | {s.trace_id for s in got}
+
+    assert not ids() & ids()
+    provider = TracerProvider()  # a framework's provider, which setup_otel reuses, with a tracer made before
+    tracer = provider.get_tracer("framework")
+    assert ids(tracer) == ids(tracer)  # the SDK's default generator
+    _use_system_ids(provider)
+    assert not ids(tracer) & ids(tracer) and not ids(provider.get_tracer("later")) & ids(tracer)
+
+
+@pytest.mark.parametrize("backend", ["embedded", "otel"])
+def test_a_span_closed_in_another_context_still_ends(backend):
+    """An async generator the agent leaves early is closed by the event loop in a task of its own."""
+    async def stream():
+        with span("llm stream"):
+            for i in range(10):
+                yield i
+
+    async def agent():
+        async for chunk in stream():
+            if chunk == 2:
+                break
+        await asyncio.sleep(0.05)  # the loop's asyncgen finalizer closes stream() meanwhile
+
+    got = []
+    with trace_attempt("ro-6", "at-6", got.extend, backend=backend):
+        asyncio.run(agent())
+    assert [s.name for s in got] == ["llm stream"]
+
+
+def test_the_agent_header_carries_any_name_to_the_server():
+    spans, provider = AgentSpans(), TracerProvider()
+    provider.add_span_processor(spans)
+    header, tracer = AgentHeader(spans), provider.get_tracer("t")
+    for name in ["coder", "Research Agent", "a+b/c=d", "50%", " padded ", "new\nline", "Rédacteur", "规划者"]:
+        with tracer.start_as_current_span("invoke_agent", attributes={semconv.AGENT_NAME: name}):
+            carrier: dict = {}
+            header.inject(carrier)
+        value = carrier[semconv.AGENT_HEADER]
+        assert value.isascii() and value.isprintable() and value == value.strip()  # what HTTP carries unchanged
+        assert (value == name) == (name in ("coder", "Research Agent", "a+b/c=d"))  # ASCII names as they are
+        request = Request({"type": "http", "headers": [(semconv.AGENT_HEADER.encode(), value.encode("latin-1"))]})
+        assert trace_ids(request).agent == name
 
 
 def test_emitters_and_spans_are_noops_outside_an_attempt(otel_spans):
@@ -270,7 +351,8 @@ def test_a_failing_sink_loses_no_spans_mid_run_and_fails_the_final_flush():
 
     with trace_attempt("ro-3", "at-3", flaky, batch_size=4):
         assert agent("q") == 4  # the agent never sees the failure
-    assert calls == [4, 8, 1] and len({s.span_id for s in received}) == 9
+    # the kept 4 go again with the next 4, a batch's size at a time
+    assert calls == [4, 4, 4, 1] and len({s.span_id for s in received}) == 9
 
     def down(spans):
         raise ConnectionError("store down")
