@@ -9,11 +9,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
+import signal
 import subprocess
 from collections.abc import Callable
 
 from lightning_ray.config import TaskConfig
-from lightning_ray.rollout.runner import AttemptTimeout
+from lightning_ray.rollout.runner import AttemptTimeout, PlatformFailure
 from lightning_ray.tasks import load_task
 
 
@@ -43,6 +45,20 @@ class AgentCommandFailed(RuntimeError):
     """The agent's command exited with an error: the attempt fails (a score of 0, as an agent's exception does)."""
 
 
+class AgentCommandFailedByPlatform(PlatformFailure):
+    """The command could not start, was killed (SIGKILL: the out-of-memory killer), exited with EX_TEMPFAIL (75: its
+    way to say the platform failed it), or died of an OpenAI SDK's error for an endpoint unreachable or answering 5xx,
+    as an agent in the worker's process would have raised: no reward, the attempt retried."""
+
+
+EX_TEMPFAIL = 75
+# The last words of an OpenAI SDK (Python, JavaScript) that could not reach the endpoint or got a 5xx from it
+SDK_PLATFORM_ERRORS = re.compile(r"APIConnectionError|APIConnectionTimeoutError|InternalServerError|ECONNREFUSED|"
+                                 r"ECONNRESET|Error code: 5\d\d")
+# A task's JSON in LIGHTNING_RAY_TASK up to this size: Linux refuses an environment string past 128 KiB (stdin has it)
+MAX_TASK_ENV = 100_000
+
+
 # What a command inherits from the worker's environment, which holds credentials it must not see (cloud keys,
 # HF_TOKEN, ...): enough to run a program; task.agent_env names more.
 AGENT_ENV = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH")
@@ -53,7 +69,7 @@ class CommandAgent:
     read it (OPENAI_BASE_URL, OPENAI_API_KEY: its own attempt's key, plus OPENAI_MODEL) and the task's input as JSON
     on stdin (and in LIGHTNING_RAY_TASK); its answer is the last non-empty line it prints (earlier lines and stderr
     are its logs). Of the worker's environment it gets AGENT_ENV and the names in `env` only. At the attempt's
-    deadline the process is killed, not abandoned."""
+    deadline its process group is killed, not abandoned; so is what it left running when it exits."""
 
     def __init__(self, command: list[str], timeout_seconds: float | None = None, env: list[str] = ()):
         self.command, self.timeout_seconds, self.env = command, timeout_seconds, (*AGENT_ENV, *env)
@@ -61,14 +77,33 @@ class CommandAgent:
     def __call__(self, task_input: dict, base_url: str, model: str, api_key: str) -> str:
         task = json.dumps(task_input)
         env = {**{k: os.environ[k] for k in self.env if k in os.environ}, "OPENAI_BASE_URL": base_url,
-               "OPENAI_API_KEY": api_key, "OPENAI_MODEL": model, "LIGHTNING_RAY_TASK": task}
+               "OPENAI_API_KEY": api_key, "OPENAI_MODEL": model,
+               **({"LIGHTNING_RAY_TASK": task} if len(task) <= MAX_TASK_ENV else {})}
+        try:  # a session of its own: at the deadline the whole group goes (a launcher's child too: sh -c, npx, uv run)
+            process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, env=env, text=True, start_new_session=True)
+        except OSError as e:
+            raise AgentCommandFailedByPlatform(f"task.command {self.command} could not start: {e}") from e
         try:
-            run = subprocess.run(self.command, input=task, env=env, capture_output=True, text=True,
-                                 timeout=self.timeout_seconds)
+            stdout, stderr = process.communicate(task, timeout=self.timeout_seconds)
         except subprocess.TimeoutExpired as e:
+            _kill_group(process)
+            process.communicate()
             raise AttemptTimeout(f"the agent command ran past rollout.timeout_seconds={self.timeout_seconds:g} "
                                  "and was killed") from e
-        if run.returncode != 0:
-            raise AgentCommandFailed(f"{self.command[0]} exited with {run.returncode}: {run.stderr.strip()[-2000:]}")
-        lines = [line for line in run.stdout.splitlines() if line.strip()]
+        _kill_group(process)  # what it left running
+        if process.returncode != 0:
+            said = f"{self.command[0]} exited with {process.returncode}: {stderr.strip()[-2000:]}"
+            platform = process.returncode in (-signal.SIGKILL, EX_TEMPFAIL) or SDK_PLATFORM_ERRORS.search(stderr)
+            raise (AgentCommandFailedByPlatform if platform else AgentCommandFailed)(said)
+        lines = [line for line in stdout.splitlines() if line.strip()]
         return lines[-1].strip() if lines else ""
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """The command's whole process group: what it started in the background too, so no agent outlives its attempt
+    calling the policy."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # every process of the group has exited
+        pass

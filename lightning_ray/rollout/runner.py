@@ -26,10 +26,14 @@ from lightning_ray.types import Rollout, new_id
 
 logger = logging.getLogger(__name__)
 
+class PlatformFailure(Exception):
+    """The platform failed the agent, as the agent or its runner tells (rollout/agents.py: a command's)."""
+
+
 # Errors that say the platform failed the agent, not that the policy did: the endpoint unreachable, timing out or
 # answering 5xx. (A 4xx, such as a prompt grown past the context length, is the policy's doing: it scores 0.)
 INFRASTRUCTURE_ERRORS = (openai.APIConnectionError, openai.InternalServerError, httpx.TransportError, ConnectionError,
-                         TimeoutError)
+                         TimeoutError, PlatformFailure)
 
 
 # Agent threads this process left behind at a timeout (_within): they may still run, and call the policy.

@@ -166,6 +166,46 @@ def test_a_command_gets_the_endpoint_and_task_and_its_failures_are_the_attempts(
     assert time.monotonic() - started < 20  # killed at 0.5 s, not left to sleep its 30
 
 
+def test_a_command_the_platform_failed_gets_no_score_and_a_launchers_child_dies_at_the_deadline(tmp_path):
+    """A command is told from the platform's failures as an in-process agent's exception is (those are retried, not
+    scored 0): it could not start, the out-of-memory killer's SIGKILL, EX_TEMPFAIL (75), an OpenAI SDK's 5xx or
+    connection error as its last words. At the deadline its whole process group is killed: the agent a launcher
+    (`sh -c`, npx, uv run) started too, which used to run on calling the policy."""
+    from lightning_ray.rollout.agents import AgentCommandFailed
+    from lightning_ray.rollout.runner import INFRASTRUCTURE_ERRORS
+
+    def failure(command: list[str]) -> Exception:
+        with pytest.raises(Exception) as e:
+            CommandAgent(command, timeout_seconds=30)({}, base_url="u", model="m", api_key="k")
+        return e.value
+
+    platform = [["/no/such/agent"], ["sh", "-c", "kill -9 $$"], ["sh", "-c", "exit 75"],
+                [sys.executable, "-c", "raise SystemExit('openai.InternalServerError: Error code: 503 - replaced')"],
+                ["sh", "-c", "echo 'Error: connect ECONNREFUSED 127.0.0.1:8000' >&2; exit 1"]]
+    for command in platform:
+        assert isinstance(failure(command), INFRASTRUCTURE_ERRORS), command
+    policys = failure(["sh", "-c", "echo 'openai.BadRequestError: Error code: 400' >&2; exit 1"])
+    assert isinstance(policys, AgentCommandFailed) and not isinstance(policys, INFRASTRUCTURE_ERRORS)
+
+    marker = tmp_path / "still-running"
+    launcher = CommandAgent(["sh", "-c", f"(sleep 3; touch {marker}) & sleep 30"], timeout_seconds=0.5)
+    with pytest.raises(Exception, match="killed"):
+        launcher({}, base_url="u", model="m", api_key="k")
+    time.sleep(4)
+    assert not marker.exists()  # the launcher's child died with it
+
+
+def test_a_large_task_reaches_a_command_on_stdin(tmp_path):
+    """Linux refuses an environment string past 128 KiB: a larger task goes on stdin only, not in
+    LIGHTNING_RAY_TASK (the command failed to start, scored 0)."""
+    script = tmp_path / "agent.py"
+    script.write_text("import json, os, sys\n"
+                      "print(len(json.load(sys.stdin)['text']), 'LIGHTNING_RAY_TASK' in os.environ)\n")
+    agent = CommandAgent([sys.executable, str(script)], timeout_seconds=30)
+    assert agent({"text": "x" * 200_000}, base_url="u", model="m", api_key="k") == "200000 False"
+    assert agent({"text": "x" * 10}, base_url="u", model="m", api_key="k") == "10 True"
+
+
 def test_a_command_gets_no_secret_from_the_workers_environment(tmp_path, monkeypatch):
     """The worker's environment holds credentials (cloud keys, HF_TOKEN, the operator's own): a command gets the
     basics, its endpoint and task, and the names task.agent_env gives; nothing else."""
