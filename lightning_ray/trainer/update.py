@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import ray
 from openai import APIError, OpenAI
 
+from lightning_ray.algorithm.advantages import has_signal
 from lightning_ray.config import TrainConfig
 from lightning_ray.learner import checkpoint
 from lightning_ray.metrics import count_error, metrics
@@ -37,7 +38,8 @@ def update(run: Run, batch: Batch) -> Update:
     staleness = Counter(b for b in behind if b is not None)
     fresh = [tr for tr, b in zip(batch.transitions, behind) if b is not None and b <= cfg.algorithm.max_staleness]
     stale_dropped, batch.transitions = len(batch.transitions) - len(fresh), fresh
-    if not batch.sampling["groups_with_signal"] or not fresh:
+    # every transition with a signal may be among the stale ones: the learner would refuse the rest
+    if not any(has_signal(t, cfg.algorithm.estimator) for t in fresh):
         return Update(staleness=staleness, stale_dropped=stale_dropped)
     metrics().staleness.set(max(staleness))  # updates the learner is ahead of the oldest policy in the batch
     probe_before = run.probe or probe(services.server_url, cfg)

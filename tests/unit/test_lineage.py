@@ -30,3 +30,28 @@ def test_a_second_restart_before_any_update_keeps_the_first_republish_as_the_che
     lineage.republished(92, kept=91, latest=91)
     lineage.republished(93, kept=91, latest=92)
     assert [lineage.behind(v, 94) for v in (94, 93, 92, 91)] == [0, 1, 1, 1]
+
+
+def test_an_update_whose_every_signal_is_stale_is_skipped_not_failed():
+    """rollout.mode=async: the transitions with a learning signal all sampled too many updates behind, those left
+    have none; the learner would refuse them ("no transition with a learning signal") and end the run. A stand-in
+    learner gives each version's distance (Lineage's arithmetic), and the update returns before any service is used
+    (run.services is None)."""
+    from types import SimpleNamespace
+
+    from lightning_ray.config import compose
+    from lightning_ray.trainer.collect import Batch
+    from lightning_ray.trainer.update import update
+    from lightning_ray.types import Transition
+
+    def sampled(version: int, advantage: float) -> Transition:
+        return Transition(rollout_id=f"r{version}", group_id="g", span_id=f"s{version}", prompt_ids=[1],
+                          response_ids=[2], logprobs=[-1.0], reward=advantage, advantage=advantage,
+                          policy_version=version)
+
+    cfg = compose(["run_dir=x", "rollout.mode=async", "algorithm.max_staleness=1"])
+    run = SimpleNamespace(cfg=cfg, learner=SimpleNamespace(behind=lambda v: Lineage().behind(v, 5)), services=None)
+    batch = Batch(iteration=3, transitions=[sampled(2, 1.0), sampled(1, -1.0), sampled(5, 0.0)],
+                  sampling={"groups_with_signal": 1})
+    out = update(run, batch)
+    assert out.results == [] and out.stale_dropped == 2 and out.staleness == {3: 1, 4: 1, 0: 1}
