@@ -17,16 +17,37 @@ from lightning_ray.serving.tools import (ToolCallStreamParser, forced_call, forc
                                          resolve_tool_choice)
 
 
-def template_messages(messages: list[ChatMessage | dict]) -> list[dict]:
-    """OpenAI messages → the dicts chat templates expect: text parts joined, tool-call arguments as objects."""
+# content part type -> the key of its text (an assistant's refusal part is text too)
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def part_text(part: Any, where: str) -> str | None:
+    """A text content part's text, None for a part of another type. Raises ValueError (HTTP 400, its param the
+    part's field: `where`.text) for a text that is not a string."""
+    key = TEXT_PARTS.get(part.get("type")) if isinstance(part, dict) else None
+    text = part.get(key, "") if key else None
+    if key and not isinstance(text, str):
+        raise ValueError(f"{where}.{key}: expected a string, got {json.dumps(text)[:40]}")
+    return text
+
+
+def template_messages(messages: list[ChatMessage | dict], chat_template: str | None = None) -> list[dict]:
+    """OpenAI messages → the dicts chat templates expect: text parts joined by newlines (as vLLM joins them),
+    tool-call arguments as objects, and the developer role (OpenAI's successor to system) as system unless
+    `chat_template` names it (Qwen2.5's template drops a developer message, SmolLM2's renders an unknown turn)."""
+    developer = "developer" if "developer" in (chat_template or "") else "system"
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         m = ChatMessage.model_validate(m) if isinstance(m, dict) else m
         d = m.model_dump(exclude_none=True)
+        if m.role == "developer":
+            d["role"] = developer
         if isinstance(m.content, list):
-            if any(part.get("type") not in ("text", "input_text", "output_text") for part in m.content):
-                raise ApiError(422, "only text content parts are supported", param="messages", code="unsupported_content")
-            d["content"] = "".join(part.get("text", "") for part in m.content)
+            texts = [part_text(part, f"messages[{i}].content[{j}]") for j, part in enumerate(m.content)]
+            if None in texts:
+                raise ApiError(422, "only text content parts are supported", param="messages",
+                               code="unsupported_content")
+            d["content"] = "\n".join(texts)
         for call in d.get("tool_calls", []):
             try:
                 call["function"]["arguments"] = json.loads(call["function"]["arguments"])
@@ -54,7 +75,7 @@ async def create_chat_completion(server, body: ChatCompletionRequest, trace: Cal
                                "response_format.json_schema.schema")
     offered = resolve_tool_choice(body.tool_choice, [t.model_dump(exclude_none=True) for t in body.tools or []])
     use_tools = bool(offered)  # tools rendered into the prompt, and tool calls parsed from the answer
-    messages = template_messages(body.messages)
+    messages = template_messages(body.messages, server.tokenizer.chat_template)
     prompt_ids, forced = await enforce_tool_choice(server, body.tool_choice, offered,
                                                    server.encode_chat(messages, offered), trace)
     requested = body.max_completion_tokens or body.max_tokens
@@ -67,8 +88,8 @@ async def create_chat_completion(server, body: ChatCompletionRequest, trace: Cal
     choices = await collect_all(deltas)
     out = []
     for c in choices:
-        content, calls = parse_tool_calls(c.text, server.tool_format, c.span_id, bool(forced)) if use_tools \
-            else (c.text, [])
+        content, calls = parse_tool_calls(c.text, server.tool_format, c.span_id, bool(forced),
+                                          body.parallel_tool_calls is not False) if use_tools else (c.text, [])
         message = {"role": "assistant", "content": content, "refusal": None, "annotations": []}
         if calls:
             message["tool_calls"] = calls
@@ -86,7 +107,8 @@ async def create_chat_completion(server, body: ChatCompletionRequest, trace: Cal
 
 async def _chunks(server, body: ChatCompletionRequest, deltas, meta: dict, prompt_ids: list[int], use_tools: bool,
                   forced: bool):
-    chunk = {**meta, "object": "chat.completion.chunk", "system_fingerprint": server.fingerprint(server.engine.policy_version)}
+    chunk = {**meta, "object": "chat.completion.chunk",
+             "system_fingerprint": server.fingerprint(server.engine.policy_version)}
     parsers: dict[int, ToolCallStreamParser] = {}
     called: set[int] = set()  # choices that produced tool calls: they finish with "tool_calls"
     completion_tokens = 0
@@ -104,7 +126,8 @@ async def _chunks(server, body: ChatCompletionRequest, deltas, meta: dict, promp
         completion_tokens += len(d.token_ids)
         content, calls = d.text, []
         if use_tools:
-            parser = parsers.setdefault(d.index, ToolCallStreamParser(server.tool_format, d.span_id, forced))
+            parser = parsers.setdefault(d.index, ToolCallStreamParser(server.tool_format, d.span_id, forced,
+                                                                      body.parallel_tool_calls is not False))
             parsed = parser.feed(d.text)
             content, calls = parsed.content, parsed.tool_calls
             if d.finish_reason:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lightning_ray.serving.chat import enforce_tool_choice, template_messages
+from lightning_ray.serving.chat import enforce_tool_choice, part_text, template_messages
 from lightning_ray.serving.decoding import collect_all
 from lightning_ray.serving.engines import SamplingParams
 from lightning_ray.serving.http import ApiError, CallTrace
@@ -89,7 +89,7 @@ def to_chat(req: ResponsesRequest) -> tuple[list[dict], list[dict] | None, str |
         if kind == "message":
             if item.get("role") not in ("user", "system", "developer", "assistant"):
                 raise ValueError(f"{where}: role must be user, system, developer or assistant")
-            messages.append({"role": item["role"], "content": _text(item.get("content"), where)})
+            messages.append({"role": item["role"], "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             if not item.get("call_id") or not item.get("name"):
                 raise ValueError(f"{where}: a function_call needs call_id and name")
@@ -102,7 +102,7 @@ def to_chat(req: ResponsesRequest) -> tuple[list[dict], list[dict] | None, str |
         elif kind == "function_call_output":
             if not item.get("call_id"):
                 raise ValueError(f"{where}: a function_call_output needs call_id")
-            output = _text(item.get("output"), where)
+            output = _text(item.get("output"), f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
         elif kind == "reasoning":
             continue  # this server produces no reasoning items; others' are opaque to our models
@@ -120,14 +120,11 @@ def _text(content: Any, where: str) -> str:
     if not isinstance(content, list):
         raise ValueError(f"{where}: content must be a string or a list of text parts")
     texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text"):
-            texts.append(part.get("text", ""))
-        elif kind == "refusal":
-            texts.append(part.get("refusal", ""))
-        else:
-            raise ValueError(f"{where}: content part type {kind!r} is not supported (text only)")
+    for j, part in enumerate(content):
+        if (text := part_text(part, f"{where}[{j}]")) is None:
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise ValueError(f"{where}[{j}]: content part type {kind!r} is not supported (text only)")
+        texts.append(text)
     return "\n".join(texts)
 
 
@@ -229,10 +226,10 @@ class ResponseEventStream:
     """The server-sent events of a streamed response, in the order the Agents SDK and the openai client expect.
 
     Call start() once, then text(delta) / tool_call(call) (or delta(ToolStreamDelta) for both) as the completion
-    arrives, then finish(...). Each returns event dicts (numbered by sequence_number) to send as SSE frames (sse.frame). Text
-    after a tool call opens a new message item. The last event, response.completed (or response.incomplete when
-    cut by max_output_tokens), carries the whole Response, with the same item ids as the events; a stream that
-    fails part way ends with fail(...) instead.
+    arrives, then finish(...). Each returns event dicts (numbered by sequence_number) to send as SSE frames
+    (sse.frame). Text after a tool call opens a new message item. The last event, response.completed (or
+    response.incomplete when cut by max_output_tokens), carries the whole Response, with the same item ids as the
+    events; a stream that fails part way ends with fail(...) instead.
     """
 
     def __init__(self, req: ResponsesRequest, response_id: str | None = None, created_at: float | None = None,
@@ -329,7 +326,7 @@ async def create_response(server, req: ResponsesRequest, trace: CallTrace):
     await server.check_request(req, req.text and req.text.format, "text.format.schema")
     messages, tools, tool_choice = to_chat(req)
     offered = resolve_tool_choice(tool_choice, tools)
-    messages = template_messages(messages)
+    messages = template_messages(messages, server.tokenizer.chat_template)
     prompt_ids, forced = await enforce_tool_choice(server, tool_choice, offered, server.encode_chat(messages, offered),
                                                    trace)
     params, deltas = server.generate("responses", req, trace, [prompt_ids], req.max_output_tokens,
@@ -340,8 +337,8 @@ async def create_response(server, req: ResponsesRequest, trace: CallTrace):
         return sse_response(_events(events, deltas, prompt_ids, bool(offered), bool(forced), server.tool_format),
                             done_marker=False, named=True, failed=events.fail)
     [c] = await collect_all(deltas)
-    content, calls = parse_tool_calls(c.text, server.tool_format, c.span_id, bool(forced)) if offered \
-        else (c.text or None, [])
+    content, calls = parse_tool_calls(c.text, server.tool_format, c.span_id, bool(forced),
+                                      req.parallel_tool_calls is not False) if offered else (c.text or None, [])
     out = to_response(req, content=content, tool_calls=calls, input_tokens=len(prompt_ids),
                       output_tokens=len(c.token_ids), finish_reason=c.finish_reason or "stop", params=params)
     return {**out, "prompt_token_ids": prompt_ids, "token_ids": c.token_ids}  # extension fields
@@ -353,7 +350,8 @@ async def _events(events: ResponseEventStream, deltas, prompt_ids: list[int], pa
     for e in events.start():
         yield e
     async for d in deltas:
-        parser = parser or ToolCallStreamParser(tool_format, d.span_id, forced)  # its span names its tool calls
+        parser = parser or ToolCallStreamParser(tool_format, d.span_id, forced,  # its span names its tool calls
+                                                events.req.parallel_tool_calls is not False)
         output_tokens, finish = output_tokens + len(d.token_ids), d.finish_reason or finish
         for e in events.delta(parser.feed(d.text)) if parse_tools else events.text(d.text) if d.text else []:
             yield e

@@ -134,7 +134,7 @@ class _Sampling(_Request):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=16)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, lt=2**63)  # what the engines' generators take (int64)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

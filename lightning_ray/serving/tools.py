@@ -11,6 +11,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 
@@ -22,8 +23,10 @@ class ToolCallFormat:
     arguments: str = "arguments"  # the key a call's arguments go under, as the template teaches (a forced call's)
 
 
-def _parse_json_calls(body: str) -> list[tuple[str, str]] | None:
-    """One call object, or a list of them: {"name": ..., "arguments": {...} | "<json>"} ("parameters" also accepted)."""
+def _parse_json_calls(body: str, named_arguments: bool = False) -> list[tuple[str, str]] | None:
+    """One call object, or a list of them: {"name": ..., "arguments": {...} | "<json>"} ("parameters" also accepted).
+    `named_arguments`: a call must have its arguments key, for a format without markers, where a JSON answer that
+    merely has a "name" ({"name": "Alice", "age": 30}) is content (as vLLM's Llama 3 JSON parser reads it)."""
     try:
         data = json.loads(body)
     except ValueError:
@@ -31,6 +34,8 @@ def _parse_json_calls(body: str) -> list[tuple[str, str]] | None:
     calls = []
     for obj in data if isinstance(data, list) else [data]:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+            return None
+        if named_arguments and "arguments" not in obj and "parameters" not in obj:
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):
@@ -49,7 +54,7 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
     "mistral": ToolCallFormat("[TOOL_CALLS]", None, _parse_json_calls),
     # Llama 3.1-3.3's JSON calls: the whole answer is {"name": ..., "parameters": {...}}, no marker (its
     # <|python_tag|> is a special token, decoded away): a completion that opens with "{" or "[" is a block
-    "llama3_json": ToolCallFormat("", None, _parse_json_calls, arguments="parameters"),
+    "llama3_json": ToolCallFormat("", None, partial(_parse_json_calls, named_arguments=True), arguments="parameters"),
 }
 
 
@@ -101,10 +106,12 @@ class ToolCallStreamParser:
     - Whitespace around blocks is tidied: a whitespace run right before a block is dropped; after a block it is
       kept only between two pieces of content ("Hi <block> there" gives "Hi there"); after the last block it is
       dropped. A completion without tool calls comes out byte for byte.
+    - `parallel` False (the request's parallel_tool_calls: false): the first call alone; the calls after it are
+      dropped, not passed on as content (as vLLM keeps only the first).
     - finish() flushes what is held. Concatenating the content of all deltas gives what parse_tool_calls returns.
     """
 
-    def __init__(self, fmt: str = "hermes", span_id: str = "", forced: bool = False):
+    def __init__(self, fmt: str = "hermes", span_id: str = "", forced: bool = False, parallel: bool = True):
         if fmt not in TOOL_CALL_FORMATS:
             raise ValueError(f"unknown tool call format {fmt!r}: expected one of {sorted(TOOL_CALL_FORMATS)}")
         self.fmt = TOOL_CALL_FORMATS[fmt]
@@ -117,6 +124,7 @@ class ToolCallStreamParser:
         self._ws_before_block = ""  # what _ws_held was when the current block opened (sent if the block is bad)
         self._sent_content = False
         self._n_calls = 0
+        self._parallel = parallel
         self._span_id = span_id  # the answer's span: its calls' ids name it (tool_call_id)
         self._out = ToolStreamDelta()
 
@@ -167,9 +175,11 @@ class ToolCallStreamParser:
                 if calls is None:
                     self._emit_text(self._ws_before_block + opening + body + (closing or ""))
                 for name, arguments in calls or []:
-                    self._out.tool_calls.append({"index": self._n_calls, "id": tool_call_id(self._span_id, self._n_calls),
-                                                 "type": "function",
-                                                 "function": {"name": name, "arguments": arguments}})
+                    if self._parallel or not self._n_calls:
+                        self._out.tool_calls.append({"index": self._n_calls,
+                                                     "id": tool_call_id(self._span_id, self._n_calls),
+                                                     "type": "function",
+                                                     "function": {"name": name, "arguments": arguments}})
                     self._n_calls += 1
         out, self._out = self._out, ToolStreamDelta()
         return out
@@ -193,11 +203,12 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def parse_tool_calls(text: str, fmt: str = "hermes", span_id: str = "",
-                     forced: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(text: str, fmt: str = "hermes", span_id: str = "", forced: bool = False,
+                     parallel: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
     """Split a completion into its content (None if empty) and OpenAI tool calls {"id", "type", "function"}; `span_id`:
-    the answer's span, which the calls' ids name (tool_call_id); `forced`: the answer of a forced_call."""
-    parser = ToolCallStreamParser(fmt, span_id, forced)
+    the answer's span, which the calls' ids name (tool_call_id); `forced`: the answer of a forced_call; `parallel`
+    False: the first call alone (parallel_tool_calls: false)."""
+    parser = ToolCallStreamParser(fmt, span_id, forced, parallel)
     first, last = parser.feed(text), parser.finish()
     calls = [{k: v for k, v in c.items() if k != "index"} for c in first.tool_calls + last.tool_calls]
     return (first.content + last.content) or None, calls

@@ -128,6 +128,11 @@ def test_function_calls_after_a_tool_result_start_a_new_assistant_message():
     ({"type": "function_call", "name": "f"}, "needs call_id and name"),
     ({"type": "function_call_output", "output": "x"}, "needs call_id"),
     ({"role": "user", "content": 5}, "content must be"),
+    ({"role": "user", "content": [{"type": "input_text", "text": None}]},
+     "input[0].content[0].text: expected a string"),
+    ({"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "a"},
+                                                                   {"type": "input_text", "text": 5}]},
+     "input[0].output[1].text: expected a string"),
 ])
 def test_unsupported_input_is_a_clear_value_error(item, message):
     with pytest.raises(ValueError) as e:
@@ -340,14 +345,14 @@ async def scripted_run(tokenizer, completion: str, fail_after: int | None, *args
 POLICY_SERVER = next(c for c in PolicyServer.func_or_class.__mro__ if "check_request" in vars(c))
 
 
-def policy(tokenizer, fail_after: int | None = None):
+def policy(tokenizer, fail_after: int | None = None, completion: str = COMPLETION):
     """The policy server's own request handling (model check, chat template, sampling defaults, length check),
-    without Serve or an engine: only `run`, which generates, is scripted to answer COMPLETION."""
+    without Serve or an engine: only `run`, which generates, is scripted to answer `completion`."""
     server = object.__new__(POLICY_SERVER)  # its __init__ starts an engine inside a Serve replica
     server.model_name, server.tokenizer, server.max_model_len = "tiny", tokenizer, 512
     server.defaults, server.rollout_sampling, server.adapters = {"temperature": 0.7}, {}, AdapterRoutes("tiny", False)
     server.taught, server.tool_format = {}, "hermes"
-    server.run = partial(scripted_run, tokenizer, COMPLETION, fail_after)
+    server.run = partial(scripted_run, tokenizer, completion, fail_after)
     return server
 
 
@@ -417,3 +422,24 @@ def test_requests_the_server_cannot_serve_are_refused(client_of):
         client_of().responses.create(model="tiny", input="2?", extra_body={"presence_penalty": 0.5})
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client_of().responses.create(model="gpt-4o", input="2?")
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(client_of):
+    """At most one call per turn, as OpenAI means parallel_tool_calls: false (vLLM keeps the first), streamed or not."""
+    two = COMPLETION + '\n<tool_call>\n{"name": "add", "arguments": {"a": 3}}\n</tool_call>'
+    for parallel, arguments in ((None, [{"a": 2}, {"a": 3}]), (False, [{"a": 2}])):
+        kw = {} if parallel is None else {"parallel_tool_calls": parallel}
+        resp = client_of(completion=two).responses.create(model="tiny", input="2?", tools=[ADD], **kw)
+        with client_of(completion=two).responses.stream(model="tiny", input="2?", tools=[ADD], **kw) as stream:
+            streamed = stream.get_final_response()
+        for r in (resp, streamed):
+            assert r.output_text == "Checking." and r.parallel_tool_calls is (parallel is None)
+            assert [json.loads(o.arguments) for o in r.output if o.type == "function_call"] == arguments
+
+
+def test_a_developer_message_is_rendered_as_the_system_turn(client_of, tokenizer):
+    """The tiny model's template knows no developer role: the message OpenAI's clients send for system is one."""
+    resp = client_of().responses.create(model="tiny", tools=[ADD], input=[
+        {"role": "developer", "content": "Use tools."}, {"role": "user", "content": "2?"}])
+    prompt = tokenizer.decode(resp.model_extra["prompt_token_ids"])
+    assert prompt.startswith("<|im_start|>system\nUse tools.\n\n# Tools\n") and "developer" not in prompt

@@ -171,6 +171,23 @@ def _random_chunks(text, rng):
     return [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
 
 
+@pytest.mark.parametrize("fmt, text", [
+    ("hermes", "Sure. " + block("add", {"a": 1}) + "\n" + block("mul", {}) + " Done."),
+    ("llama3_json", '[{"name": "add", "parameters": {"a": 1}}, {"name": "mul", "parameters": {}}]'),
+])
+def test_without_parallel_tool_calls_only_the_first_call_is_kept(fmt, text):
+    """parallel_tool_calls: false: at most one call per turn (as vLLM keeps only the first); content as with all."""
+    content, calls = parse_tool_calls(text, fmt, span_id="0123456789abcdef")  # the span: ids that compare equal
+    assert fn(calls) == [("add", {"a": 1}), ("mul", {})]
+    assert parse_tool_calls(text, fmt, span_id="0123456789abcdef", parallel=False) == (content, calls[:1])
+    for chunks in ([text], list(text), _random_chunks(text, random.Random(1))):
+        p = ToolCallStreamParser(fmt, parallel=False)
+        deltas = [p.feed(c) for c in chunks] + [p.finish()]
+        streamed = [c for d in deltas for c in d.tool_calls]
+        assert fn(streamed) == [("add", {"a": 1})] and [c["index"] for c in streamed] == [0]
+        assert "".join(d.content for d in deltas) == (content or "")
+
+
 # --- resolve_tool_choice ------------------------------------------------------------------------------------------
 
 def test_tool_choice_modes():
@@ -323,6 +340,17 @@ def test_llama3_json_answers_are_calls_and_other_text_is_content():
         [("add", {"a": 2}), ("mul", {})]
     for text in ("The set {1, 2} has two members.", '{"answer": 5}', "{not json", f"Calling: {call}"):
         assert parse_tool_calls(text, "llama3_json") == (text, [])  # a call only as the whole answer
+
+
+@pytest.mark.parametrize("text", ['{"name": "Alice", "age": 30}', '[{"name": "Alice"}]'])
+def test_llama3_json_answer_without_arguments_is_content_not_a_call(text):
+    """With no marker, a JSON answer that has a "name" (a person, a product) is a call only with its arguments."""
+    assert parse_tool_calls(text, "llama3_json") == (text, [])
+    parser = ToolCallStreamParser("llama3_json")
+    deltas = [parser.feed(text[:9]), parser.feed(text[9:]), parser.finish()]
+    assert "".join(d.content for d in deltas) == text and not any(d.tool_calls for d in deltas)
+    assert fn(parse_tool_calls('{"name": "now", "arguments": {}}', "llama3_json")[1]) == [("now", {})]
+    assert fn(parse_tool_calls('<tool_call>{"name": "now"}</tool_call>')[1]) == [("now", {})]  # a marker makes a call
 
 
 def test_llama3_json_streamed_holds_a_leading_brace_until_the_end():
