@@ -179,6 +179,17 @@ class PolicyServer:
         defaults, else the server's), one max_tokens that fits beside every prompt (`asked`: the client set it, so
         it must fit; else it is cut to the room left), and the choices' deltas, recorded as spans (`run`).
         `conversation`: the chat's messages and tools, as the template took them (a teacher answers from them)."""
+        # refused here, before a stream's headers go out: a streamed 200 with the error in-band is no retry for the
+        # clients, which retry a 503 (the OpenAI SDKs, LangChain)
+        if self.engine.broken:
+            raise ApiError(503, f"this replica is being replaced: {self.engine.broken}", type="server_error",
+                           code="replica_unhealthy")
+        if trace.rollout_id in self.taught and self.teacher is None:
+            raise ApiError(409, f"rollout {trace.rollout_id!r} is to be answered by a teacher, and this server has "
+                                "none (teacher.kind)", param="rollout_id", code="no_teacher")
+        if trace.rollout_id in self.taught and conversation is None:
+            raise ApiError(400, "a taught rollout's calls must be chat (messages): a teacher answers conversations",
+                           param="messages")
         params = self.sampling(body, max_tokens, trace, top_logprobs=top_logprobs, fmt=fmt)
         params = min((self.fit_length(ids, params, max_tokens if asked else None) for ids in prompts),
                      key=lambda p: p.max_tokens)
@@ -260,12 +271,6 @@ class PolicyServer:
     async def teach(self, trace: CallTrace, conversation, prompts: list[list[int]],
                     params: SamplingParams) -> SamplingParams:
         """A taught rollout's call: the teacher's answer in the policy's tokens, forced (every choice the same)."""
-        if self.teacher is None:
-            raise ApiError(409, f"rollout {trace.rollout_id!r} is to be answered by a teacher, and this server has "
-                                "none (teacher.kind)", param="rollout_id", code="no_teacher")
-        if conversation is None:
-            raise ApiError(400, "a taught rollout's calls must be chat (messages): a teacher answers conversations",
-                           param="messages")
         messages, tools = conversation
         answer = await self.teacher.answer(self.taught[trace.rollout_id], messages, tools)
         forced = answer_tokens(self.tokenizer, messages, tools, answer)
@@ -277,9 +282,6 @@ class PolicyServer:
                   trace: CallTrace, attrs: dict, conversation=None):
         """Generate every choice (held while a weight update is in progress), then record one span per choice.
         A taught rollout's call: the teacher's answer instead, as the policy's tokens (`teach`)."""
-        if self.engine.broken:
-            raise ApiError(503, f"this replica is being replaced: {self.engine.broken}", type="server_error",
-                           code="replica_unhealthy")
         start, choices, error, error_type, admitted = time.time(), {}, None, None, None
         try:
             if trace.rollout_id in self.taught:

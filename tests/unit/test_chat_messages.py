@@ -66,11 +66,11 @@ def app_answering(tokenizer):
             yield ChoiceDelta(index=0, text=tokenizer.decode(part), token_ids=part, logprobs=[0.0] * len(part),
                               finish_reason="stop" if i + 3 >= len(ids) else None, policy_version=0)
 
-    def make(completion: str = "Hi.") -> TestClient:
+    def make(completion: str = "Hi.", broken: str | None = None) -> TestClient:
         server = object.__new__(POLICY_SERVER)  # its __init__ starts an engine inside a Serve replica
         server.model_name, server.tokenizer, server.max_model_len, server.defaults = "tiny", tokenizer, 512, {}
         server.rollout_sampling, server.taught, server.adapters = {}, {}, AdapterRoutes("tiny", False)
-        server.tool_format, server.engine = "hermes", SimpleNamespace(policy_version=0)
+        server.tool_format, server.engine = "hermes", SimpleNamespace(policy_version=0, broken=broken)
         server.run = lambda *args: run(completion, *args)
         api = FastAPI()
         http.install(api)
@@ -137,3 +137,13 @@ def test_seeds_in_int64_are_served(app_answering):
         r = app_answering().post("/v1/chat/completions", json={"model": "tiny", "seed": seed,
                                                               "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                                        ("/v1/responses", {"input": "hi"})])
+def test_a_replica_being_replaced_answers_a_stream_503_before_any_chunk(app_answering, path, body):
+    """A 503 is what the OpenAI SDKs and LangChain retry; a streamed 200 with the error in-band was none (and the
+    agent's failure was scored 0)."""
+    for stream in (False, True):
+        r = app_answering(broken="engine core died").post(path, json={"model": "tiny", "stream": stream, **body})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "replica_unhealthy"

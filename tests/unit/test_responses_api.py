@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from functools import partial
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -351,7 +352,7 @@ def policy(tokenizer, fail_after: int | None = None, completion: str = COMPLETIO
     server = object.__new__(POLICY_SERVER)  # its __init__ starts an engine inside a Serve replica
     server.model_name, server.tokenizer, server.max_model_len = "tiny", tokenizer, 512
     server.defaults, server.rollout_sampling, server.adapters = {"temperature": 0.7}, {}, AdapterRoutes("tiny", False)
-    server.taught, server.tool_format = {}, "hermes"
+    server.taught, server.tool_format, server.engine = {}, "hermes", SimpleNamespace(policy_version=0, broken=None)
     server.run = partial(scripted_run, tokenizer, completion, fail_after)
     return server
 
