@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import Counter
 
@@ -16,6 +17,16 @@ from lightning_ray.types import FINISHED, Rollout
 
 logger = logging.getLogger(__name__)
 RESTART_TIMEOUT_S = 120  # how long a dead worker may take to come back (Ray restarts it) before the run stops
+# Over every run_to_end of this process (an asynchronous run collects the next batch while the held-out evaluation
+# runs, on the same workers): the work() calls running on each worker, by actor id, and the workers due a restart
+_in_flight: Counter = Counter()
+_worn: dict = {}  # actor id -> the worker
+_restarting: set = set()
+_lock = threading.Lock()
+
+
+def _due_restart(worker) -> bool:
+    return worker._actor_id in _worn or worker._actor_id in _restarting
 
 
 def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[str], desc: str) -> list[Rollout]:
@@ -25,27 +36,47 @@ def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[st
     rollout of the set. A worker that died (Ray restarts it) loses its attempts to their leases, and the store
     retries them elsewhere; an error raised by work() itself is raised here. A worker worn out by agent threads it
     had to leave behind at timeouts gets no more rollouts, and is restarted once none of its own runs."""
-    running = {w.work.remote(store): w for w in workers for _ in range(slots_per_worker)}  # call -> its worker
+    running: dict = {}  # call -> its worker
     free: list = []  # a worker per slot whose call has returned
-    worn: dict = {}  # actor id -> a worker due a restart
+
+    def send(worker) -> None:
+        with _lock:
+            _in_flight[worker._actor_id] += 1
+        running[worker.work.remote(store)] = worker
 
     def collect(calls: list) -> None:
         for call in calls:
             worker = running.pop(call)
+            with _lock:
+                _in_flight[worker._actor_id] -= 1
             try:
                 ray.get(call)
                 if ray.get(worker.worn_out.remote()):
-                    worn[worker._actor_id] = worker
+                    with _lock:
+                        _worn[worker._actor_id] = worker
             except RayActorError as e:
                 logger.warning("a rollout worker died; its attempts are retried when their leases run out: %s", e)
                 count_error("rollout", "worker_died")
                 wait_restarted(worker)
             free.append(worker)
-        busy = {w._actor_id for w in running.values()}
-        for actor_id in [a for a in worn if a not in busy]:
+        with _lock:  # none of its calls runs, this set's or another's; it gets none till restarted
+            idle = [_worn.pop(a) for a in list(_worn) if not _in_flight[a]]
+            _restarting.update(w._actor_id for w in idle)
+        for worker in idle:
             logger.warning("restarting a rollout worker: its agent threads left behind at timeouts still run")
             count_error("rollout", "worker_restarted")
-            restart(worn.pop(actor_id))
+            try:
+                restart(worker)
+            finally:
+                with _lock:
+                    _restarting.discard(worker._actor_id)
+
+    for w in workers:
+        for _ in range(slots_per_worker):
+            if _due_restart(w):  # another set's: sent once restarted
+                free.append(w)
+            else:
+                send(w)
 
     total = len(set(rollout_ids))
     with tqdm(total=len(rollout_ids), desc=desc, leave=False) as bar:
@@ -62,8 +93,8 @@ def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[st
                 return counted(store.get_rollouts(rollout_ids))
             waiting = counts.get("queued", 0) + counts.get("requeued", 0)
             metrics().queue_depth.set(waiting)
-            for worker in [w for w in free if w._actor_id not in worn][:waiting]:
-                running[worker.work.remote(store)] = worker
+            for worker in [w for w in free if not _due_restart(w)][:waiting]:
+                send(worker)
                 free.remove(worker)
             # until every slot has returned (the queue ran dry: the set is ending) or half a second has passed
             if running:

@@ -679,3 +679,50 @@ def test_a_requeued_rollout_is_taken_by_the_next_free_slot(ray_cluster):
     by_id = {r.rollout_id: r for r in ended}
     assert [by_id[r.rollout_id].status for r in (slow, lost)] == ["succeeded", "succeeded"]
     assert by_id[lost.rollout_id].ended_at < by_id[slow.rollout_id].ended_at  # a free slot took it meanwhile
+
+
+@ray.remote(max_concurrency=2, max_restarts=-1)  # as RolloutWorker
+class WearingWorker:
+    """A rollout worker (two slots) worn out by one abandoned agent (max_abandoned=1); its agent hangs, or sleeps
+    `seconds`, as its task says."""
+
+    def work(self, store) -> int:
+        from lightning_ray.rollout.runner import work
+
+        def agent(task, **_):
+            if task["hang"]:
+                threading.Event().wait()
+            time.sleep(task["seconds"])
+            return "done"
+
+        return work(store, agent, lambda task, answer: 1.0, "http://127.0.0.1:9", "m", max_abandoned=1)
+
+    def worn_out(self) -> bool:
+        from lightning_ray.rollout.runner import abandoned_agents
+
+        return abandoned_agents() >= 1
+
+
+def test_a_worn_out_worker_is_restarted_only_once_no_set_of_rollouts_runs_on_it(ray_cluster):
+    """An asynchronous run collects the next batch while the held-out evaluation runs, on the same workers: the set
+    whose agent was abandoned must not restart the worker under the other set's rollout (which failed, unrewarded)."""
+    from lightning_ray.rollout.dispatch import run_to_end
+
+    client = StoreClient.start(expire_every_s=0.05)
+    worker = WearingWorker.remote()
+    ray.get(worker.__ray_ready__.remote())
+    hangs = [r.rollout_id for r in client.enqueue([Task(task_id="hangs", input={"hang": True, "seconds": 0})],
+                                                   AttemptPolicy(timeout_seconds=1.5, max_attempts=1))]
+    out = {}
+    first = threading.Thread(target=lambda: out.update(first=run_to_end(client, [worker], 2, hangs, "first")))
+    first.start()
+    time.sleep(0.5)
+    evaluated = [r.rollout_id for r in client.enqueue([Task(task_id="slow", input={"hang": False, "seconds": 4})],
+                                                       AttemptPolicy(timeout_seconds=60, unresponsive_seconds=3))]
+    second = threading.Thread(target=lambda: out.update(second=run_to_end(client, [worker], 2, evaluated, "second")))
+    second.start()
+    first.join(60)
+    second.join(60)
+    assert [r.reward for r in out["first"]] == [0.0]  # timed out: the policy's doing
+    assert [(r.status, r.reward) for r in out["second"]] == [("succeeded", 1.0)]
+    assert not ray.get(worker.worn_out.remote())  # restarted once the second set's rollout had ended
