@@ -140,12 +140,15 @@ def merge_calls(transitions: list[Transition]) -> tuple[list[Transition], int]:
     sequence as context, masked out of the loss. One forward pass then scores the whole episode instead of one per
     call, each re-reading the episode so far. A call whose prompt does not extend the previous one (the agent, or
     the chat template, re-rendered the conversation into other tokens: re-tokenization drift) starts a new
-    sequence. Returns the sequences and how many joins drift broke. Input: a rollout's calls in time order."""
+    sequence. A call cut off at max_tokens stays a sequence of its own, so that algorithm.overlong_filter leaves out
+    that call alone, as at the transition level. Returns the sequences and how many joins drift broke. Input: a
+    rollout's calls in time order."""
     runs: list[list[Transition]] = []  # the calls merged into each sequence
     breaks = 0
     for t in transitions:
         last = runs[-1][-1] if runs and runs[-1][-1].rollout_id == t.rollout_id else None
-        if last is not None and (last.temperature, last.top_p, last.policy_version, last.adapter, last.constrained) \
+        if last is not None and "length" not in (last.finish_reason, t.finish_reason) and \
+                (last.temperature, last.top_p, last.policy_version, last.adapter, last.constrained) \
                 == (t.temperature, t.top_p, t.policy_version, t.adapter, t.constrained):
             if _extends(t, last):
                 runs[-1].append(t)
@@ -175,9 +178,8 @@ def _merged(run: list[Transition]) -> Transition:
         ids += [between, t.response_ids]
         logprobs += [np.zeros(len(between)), t.logprobs]
         mask += [np.zeros(len(between), np.int8), t.action_mask]
-    finish = "length" if any(t.finish_reason == "length" for t in run) else run[-1].finish_reason
     return first.model_copy(update={"response_ids": np.concatenate(ids), "logprobs": np.concatenate(logprobs),
-                                    "loss_mask": np.concatenate(mask), "finish_reason": finish,
+                                    "loss_mask": np.concatenate(mask), "finish_reason": run[-1].finish_reason,
                                     "call_tokens": [t.action_tokens for t in run]})
 
 

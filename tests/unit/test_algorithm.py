@@ -449,6 +449,18 @@ def test_a_re_rendered_prompt_breaks_the_sequence_and_is_counted():
     assert len(merge_calls([first, cooler])[0]) == 2
 
 
+def test_a_call_cut_off_at_max_tokens_stays_apart_so_the_overlong_filter_drops_it_alone():
+    """algorithm.overlong_filter leaves out a cut-off call; merged into its episode's sequence it took the whole
+    episode with it (its complete calls too), where the transition level drops that call only."""
+    first = call("a", [1, 2, 3], [4, 5])
+    cut = call("a", [1, 2, 3, 4, 5, 9], [6, 6]).model_copy(update={"finish_reason": "length"})
+    last = call("a", [1, 2, 3, 4, 5, 9, 6, 6, 8], [7])
+    merged, breaks = merge_calls([first, cut, last])
+    assert breaks == 0 and [m.finish_reason for m in merged] == [None, "length", None]
+    kept = [m for m in merged if m.finish_reason != "length"]  # the filter (trainer/collect.py)
+    assert sum(m.action_tokens for m in kept) == 3 == first.action_tokens + last.action_tokens
+
+
 def test_adapt_reports_calls_and_drift():
     rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}), attempt_id="at-1", reward=1.0)
     spans = [llm_span("ro-1", "policy", 1.0, [1, 2], [3]), llm_span("ro-1", "policy", 2.0, [1, 2, 3, 7], [4])]
