@@ -113,10 +113,13 @@ class LightningClient:
         return self._call("GET", "/v1/stats")
 
     def work(self, agent: Callable, reward: Callable, policy_url: str, model: str, worker_id: str | None = None,
-             tracing_backend: str = "embedded", queue: str = "default") -> int:
-        """Run rollouts until `queue` is empty (see rollout.runner); return how many ran. Each agent gets a key
-        for its own attempt, not this client's."""
-        return work(self, agent, reward, policy_url, model, self.api_key, worker_id, tracing_backend, queue=queue)
+             tracing_backend: str = "embedded", queue: str = "default", max_abandoned: int | None = None) -> int:
+        """Run rollouts until `queue` is empty, or until `max_abandoned` agent threads left behind at timeouts still
+        run in this process (see rollout.runner: restart the process then, as Ray restarts its workers, since
+        nothing else stops them); return how many ran. Each agent gets a key for its own attempt, not this
+        client's."""
+        return work(self, agent, reward, policy_url, model, self.api_key, worker_id, tracing_backend, max_abandoned,
+                    queue)
 
 
 def _spans_json(spans: list[Span]) -> bytes:
