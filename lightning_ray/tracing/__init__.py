@@ -7,11 +7,14 @@ Both backends give the same Spans. The emitters write the signals RL needs (rewa
 objects, exceptions) and do nothing outside a traced attempt. Once `otel.setup_otel()` has run (the "otel" backend
 runs it), OpenTelemetry spans an agent framework starts inside the block are stamped with the attempt's ids and
 delivered with it too. Spans reach the sink in batches and at the end of the attempt. Context flows through
-contextvars: a thread the agent starts itself needs `contextvars.copy_context().run(...)` to stay in the attempt.
+contextvars: a thread the agent starts itself needs `contextvars.copy_context().run(...)` to stay in the attempt
+(asyncio's run_in_executor, where frameworks run sync tools, is made to carry it).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import json
 import math
 from collections.abc import Iterator
@@ -41,6 +44,7 @@ def trace_attempt(rollout_id: str, attempt_id: str, sink: Sink, backend: Literal
         tracer = OtelTracer(setup_otel())
     else:
         raise ValueError(f"unknown tracing backend {backend!r}: use 'embedded' or 'otel'")
+    _executors_inherit_context()
     attempt = AttemptTrace(rollout_id, attempt_id, batch, tracer)
     key = (rollout_id, attempt_id)
     live_attempts[key] = attempt
@@ -52,6 +56,22 @@ def trace_attempt(rollout_id: str, attempt_id: str, sink: Sink, backend: Literal
         if live_attempts.get(key) is attempt:
             del live_attempts[key]
         batch.flush()
+
+
+def _executors_inherit_context() -> None:
+    """asyncio's run_in_executor runs a function in a pool thread without the caller's context (asyncio.to_thread
+    copies it): a framework that runs its sync tools there (AutoGen's FunctionTool) would leave the attempt, and the
+    tool's spans and emitted signals (AIR's tool status) were dropped. Patched once per process, as OpenTelemetry's
+    threading instrumentation patches thread pools for its own context."""
+    run_in_executor = asyncio.BaseEventLoop.run_in_executor
+    if getattr(run_in_executor, "copies_context", False):
+        return
+
+    def in_callers_context(self, executor, func, *args):
+        return run_in_executor(self, executor, contextvars.copy_context().run, func, *args)
+
+    in_callers_context.copies_context = True
+    asyncio.BaseEventLoop.run_in_executor = in_callers_context
 
 
 class _NoSpan:

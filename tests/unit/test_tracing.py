@@ -371,3 +371,23 @@ def test_framework_otel_spans_join_an_embedded_attempt(otel_spans):
     assert sorted(s.name for s in received) == ["framework step", "reward"]
     assert {(s.rollout_id, s.attempt_id) for s in received} == {("ro-2", "at-2")}
     assert next(s for s in received if s.name == "reward").attributes == {semconv.REWARD_VALUE: 0.25}
+
+
+def test_a_sync_tool_run_in_an_executor_stays_in_the_attempt():
+    """AutoGen's FunctionTool runs a sync tool with loop.run_in_executor, which gives the pool thread none of the
+    caller's context: its emit_tool (AIR's tool status) and spans were dropped, no error said."""
+    import asyncio
+
+    def calculator(expression: str) -> str:
+        with span("calculator internals"):
+            emit_tool("calculator", {"expression": expression}, "5")
+        return "5"
+
+    async def agent():
+        return await asyncio.get_running_loop().run_in_executor(None, calculator, "2+3")
+
+    received = []
+    with trace_attempt("ro-x", "at-x", received.extend):
+        assert asyncio.run(agent()) == "5"
+    assert sorted(s.name for s in received) == ["calculator internals", "execute_tool calculator"]
+    assert {(s.rollout_id, s.attempt_id) for s in received} == {("ro-x", "at-x")}
