@@ -106,7 +106,8 @@ def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str, level: 
     tokens allow). Counts (they add up over batches): policy calls, those cut off at max_tokens, those never
     answered (left out), the joins between a rollout's consecutive calls, with those where a call's prompt did not
     extend the previous context, the rollouts left out as the platform's failures (no reward, or not a finite
-    one), and the calls a weight update landed in."""
+    one), the calls a weight update landed in, and the policy's tokens in all (before the trainer leaves any out).
+    """
     by_rollout: dict[str, list[Span]] = {}
     for s in spans:
         by_rollout.setdefault(s.rollout_id, []).append(s)
@@ -129,7 +130,8 @@ def adapt(rollouts: list[Rollout], spans: list[Span], policy_model: str, level: 
             transitions, broken = merge_calls(transitions)
             breaks += broken
         out += transitions
-    return out, {"policy_calls": calls, "truncated_calls": truncated, "unanswered_calls": unanswered,
+    return out, {"policy_calls": calls, "action_tokens": sum(t.action_tokens for t in out),
+                 "truncated_calls": truncated, "unanswered_calls": unanswered,
                  "call_joins": joins, "prefix_breaks": breaks, "infra_failed_rollouts": failed,
                  "calls_across_updates": resumed}
 

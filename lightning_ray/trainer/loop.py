@@ -39,6 +39,7 @@ def train(cfg: TrainConfig, resume: checkpoint.Checkpoint | None | EllipsisType 
                 if not (last := run.ends_at(iteration)):
                     batches.start_after(iteration)  # async: the next batches' rollouts run while this one trains
                 updated = update(run, batch)
+                last = last or run.ends_at(iteration)  # the time budget spent meanwhile: no iteration after this
                 if run.evaluates_at(iteration, last):
                     evaluate_held_out(run, iteration + 1)
                 record = record_iteration(run, batch, updated, batches.idle_seconds())

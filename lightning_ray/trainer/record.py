@@ -28,7 +28,9 @@ class IterationRecord(BaseModel):
     iteration: int = described("the iteration, from 0")
     reward_mean: float = described("mean reward of the iteration's rollouts (a rollout without one counts 0)")
     rollouts: int = described("rollouts run, dropped groups included")
-    failed_rollouts: int = described("rollouts that failed (the agent crashed or the policy's answer broke it)")
+    failed_rollouts: int = described(
+        "rollouts that failed and were scored (the agent crashed or the policy's answer broke it; the platform's "
+        "failures are `infra_failed_rollouts`)")
     infra_failed_rollouts: int = described(
         "the platform's failures: no reward, or not a finite one; left out of training")
     transitions: int = described(
@@ -114,8 +116,10 @@ class IterationRecord(BaseModel):
     eval_before: dict[str, Any] | None = described(
         "held-out evaluation before training (on iteration 0's line)", optional=True)
     eval: dict[str, Any] | None = described(
-        "held-out `accuracy` (greedy), `reward_mean`, `pass@k` when `eval.pass_k` is set, `accuracy_by` each "
-        "`task.balance` value's when that is set", optional=True)
+        "held-out evaluation `after` that many iterations, over `tasks` problems: `accuracy` (greedy), "
+        "`reward_mean`, `failed_rollouts` (the platform's: no reward, counted wrong), `pass@k` and `mean@k` (one "
+        "sample's accuracy at `rollout.temperature`) when `eval.pass_k` is set, `accuracy_by` each `task.balance` "
+        "value's when that is set", optional=True)
 
 
 def iteration_record(iteration, rollouts, spans, transitions, adapted, sampling, version, results, seconds) -> dict:
@@ -127,7 +131,7 @@ def iteration_record(iteration, rollouts, spans, transitions, adapted, sampling,
         "iteration": iteration,
         "reward_mean": sum(r.reward or 0.0 for r in rollouts) / len(rollouts),
         "rollouts": len(rollouts),
-        "failed_rollouts": sum(r.status == "failed" for r in rollouts),
+        "failed_rollouts": sum(r.status == "failed" and r.reward is not None for r in rollouts),
         "infra_failed_rollouts": adapted["infra_failed_rollouts"],
         "transitions": len(transitions),
         "policy_calls": adapted["policy_calls"],
@@ -138,7 +142,7 @@ def iteration_record(iteration, rollouts, spans, transitions, adapted, sampling,
         **sampling,  # sampling_rounds, groups_with_signal, groups_dropped
         "llm_spans": len(llm_spans),
         "unfaithfully_scored_calls": sum(not scored_faithfully(s) for s in llm_spans),
-        "action_tokens_mean": sum(tr.action_tokens for tr in transitions) / len(rollouts),
+        "action_tokens_mean": adapted["action_tokens"] / len(rollouts),
         "response_diversity": response_diversity(transitions),
         "rollout_policy_versions": sorted({tr.policy_version for tr in transitions}),
         "policy_version": version,
@@ -194,6 +198,7 @@ def summary(r: dict) -> str:
     """The iteration's line on the terminal."""
     update = (f"policy v{r['policy_version']} served" if r["updated"] else
               "steps skipped (not finite): policy unchanged" if r.get("skipped_nonfinite") else
+              "signal all stale: policy unchanged" if r.get("stale_dropped") and r["groups_with_signal"] else
               "no signal: policy unchanged")
     held_out = f" | held-out {r['eval']['accuracy']:.3f}" if "eval" in r else ""
     rounds = f" ({r['sampling_rounds']} rounds)" if r["sampling_rounds"] > 1 else ""

@@ -10,12 +10,13 @@ import ray
 from openai import APIError, OpenAI
 
 from lightning_ray.algorithm.advantages import has_signal
-from lightning_ray.config import TrainConfig
+from lightning_ray.config import AlgorithmConfig, TrainConfig
 from lightning_ray.learner import checkpoint
 from lightning_ray.metrics import count_error, metrics
 from lightning_ray.terminal import status
 from lightning_ray.trainer.collect import Batch
 from lightning_ray.trainer.run import Run
+from lightning_ray.types import Transition
 
 PROBE = [{"role": "user", "content": "What is 3 + 4?"}]  # a fixed prompt whose served logprobs track each update
 
@@ -36,18 +37,17 @@ def update(run: Run, batch: Batch) -> Update:
     cfg, learner, services = run.cfg, run.learner, run.services
     behind = [learner.behind(tr.policy_version) for tr in batch.transitions]  # in updates; None: lost in a restart
     staleness = Counter(b for b in behind if b is not None)
-    fresh = [tr for tr, b in zip(batch.transitions, behind) if b is not None and b <= cfg.algorithm.max_staleness]
-    stale_dropped, batch.transitions = len(batch.transitions) - len(fresh), fresh
-    # every transition with a signal may be among the stale ones: the learner would refuse the rest
-    if not any(has_signal(t, cfg.algorithm.estimator) for t in fresh):
+    chosen, stale_dropped = to_train(batch.transitions, behind, cfg.algorithm)
+    if not chosen:
         return Update(staleness=staleness, stale_dropped=stale_dropped)
-    metrics().staleness.set(max(staleness))  # updates the learner is ahead of the oldest policy in the batch
+    metrics().staleness.set(max(behind[i] for i in chosen))  # updates the learner is ahead of the oldest trained
+    trained = [batch.transitions[i] for i in chosen]
     probe_before = run.probe or probe(services.server_url, cfg)
-    with run.phase("train"), status(f"iter {batch.iteration}: training on {len(batch.transitions)} transitions",
+    with run.phase("train"), status(f"iter {batch.iteration}: training on {len(trained)} transitions",
                                     report=False):
         if cfg.engine.sleep_while_training:  # the GPU they share is the learner's till the sync
             services.sleep_engines()
-        results = learner.step(batch.transitions)
+        results = learner.step(trained)
         if cfg.engine.sleep_while_training and not results[0]["updated"]:  # each step skipped: no version wakes them
             services.wake_engines()
     with run.phase("sync"), status(f"iter {batch.iteration}: syncing weights", report=False):
@@ -55,6 +55,18 @@ def update(run: Run, batch: Batch) -> Update:
     metrics().weight_sync_seconds.observe(run.phase.seconds["sync"])
     run.probe = probe(services.server_url, cfg)
     return Update(results, probe_before, run.probe, staleness, stale_dropped)
+
+
+def to_train(transitions: list[Transition], behind: list[int | None], alg: AlgorithmConfig) -> tuple[list[int], int]:
+    """Which of the batch's transitions the learner trains on (their indices; none when none has a signal), and how
+    many were left out as stale: sampled more than algorithm.max_staleness updates behind (`behind`), or by weights
+    a restart gave up (None). With dynamic sampling its dropped groups are out too: with a KL or entropy term the
+    learner would train them (and dilute the loss's token mean with them)."""
+    fresh = [i for i, b in enumerate(behind) if b is not None and b <= alg.max_staleness]
+    signal = {transitions[i].group_id for i in fresh if has_signal(transitions[i], alg.estimator)}
+    trained = [i for i in fresh if transitions[i].group_id in signal] if alg.dynamic_sampling else fresh
+    # every transition with a signal may be among the stale ones: the learner would refuse the rest
+    return trained if signal else [], len(transitions) - len(fresh)
 
 
 def save_checkpoint(run: Run, iteration: int) -> None:

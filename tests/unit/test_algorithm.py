@@ -466,8 +466,8 @@ def test_adapt_reports_calls_and_drift():
     spans = [llm_span("ro-1", "policy", 1.0, [1, 2], [3]), llm_span("ro-1", "policy", 2.0, [1, 2, 3, 7], [4])]
     transitions, stats = adapt([rollout], spans, "policy", "trajectory")
     assert len(transitions) == 1 and transitions[0].response_ids.tolist() == [3, 7, 4]
-    assert stats == {"policy_calls": 2, "truncated_calls": 0, "unanswered_calls": 0, "call_joins": 1,
-                     "prefix_breaks": 0, "infra_failed_rollouts": 0, "calls_across_updates": 0}
+    assert stats == {"policy_calls": 2, "action_tokens": 2, "truncated_calls": 0, "unanswered_calls": 0,
+                     "call_joins": 1, "prefix_breaks": 0, "infra_failed_rollouts": 0, "calls_across_updates": 0}
     transitions, stats = adapt([rollout], spans, "policy", "transition")
     assert len(transitions) == 2
 

@@ -1,7 +1,11 @@
 """Staleness in updates across learner restarts (learner/lineage.py): a version published again after a restart is
-no update, and a sample of an update the restart gave up is never counted as fresh."""
+no update, and a sample of an update the restart gave up is never counted as fresh; which of a batch's transitions
+the learner then trains on (trainer/update.py to_train)."""
 
+from lightning_ray.config import AlgorithmConfig
 from lightning_ray.learner.lineage import Lineage
+from lightning_ray.trainer.update import to_train
+from lightning_ray.types import Transition
 
 
 def test_no_restart_counts_every_version_as_an_update():
@@ -32,26 +36,24 @@ def test_a_second_restart_before_any_update_keeps_the_first_republish_as_the_che
     assert [lineage.behind(v, 94) for v in (94, 93, 92, 91)] == [0, 1, 1, 1]
 
 
-def test_an_update_whose_every_signal_is_stale_is_skipped_not_failed():
-    """rollout.mode=async: the transitions with a learning signal all sampled too many updates behind, those left
-    have none; the learner would refuse them ("no transition with a learning signal") and end the run. A stand-in
-    learner gives each version's distance (Lineage's arithmetic), and the update returns before any service is used
-    (run.services is None)."""
-    from types import SimpleNamespace
 
-    from lightning_ray.config import compose
-    from lightning_ray.trainer.collect import Batch
-    from lightning_ray.trainer.update import update
-    from lightning_ray.types import Transition
+def sampled(group: str, advantage: float, i: int = 0) -> Transition:
+    return Transition(rollout_id=f"{group}{i}", group_id=group, span_id=f"{group}{i}", prompt_ids=[1],
+                      response_ids=[2], logprobs=[-1.0], reward=advantage, advantage=advantage, policy_version=0)
 
-    def sampled(version: int, advantage: float) -> Transition:
-        return Transition(rollout_id=f"r{version}", group_id="g", span_id=f"s{version}", prompt_ids=[1],
-                          response_ids=[2], logprobs=[-1.0], reward=advantage, advantage=advantage,
-                          policy_version=version)
 
-    cfg = compose(["run_dir=x", "rollout.mode=async", "algorithm.max_staleness=1"])
-    run = SimpleNamespace(cfg=cfg, learner=SimpleNamespace(behind=lambda v: Lineage().behind(v, 5)), services=None)
-    batch = Batch(iteration=3, transitions=[sampled(2, 1.0), sampled(1, -1.0), sampled(5, 0.0)],
-                  sampling={"groups_with_signal": 1})
-    out = update(run, batch)
-    assert out.results == [] and out.stale_dropped == 2 and out.staleness == {3: 1, 4: 1, 0: 1}
+def test_an_update_whose_every_signal_is_stale_trains_nothing():
+    """rollout.mode=async: the transitions with a learning signal all sampled too many updates behind; those left
+    have none, which the learner would refuse ("no transition with a learning signal"), ending the run."""
+    batch = [sampled("a", 1.0), sampled("a", -1.0, 1), sampled("b", 0.0)]
+    assert to_train(batch, [3, 2, 0], AlgorithmConfig(max_staleness=1)) == ([], 2)
+    assert to_train(batch, [1, None, 0], AlgorithmConfig(max_staleness=1)) == ([0, 2], 1)  # None: lost in a restart
+
+
+def test_dynamic_samplings_dropped_groups_stay_out_with_a_kl_term():
+    """The learner keeps a group without a signal when a KL or entropy term is in the loss: dynamic sampling's
+    dropped groups were trained, diluting the token mean of the groups it sampled for."""
+    batch = [sampled("signal", 1.0), sampled("signal", -1.0, 1), sampled("alike", 0.0), sampled("alike", 0.0, 1)]
+    kl = {"kl_coef": 0.1}
+    assert to_train(batch, [0] * 4, AlgorithmConfig(**kl, dynamic_sampling=True)) == ([0, 1], 0)
+    assert to_train(batch, [0] * 4, AlgorithmConfig(**kl)) == ([0, 1, 2, 3], 0)  # without it: the learner decides

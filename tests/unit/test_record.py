@@ -13,7 +13,7 @@ from lightning_ray.trainer.record import IterationRecord, fields_table, iteratio
 from lightning_ray.types import Rollout, Task, Transition
 
 ADAPTED = Counter(infra_failed_rollouts=1, policy_calls=4, unanswered_calls=0, truncated_calls=1, prefix_breaks=0,
-                  call_joins=2)
+                  call_joins=2, action_tokens=7)
 SAMPLING = {"sampling_rounds": 1, "groups_with_signal": 1, "groups_dropped": 0}
 REPLY = {"rank": 0, "updated": True, "loss": 0.5, "clip_frac": 0.1, "logprob_abs_diff": 1e-7, "entropy": 1.2,
          "kl_ref": 0.0, "value_loss": 0.0, "tis_capped": 0.0, "grad_norm": 0.3, "steps": 1, "skipped_nonfinite": 0,
@@ -68,3 +68,14 @@ def test_per_adapter_counts_and_rollout_rewards():
                                         "solve": {"transitions": 1, "with_signal": 1, "reward": 1.0}}
     assert record["base_calls"] == 2
     assert "adapters" not in made([])  # one policy: no per-adapter split
+
+
+def test_failures_and_lengths_count_each_rollout_once_and_every_call():
+    """A platform failure (no reward) is not also the policy's; the response length counts the adapter's calls
+    before any is left out (the overlong filter dropped the longest, and the curve fell as truncation rose)."""
+    rollouts = [Rollout(rollout_id="ok", task=Task(task_id="t", input={}), status="succeeded", reward=1.0),
+                Rollout(rollout_id="crash", task=Task(task_id="t", input={}), status="failed", reward=0.0),
+                Rollout(rollout_id="down", task=Task(task_id="t", input={}), status="failed", reward=None)]
+    record = iteration_record(0, rollouts, [], [], ADAPTED, SAMPLING, 4, [], {})
+    assert (record["failed_rollouts"], record["infra_failed_rollouts"]) == (1, 1)
+    assert record["action_tokens_mean"] == pytest.approx(7 / 3)
