@@ -60,11 +60,18 @@ def _summary(history: list[dict], evals: list[dict]) -> list[tuple[str, str]]:
             ("transitions", str(sum(h["transitions"] for h in history))),
             ("policy updates", f"{sum(h['updated'] for h in history)} (policy v{last['policy_version']})"),
             ("trained tokens", str(sum(h.get("trained_tokens", 0) for h in history))),
-            ("seconds", f"{sum(sum(h['seconds'].values()) for h in history):.0f}")]
+            ("seconds", f"{sum(map(loop_seconds, history)):.0f}")]
     if evals:
         rows.insert(2, ("held-out accuracy", " → ".join(
             f"{e['accuracy']:.3f} " + (f"after {e['after']}" if e["after"] else "before") for e in evals)))
     return rows
+
+
+def loop_seconds(line: dict) -> float:
+    """An iteration's seconds on the training loop: an asynchronous batch's rollout and adapt ran while the update
+    before it trained (what the loop waited for them is its `wait`), so they are not added again."""
+    seconds = line["seconds"]
+    return sum(v for phase, v in seconds.items() if "wait" not in seconds or phase not in ("rollout", "adapt"))
 
 
 def _markdown(run_dir: Path, rows, figures) -> str:

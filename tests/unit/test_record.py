@@ -79,3 +79,13 @@ def test_failures_and_lengths_count_each_rollout_once_and_every_call():
     record = iteration_record(0, rollouts, [], [], ADAPTED, SAMPLING, 4, [], {})
     assert (record["failed_rollouts"], record["infra_failed_rollouts"]) == (1, 1)
     assert record["action_tokens_mean"] == pytest.approx(7 / 3)
+
+
+def test_the_reports_seconds_count_an_async_batchs_collection_once():
+    """rollout.mode=async: a batch's rollout and adapt ran while the update before it trained; its line's `wait` is
+    what the loop waited for them. Summed with them, the report doubled an async run's time."""
+    from lightning_ray.report import loop_seconds
+
+    sync = {"seconds": {"rollout": 60.0, "adapt": 5.0, "train": 55.0, "sync": 2.0}}
+    overlapped = {"seconds": {"rollout": 60.0, "adapt": 5.0, "wait": 10.0, "train": 55.0, "sync": 2.0}}
+    assert (loop_seconds(sync), loop_seconds(overlapped)) == (122.0, 67.0)
