@@ -96,8 +96,12 @@ def _saved(run_path: Path) -> list[Path]:
 def resume_point(cfg: TrainConfig) -> Checkpoint | None:
     """The checkpoint `resume=<run_dir>` goes on from: the run's latest (a run writes one every
     trainer.checkpoint_every iterations and after its last). `resume=auto`: run_dir's, if it has one (else None: a
-    new run); one after the last iteration ends the job as done (a retried job that had finished training succeeds)."""
+    new run); one after the last iteration ends the job as done (a retried job that had finished training succeeds).
+    Without resume, a run_dir holding checkpoints is refused."""
     if not cfg.resume:
+        if _saved(cfg.run_path):  # a new run there would prune the other's checkpoints by name, and mix the records
+            raise ConfigError(f"run_dir={cfg.run_path} holds a run's checkpoints: go on with resume={cfg.run_path} "
+                              "(or resume=auto), or give the new run another run_dir")
         return None
     auto = cfg.resume_auto
     if (found := latest(cfg.run_path)) is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import sqlite3
 import subprocess
 import time
@@ -105,6 +106,15 @@ def test_resume_auto_goes_on_where_a_checkpoint_is_and_starts_anew_where_none_is
     with pytest.raises(ConfigError, match="nothing left to train"):
         point(f"resume={tmp_path}")
     assert "same command and resume=" not in resume_hint(tmp_path, KeyboardInterrupt(), auto=True)
+
+
+def test_a_new_run_in_a_run_dir_holding_checkpoints_is_refused(tmp_path):
+    """It pruned the other run's checkpoints by name (its own iteration 4 deleted as older than the other's 8, the
+    `checkpoint` link left dangling) and appended to its records."""
+    commit(staging(tmp_path, 8), state(8), keep=2)
+    with pytest.raises(ConfigError, match=re.escape(f"run_dir={tmp_path} holds a run's checkpoints")):
+        resume_point(compose([f"run_dir={tmp_path}", "trainer.iterations=10"]))
+    assert resume_point(compose([f"run_dir={tmp_path / 'another'}"])) is None
 
 
 def test_a_retried_job_whose_run_had_finished_succeeds_at_once(tmp_path):
