@@ -44,9 +44,11 @@ def from_hydra(raw, schema: type[TrainConfig] = TrainConfig) -> TrainConfig:
 
     data = OmegaConf.to_container(raw, resolve=True)
     hydra = HydraConfig.get()
-    if hydra.mode == RunMode.MULTIRUN and OmegaConf.to_container(raw)["run_dir"] == "${hydra:run.dir}":
-        # a sweep's jobs would all resolve ${now:...} alike (OmegaConf caches it): each its own folder of the sweep's
-        data["run_dir"] = str(Path(hydra.sweep.dir) / hydra.sweep.subdir)
+    if hydra.mode == RunMode.MULTIRUN:
+        # a sweep's jobs would all resolve ${now:...} alike (OmegaConf caches it), or share the run_dir given: each
+        # its own folder, of the sweep's or of that run_dir
+        given = OmegaConf.to_container(raw)["run_dir"] != "${hydra:run.dir}"
+        data["run_dir"] = str(Path(data["run_dir"] if given else hydra.sweep.dir) / hydra.sweep.subdir)
     try:
         return validate(data, schema)
     except ConfigError as e:
