@@ -8,7 +8,7 @@ import shlex
 from lightning_ray.cli.train import run_training
 from lightning_ray.config import TrainConfig, job
 
-IMITATION_ONLY = ("teacher", "algorithm", "trainer", "seed", "run_dir", "resume", "task", "model.path")
+IMITATION_ONLY = ("teacher", "algorithm", "trainer", "seed", "run_dir", "resume", "model.path")
 
 
 @job("imitate")
@@ -22,12 +22,12 @@ def main(cfg: TrainConfig) -> None:
 
 
 def rl_command(cfg: TrainConfig, overrides: list[str]) -> str:
-    """RL from the imitation's checkpoint, with this run's own settings (placement, model preset, engine, learner: a
-    GPU run's go on on the GPUs) but those of imitation itself (teacher, algorithm, trainer, seed, run_dir)."""
+    """RL from the imitation's checkpoint, with this run's own settings (task, placement, model preset, engine,
+    learner: a GPU run's go on on the GPUs) but those of imitation itself (teacher, algorithm, trainer, seed,
+    run_dir). Both start from configs/train.yaml, so the overrides alone say it."""
     def imitation_only(override: str) -> bool:
         key = override.lstrip("+~").split("=", 1)[0]
         return any(key == k or key.startswith(k + ".") for k in IMITATION_ONLY)
 
     kept = [o for o in overrides if not imitation_only(o)]
-    return shlex.join(["python", "jobs/train.py", f"task={cfg.task.name}", *kept,
-                       f"model.path={cfg.run_path / 'checkpoint'}"])
+    return shlex.join(["python", "jobs/train.py", *kept, f"model.path={cfg.run_path / 'checkpoint'}"])

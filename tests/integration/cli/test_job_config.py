@@ -261,6 +261,11 @@ def test_the_rl_run_an_imitation_prints_keeps_its_placement_and_model_and_drops_
                 "learner.lr", "learner.micro_batch_tokens"):
         section, name = key.split(".")
         assert getattr(getattr(rl, section), name) == getattr(getattr(imitation, section), name), key
+    # a task preset, and task settings, go on as imitated (the command said task=<its module>: another task)
+    for task in (["task=calc_gsm"], ["task=calc_autogen"], ["task=calc", "task.protocol=tools"]):
+        imitation = compose([*task, f"run_dir={tmp_path}"], config_name="imitate")
+        printed = shlex.split(rl_command(imitation, [*task, f"run_dir={tmp_path}"]))[2:]
+        assert compose([*printed, f"run_dir={tmp_path / 'rl'}"]).task == imitation.task, task
 
 
 def test_a_runs_local_cluster_hides_the_gpus_from_components_given_none(tmp_path):
