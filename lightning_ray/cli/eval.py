@@ -15,9 +15,12 @@ def main(cfg: TrainConfig) -> None:
     from lightning_ray.terminal import route_logs
     from lightning_ray.trainer.evaluate import evaluate
 
+    try:  # a task setting its task refuses: said before the services' minutes of start
+        _, held_out = load_splits(cfg.task)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"task: {e}") from None
     route_logs(cfg.run_path / "logs", cfg.verbose)
     with Services(cfg) as services:
-        _, held_out = load_splits(cfg.task)
         result = {"model": str(services.model_path), "dataset": cfg.task.dataset, "protocol": cfg.task.protocol,
                   "eval_seed": cfg.task.eval_seed, **evaluate(services, held_out, cfg.eval.pass_k)}
     out = cfg.run_path / "eval.json"

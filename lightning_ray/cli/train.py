@@ -12,17 +12,21 @@ from lightning_ray.config import ConfigError, TrainConfig, job
 def run_training(cfg: TrainConfig) -> None:
     """Evaluate, then iterations of rollouts → transitions → update → weight sync (the imitation job's too)."""
     from lightning_ray.learner.checkpoint import resume_point
+    from lightning_ray.tasks import load_splits
 
     try:  # before the loop's imports (~5 s): a resume= with no checkpoint, or nothing left to train, ends at once
         resume = resume_point(cfg)
+        splits = load_splits(cfg.task)  # and a task setting its task refuses, before the services' minutes of start
     except ConfigError as e:  # the key named, no traceback
         raise SystemExit(str(e)) from None
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"task: {e}") from None
     from lightning_ray.terminal import route_logs  # imported late: `--help` and config errors stay instant
     from lightning_ray.trainer import train
 
     route_logs(cfg.run_path / "logs", cfg.verbose)
     try:
-        history = train(cfg, resume)
+        history = train(cfg, resume, splits)
     except (Exception, KeyboardInterrupt) as e:  # hours of training need not be lost: say how to go on
         # at exit: below the traceback (Ray's OOM report is pages long)
         if hint := resume_hint(cfg.run_path, e, auto=cfg.resume_auto):

@@ -12,20 +12,25 @@ from lightning_ray.config import TrainConfig
 from lightning_ray.learner import checkpoint
 from lightning_ray.report import plot_learning_curve
 from lightning_ray.services import Services
+from lightning_ray.tasks import load_splits
 from lightning_ray.trainer.evaluate import evaluate_held_out
 from lightning_ray.trainer.log import log, record_iteration
 from lightning_ray.trainer.record import line
 from lightning_ray.trainer.run import Run
 from lightning_ray.trainer.schedule import Batches
+from lightning_ray.types import Task
 from lightning_ray.trainer.update import save_checkpoint, update
 
 
-def train(cfg: TrainConfig, resume: checkpoint.Checkpoint | None | EllipsisType = ...) -> list[dict]:
-    """`resume`: the checkpoint to go on from, as checkpoint.resume_point(cfg) found it (found here if not given)."""
+def train(cfg: TrainConfig, resume: checkpoint.Checkpoint | None | EllipsisType = ...,
+          splits: tuple[list[Task], list[Task]] | None = None) -> list[dict]:
+    """`resume`: the checkpoint to go on from, as checkpoint.resume_point(cfg) found it (found here if not given);
+    `splits`: the training and held-out tasks (made here if not given), before any service starts."""
     if resume is ...:
         resume = checkpoint.resume_point(cfg)
+    splits = splits or load_splits(cfg.task)
     with Services(cfg, learner=True, resume=resume) as services:
-        run = Run(cfg, services, resume)
+        run = Run(cfg, services, resume, splits)
         if resume:  # metrics.jsonl as the checkpoint's history has it: later lines go
             (cfg.run_path / "metrics.jsonl").write_text("".join(json.dumps(line(r)) + "\n" for r in run.history))
             print(f"resumed from {resume.path.name}: iteration {run.first}, "

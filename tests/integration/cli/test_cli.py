@@ -52,7 +52,9 @@ def test_bad_input_is_one_line_and_exit_code_2(args, named):
 
 
 @pytest.mark.parametrize("override, named", [("rollout.group_size=0", "rollout.group_size"),
-                                             ("trainer.lr=1e-3", "trainer.lr is now learner.lr")])  # a moved key
+                                             ("trainer.lr=1e-3", "trainer.lr is now learner.lr"),  # a moved key
+                                             # a dataset its task has not: said before any service starts
+                                             ("task.dataset=spider", "task: dataset 'spider'")])
 def test_train_passes_config_errors_through_by_key(tmp_path, override, named):
     r = cli("train", override, f"hydra.run.dir={tmp_path}")
     assert r.returncode != 0 and named in r.stderr and "Traceback" not in r.stderr
