@@ -579,6 +579,15 @@ class TrainConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _a_group_baseline_has_others(self):
+        alg = self.algorithm
+        if self.rollout.group_size < 2 and alg.objective == "rl" and alg.estimator != "ppo":
+            raise ValueError(f"rollout.group_size=1: algorithm.estimator={alg.estimator} compares each rollout with "
+                             "the others of its task, so every advantage would be 0 and nothing would train: "
+                             "rollout.group_size>=2, or algorithm.estimator=ppo (a critic's baseline)")
+        return self
+
+    @model_validator(mode="after")
     def _air_reaches_training(self):
         if self.task.air.enabled and self.algorithm.objective == "rl" and self.algorithm.credit == "terminal":
             raise ValueError("task.air's rewards are intermediate ones, which algorithm.credit=terminal leaves out (it "

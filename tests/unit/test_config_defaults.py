@@ -224,3 +224,11 @@ def test_air_with_terminal_credit_is_refused_naming_the_credit():
         compose(["run_dir=x", "task.air.tool_error=-0.5"])
     compose(["run_dir=x", "task.air.tool_error=-0.5", "algorithm.credit=per_step", "algorithm.level=transition"])
     compose(["run_dir=x", "task.air.tool_error=-0.5", "algorithm=sft"])  # imitation: AIR's spans recorded, not trained
+
+
+def test_a_group_of_one_with_a_group_baseline_is_refused():
+    """Every advantage would be 0: a run of any length trains nothing, and nothing said so."""
+    with pytest.raises(ConfigError, match=re.escape("rollout.group_size=1")):
+        compose(["run_dir=x", "rollout.group_size=1"])
+    compose(["run_dir=x", "rollout.group_size=1", "algorithm=ppo"])  # a critic's baseline
+    compose(["run_dir=x", "rollout.group_size=1", "algorithm=sft"])  # imitation
