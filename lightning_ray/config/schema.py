@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from packaging.version import Version
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from lightning_ray.config.secrets import masked
 from lightning_ray.placement import results_base
@@ -203,6 +204,20 @@ class ServeConfig(_Strict):
     port: int = Field(8000, ge=0, lt=65536)
     num_replicas: int = Field(1, gt=0)
     autoscaling: dict[str, Any] | None = None  # Serve's autoscaling_config; replaces num_replicas when set
+
+    @field_validator("autoscaling")
+    @classmethod
+    def _serves_own_keys(cls, value: dict | None) -> dict | None:
+        if value:  # Serve ignores a key it does not know (a typo'd max_replicas: one replica)
+            from ray.serve.config import AutoscalingConfig
+
+            known = AutoscalingConfig.model_fields if hasattr(AutoscalingConfig, "model_fields") \
+                else AutoscalingConfig.__fields__
+            if unknown := sorted(set(value) - set(known)):
+                raise ValueError(f"unknown key(s) {', '.join(unknown)}: Serve's autoscaling_config takes "
+                                 f"{', '.join(sorted(known))}")
+            AutoscalingConfig(**value)  # and its values' checks
+        return value
     # The operator's key (Authorization: Bearer): it opens every endpoint; agents get keys of their own instead
     # (lightning_ray/auth.py)
     api_key: str | None = Field(None, min_length=1)

@@ -232,3 +232,13 @@ def test_a_group_of_one_with_a_group_baseline_is_refused():
         compose(["run_dir=x", "rollout.group_size=1"])
     compose(["run_dir=x", "rollout.group_size=1", "algorithm=ppo"])  # a critic's baseline
     compose(["run_dir=x", "rollout.group_size=1", "algorithm=sft"])  # imitation
+
+
+def test_serves_autoscaling_keys_and_values_are_checked_at_the_start():
+    """Serve ignores a key it does not know: a typo'd max_replicas served one replica, nothing said."""
+    with pytest.raises(ConfigError, match=r"serve.autoscaling: .*unknown key\(s\) max_replica"):
+        compose(["run_dir=x", "serve.autoscaling={min_replicas: 1, max_replica: 4}"])
+    with pytest.raises(ConfigError, match="serve.autoscaling"):
+        compose(["run_dir=x", "serve.autoscaling={min_replicas: 3, max_replicas: 1}"])
+    assert compose(["run_dir=x", "serve.autoscaling={min_replicas: 1, max_replicas: 2}"]).serve.autoscaling == {
+        "min_replicas": 1, "max_replicas": 2}
