@@ -10,7 +10,8 @@ import yaml
 
 # A secret's key (serve.api_key, an env var's name: OPENAI_API_KEY, HF_TOKEN, ...) or a value shaped like a token
 SECRET_KEY = re.compile(r"key|token|secret|passw", re.IGNORECASE)
-SECRET_VALUE = re.compile(r"(?<![\w-])(sk-|hf_|ghp_|gho_|github_pat_|xox[abp]-|AKIA)[\w-]{8,}")
+# (not a part of a path or a name: /data/hf_downloads/ is no token)
+SECRET_VALUE = re.compile(r"(?<![\w/.-])(sk-|hf_|ghp_|gho_|github_pat_|xox[abp]-|AKIA)[\w-]{8,}")
 ENV_REF = r"\$\{oc\.env:\w+\}"  # where a secret comes from ('serve.api_key=${oc.env:MY_KEY}'), not the secret: kept
 # An override that sets a secret, as Hydra's records of a command line hold it: alone, or one of a k=v,k=v list
 # (override_dirname); its value runs to the next override
@@ -23,6 +24,7 @@ def masked(node: Any) -> Any:
     """node with every secret-looking string, or part of a string, replaced by '***'."""
     if isinstance(node, dict):
         return {k: "***" if isinstance(v, str) and v and SECRET_KEY.search(str(k)) and not re.fullmatch(ENV_REF, v)
+                and not str(k).endswith("_env")  # the name of the variable holding one (teacher.api_key_env)
                 else masked(v) for k, v in node.items()}
     if isinstance(node, list):
         return [masked(v) for v in node]

@@ -221,6 +221,11 @@ def test_no_secret_reaches_the_run_directory(tmp_path):
     assert data["task"]["runtime_env"]["env_vars"] == {"OPENAI_API_KEY": "***", "WANDB_MODE": "offline"}
     assert validate(data).learner == cfg.learner  # everything else as the run resolved it
     assert data["run_dir"] == str(tmp_path)
+    # what only looks like one stays: a variable's name, a path's part (store inspect re-validates the record)
+    cfg = compose([f"run_dir={tmp_path / 'hf_downloads_run'}", "model.path=/data/hf_downloads/SmolLM2",
+                   "algorithm=sft", "teacher.kind=model", "teacher.path=/models/t", "teacher.api_key_env=MY_KEY"])
+    cfg.save(tmp_path / "config.yaml")
+    assert validate(yaml.safe_load((tmp_path / "config.yaml").read_text())) == cfg
 
 
 def test_the_default_config_has_nothing_that_looks_secret(tmp_path):
