@@ -114,6 +114,13 @@ class TaskConfig(_Strict):
     agent_env: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]] = []
     runtime_env: dict[str, Any] | None = None  # the rollout workers' Ray runtime_env (pip, env_vars, working_dir, ...)
 
+    @field_validator("runtime_env")
+    @classmethod
+    def _env_vars_as_text(cls, value: dict | None) -> dict | None:
+        if value and isinstance(value.get("env_vars"), dict):  # Ray refuses any but strings, once workers start
+            value = {**value, "env_vars": {k: _env_text(v) for k, v in value["env_vars"].items()}}
+        return value
+
     @model_validator(mode="after")
     def _one_agent(self):
         if self.agent and self.command:

@@ -242,3 +242,11 @@ def test_serves_autoscaling_keys_and_values_are_checked_at_the_start():
         compose(["run_dir=x", "serve.autoscaling={min_replicas: 3, max_replicas: 1}"])
     assert compose(["run_dir=x", "serve.autoscaling={min_replicas: 1, max_replicas: 2}"]).serve.autoscaling == {
         "min_replicas": 1, "max_replicas": 2}
+
+
+def test_a_rollout_workers_env_vars_are_text_as_ray_takes_them():
+    """Hydra reads true and 1 as a bool and a number; Ray refused them when the workers started (a traceback)."""
+    cfg = compose(["run_dir=x", "task=calc_crewai", "task.runtime_env.env_vars.CREWAI_DISABLE_TELEMETRY=true",
+                   "+task.runtime_env.env_vars.OMP_NUM_THREADS=1"])
+    env = cfg.task.runtime_env["env_vars"]
+    assert (env["CREWAI_DISABLE_TELEMETRY"], env["OMP_NUM_THREADS"]) == ("true", "1")
