@@ -33,7 +33,12 @@ def write_report(run_dir: Path, fmt: str = "md", out_dir: Path | None = None) ->
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: not a run directory (no metrics.jsonl in it)")
-    history = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        history = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except json.JSONDecodeError as e:  # a ValueError: one line on the CLI
+        raise ValueError(f"{path}: a line is not JSON ({e}): was it cut off?") from None
+    if not history:
+        raise FileNotFoundError(f"{path}: no iteration written yet")
     evals = [h[k] for h in history for k in ("eval_before", "eval") if k in h]
     out_dir = out_dir or run_dir / "report"
     out_dir.mkdir(parents=True, exist_ok=True)

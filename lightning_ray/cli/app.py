@@ -130,6 +130,7 @@ def main(args: list[str] | None = None) -> int:
     except typer.TyperException as e:  # a usage error: typer's own click
         print(f"lightning-ray: error: {e.format_message()}", file=sys.stderr)
         return e.exit_code
-    except FileNotFoundError as e:  # store.files.NoStore, report's missing metrics.jsonl
+    except (OSError, ValueError) as e:  # store.files.NoStore, report's missing metrics.jsonl, an -o that is a
+        # folder or a file, a record that does not read (a truncated metrics.jsonl; a run's config.yaml: ConfigError)
         print(f"lightning-ray: error: {e}", file=sys.stderr)
         return 2

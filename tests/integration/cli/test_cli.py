@@ -51,6 +51,14 @@ def test_bad_input_is_one_line_and_exit_code_2(args, named):
     assert r.stderr.count("\n") == 1 and named in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_run_directory_that_does_not_read_is_one_line_and_exit_code_2(tmp_path):
+    """A metrics.jsonl with no line yet, or cut off mid-line: tracebacks before."""
+    for text, named in [("", "no iteration written yet"), ('{"iteration": 0}\n{"iter', "was it cut off")]:
+        (tmp_path / "metrics.jsonl").write_text(text)
+        r = cli("report", str(tmp_path))
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and named in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("override, named", [("rollout.group_size=0", "rollout.group_size"),
                                              ("trainer.lr=1e-3", "trainer.lr is now learner.lr"),  # a moved key
                                              # a dataset its task has not: said before any service starts
