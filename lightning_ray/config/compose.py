@@ -42,7 +42,12 @@ def from_hydra(raw, schema: type[TrainConfig] = TrainConfig) -> TrainConfig:
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
-    data = OmegaConf.to_container(raw, resolve=True)
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        data = OmegaConf.to_container(raw, resolve=True)
+    except InterpolationResolutionError as e:  # 'serve.api_key=${oc.env:MY_KEY}' with MY_KEY unset
+        raise SystemExit(f"invalid config:\n  {e.full_key}: {str(e.msg).splitlines()[0]}") from None
     hydra = HydraConfig.get()
     if hydra.mode == RunMode.MULTIRUN:
         # a sweep's jobs would all resolve ${now:...} alike (OmegaConf caches it), or share the run_dir given: each

@@ -62,7 +62,10 @@ def test_a_run_directory_that_does_not_read_is_one_line_and_exit_code_2(tmp_path
 @pytest.mark.parametrize("override, named", [("rollout.group_size=0", "rollout.group_size"),
                                              ("trainer.lr=1e-3", "trainer.lr is now learner.lr"),  # a moved key
                                              # a dataset its task has not: said before any service starts
-                                             ("task.dataset=spider", "task: dataset 'spider'")])
+                                             ("task.dataset=spider", "task: dataset 'spider'"),
+                                             # the form docs/02 recommends for a key, its variable unset
+                                             ("serve.api_key=${oc.env:LIGHTNING_RAY_UNSET_KEY}",
+                                              "serve.api_key: KeyError raised while resolving")])
 def test_train_passes_config_errors_through_by_key(tmp_path, override, named):
     r = cli("train", override, f"hydra.run.dir={tmp_path}")
     assert r.returncode != 0 and named in r.stderr and "Traceback" not in r.stderr
