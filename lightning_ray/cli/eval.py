@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from lightning_ray.config import TrainConfig, job
+from lightning_ray.config import ConfigError, TrainConfig, job
 
 
 @job("train")
@@ -17,8 +17,8 @@ def main(cfg: TrainConfig) -> None:
 
     try:  # a task setting its task refuses: said before the services' minutes of start
         _, held_out = load_splits(cfg.task)
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"task: {e}") from None
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
     route_logs(cfg.run_path / "logs", cfg.verbose)
     with Services(cfg) as services:
         result = {"model": str(services.model_path), "dataset": cfg.task.dataset, "protocol": cfg.task.protocol,

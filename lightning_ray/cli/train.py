@@ -19,8 +19,6 @@ def run_training(cfg: TrainConfig) -> None:
         splits = load_splits(cfg.task)  # and a task setting its task refuses, before the services' minutes of start
     except ConfigError as e:  # the key named, no traceback
         raise SystemExit(str(e)) from None
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"task: {e}") from None
     from lightning_ray.terminal import route_logs  # imported late: `--help` and config errors stay instant
     from lightning_ray.trainer import train
 

@@ -601,27 +601,26 @@ class TrainConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _a_group_baseline_has_others(self):
-        alg = self.algorithm
-        if self.rollout.group_size < 2 and alg.objective == "rl" and alg.estimator != "ppo":
-            raise ValueError(f"rollout.group_size=1: algorithm.estimator={alg.estimator} compares each rollout with "
-                             "the others of its task, so every advantage would be 0 and nothing would train: "
-                             "rollout.group_size>=2, or algorithm.estimator=ppo (a critic's baseline)")
-        return self
-
-    @model_validator(mode="after")
-    def _air_reaches_training(self):
-        if self.task.air.enabled and self.algorithm.objective == "rl" and self.algorithm.credit == "terminal":
-            raise ValueError("task.air's rewards are intermediate ones, which algorithm.credit=terminal leaves out (it "
-                             "trains on the final reward alone): set algorithm.credit=per_step or discounted, with "
-                             "algorithm.level=transition")
-        return self
-
-    @model_validator(mode="after")
     def _teacher_is_imitated(self):
         if self.teacher.kind != "none" and self.algorithm.objective != "sft":
             raise ValueError(f"teacher.kind={self.teacher.kind} answers the training rollouts: imitation data, which "
                              "only algorithm.objective=sft trains on (algorithm=sft; jobs/imitate.py sets it)")
+        return self
+
+    @model_validator(mode="after")
+    def _rl_has_a_signal(self):
+        """What would train nothing, said at the start (jobs that train: not APO's)."""
+        alg = self.algorithm
+        if alg.objective != "rl":
+            return self
+        if self.rollout.group_size < 2 and alg.estimator != "ppo":
+            raise ValueError(f"rollout.group_size=1: algorithm.estimator={alg.estimator} compares each rollout with "
+                             "the others of its task, so every advantage would be 0 and nothing would train: "
+                             "rollout.group_size>=2, or algorithm.estimator=ppo (a critic's baseline)")
+        if self.task.air.enabled and alg.credit == "terminal":
+            raise ValueError("task.air's rewards are intermediate ones, which algorithm.credit=terminal leaves out (it "
+                             "trains on the final reward alone): set algorithm.credit=per_step or discounted, with "
+                             "algorithm.level=transition")
         return self
 
     @model_validator(mode="after")
@@ -703,6 +702,9 @@ class APOJobConfig(TrainConfig):
     """jobs/apo.py's configuration: the main job's keys (the same services run the rollouts) and apo.*."""
 
     apo: APOConfig = APOConfig()
+
+    def _rl_has_a_signal(self):  # no RL here: the rollouts score prompts (a group of one, AIR's spans, as asked)
+        return self
 
 
 class ConfigError(ValueError):

@@ -10,14 +10,15 @@ import yaml
 
 # A secret's key (serve.api_key, an env var's name: OPENAI_API_KEY, HF_TOKEN, ...) or a value shaped like a token
 SECRET_KEY = re.compile(r"key|token|secret|passw", re.IGNORECASE)
-# (not a part of a path or a name: /data/hf_downloads/ is no token)
-SECRET_VALUE = re.compile(r"(?<![\w/.-])(sk-|hf_|ghp_|gho_|github_pat_|xox[abp]-|AKIA)[\w-]{8,}")
+# (not a part of a path or a name: /data/hf_downloads/ is no token; https://ghp_...@github.com is one)
+SECRET_VALUE = re.compile(r"(?<![\w.-])(?<!\w/)(sk-|hf_|ghp_|gho_|github_pat_|xox[abp]-|AKIA)[\w-]{8,}")
 ENV_REF = r"\$\{oc\.env:\w+\}"  # where a secret comes from ('serve.api_key=${oc.env:MY_KEY}'), not the secret: kept
 # An override that sets a secret, as Hydra's records of a command line hold it: alone, or one of a k=v,k=v list
 # (override_dirname); its value runs to the next override
 _NEXT = r"(?=,[+~]*[\w.@/-]+=|$)"
-SECRET_OVERRIDE = re.compile(
-    rf"((?:^|,)[+~]*[\w.@/-]*(?:{SECRET_KEY.pattern})[\w.@/-]*=)(?!{ENV_REF}{_NEXT}).+?{_NEXT}", re.IGNORECASE)
+SECRET_OVERRIDE = re.compile(  # (not a key ending in _env: the name of the variable holding one)
+    rf"((?:^|,)[+~]*[\w.@/-]*(?:{SECRET_KEY.pattern})[\w.@/-]*(?<!_env)=)(?!{ENV_REF}{_NEXT}).+?{_NEXT}",
+    re.IGNORECASE)
 
 
 def masked(node: Any) -> Any:

@@ -52,9 +52,12 @@ class AgentCommandFailedByPlatform(PlatformFailure):
 
 
 EX_TEMPFAIL = 75
-# The last words of an OpenAI SDK (Python, JavaScript) that could not reach the endpoint or got a 5xx from it
-SDK_PLATFORM_ERRORS = re.compile(r"APIConnectionError|APIConnectionTimeoutError|InternalServerError|ECONNREFUSED|"
-                                 r"ECONNRESET|Error code: 5\d\d")
+# What an OpenAI SDK (Python, JavaScript) that could not reach the endpoint or got a 5xx from it raises, as its
+# uncaught error's line says it (the error's name at the line's start); looked for in stderr's last lines only (the
+# rest is the agent's log, which may hold anything, the model's words too)
+SDK_PLATFORM_ERRORS = re.compile(r"^(?:[\w.]+\.)?(?:APIConnectionError|APIConnectionTimeoutError|InternalServerError)\b"
+                                 r"|^Error: connect ECONN(?:REFUSED|RESET)\b", re.MULTILINE)
+LAST_WORDS = 20  # lines: a JavaScript error's stack follows its line
 # A task's JSON in LIGHTNING_RAY_TASK up to this size: Linux refuses an environment string past 128 KiB (stdin has it)
 MAX_TASK_ENV = 100_000
 
@@ -94,7 +97,8 @@ class CommandAgent:
         _kill_group(process)  # what it left running
         if process.returncode != 0:
             said = f"{self.command[0]} exited with {process.returncode}: {stderr.strip()[-2000:]}"
-            platform = process.returncode in (-signal.SIGKILL, EX_TEMPFAIL) or SDK_PLATFORM_ERRORS.search(stderr)
+            last_words = "\n".join(stderr.strip().splitlines()[-LAST_WORDS:])
+            platform = process.returncode in (-signal.SIGKILL, EX_TEMPFAIL) or SDK_PLATFORM_ERRORS.search(last_words)
             raise (AgentCommandFailedByPlatform if platform else AgentCommandFailed)(said)
         lines = [line for line in stdout.splitlines() if line.strip()]
         return lines[-1].strip() if lines else ""

@@ -25,10 +25,6 @@ _restarting: set = set()
 _lock = threading.Lock()
 
 
-def _due_restart(worker) -> bool:
-    return worker._actor_id in _worn or worker._actor_id in _restarting
-
-
 def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[str], desc: str) -> list[Rollout]:
     """Each worker runs `slots_per_worker` work() calls at once; each takes rollouts from the queue until it finds
     it empty. A slot that stopped is sent again as soon as a rollout waits in the queue, so an attempt the store
@@ -39,16 +35,18 @@ def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[st
     running: dict = {}  # call -> its worker
     free: list = []  # a worker per slot whose call has returned
 
-    def send(worker) -> None:
-        with _lock:
+    def send(worker) -> bool:
+        """A work() call to the worker, unless it is due a restart (then False)."""
+        with _lock:  # checked and counted at once: another set may be about to restart it
+            if worker._actor_id in _worn or worker._actor_id in _restarting:
+                return False
             _in_flight[worker._actor_id] += 1
         running[worker.work.remote(store)] = worker
+        return True
 
     def collect(calls: list) -> None:
         for call in calls:
             worker = running.pop(call)
-            with _lock:
-                _in_flight[worker._actor_id] -= 1
             try:
                 ray.get(call)
                 if ray.get(worker.worn_out.remote()):
@@ -58,6 +56,9 @@ def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[st
                 logger.warning("a rollout worker died; its attempts are retried when their leases run out: %s", e)
                 count_error("rollout", "worker_died")
                 wait_restarted(worker)
+            finally:  # once it has returned: till then it may run another set's rollouts
+                with _lock:
+                    _in_flight[worker._actor_id] -= 1
             free.append(worker)
         with _lock:  # none of its calls runs, this set's or another's; it gets none till restarted
             idle = [_worn.pop(a) for a in list(_worn) if not _in_flight[a]]
@@ -73,10 +74,8 @@ def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[st
 
     for w in workers:
         for _ in range(slots_per_worker):
-            if _due_restart(w):  # another set's: sent once restarted
+            if not send(w):  # due a restart (another set's): sent once restarted
                 free.append(w)
-            else:
-                send(w)
 
     total = len(set(rollout_ids))
     with tqdm(total=len(rollout_ids), desc=desc, leave=False) as bar:
@@ -93,9 +92,10 @@ def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[st
                 return counted(store.get_rollouts(rollout_ids))
             waiting = counts.get("queued", 0) + counts.get("requeued", 0)
             metrics().queue_depth.set(waiting)
-            for worker in [w for w in free if not _due_restart(w)][:waiting]:
-                send(worker)
-                free.remove(worker)
+            for worker in list(free):
+                if waiting and send(worker):
+                    free.remove(worker)
+                    waiting -= 1
             # until every slot has returned (the queue ran dry: the set is ending) or half a second has passed
             if running:
                 ray.wait(list(running), num_returns=len(running), timeout=0.5)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 from lightning_ray import auth, tracing
-from lightning_ray.store.errors import StaleAttempt, StoreError
+from lightning_ray.store.errors import BatchTooLarge, InvalidSpans, StaleAttempt, UnknownRollout
 from lightning_ray.store.protocol import RolloutStore
 from lightning_ray.tracing import semconv
 from lightning_ray.tracing.context import current_attempt
@@ -142,7 +142,7 @@ def _span_sink(store: RolloutStore, rollout_id: str) -> Callable:
     def sink(spans) -> None:
         try:
             store.add_spans(spans)
-        except StoreError as e:
+        except (InvalidSpans, UnknownRollout, BatchTooLarge) as e:  # not a 5xx: that one is tried again
             logger.warning("rollout %s: the store refused spans of its trace: %s", rollout_id, e)
 
     return sink

@@ -7,7 +7,7 @@ oracle(task, messages, tools), the imitation teacher's answer to a call from the
 import importlib
 from types import ModuleType
 
-from lightning_ray.config import TaskConfig
+from lightning_ray.config import ConfigError, TaskConfig
 from lightning_ray.types import Task
 
 
@@ -28,11 +28,15 @@ def checked_options(task: str, dataset: str, options: dict | None, allowed: dict
 
 
 def load_splits(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
-    """The training split and the held-out split: different seeds, and no held-out question in training."""
+    """The training split and the held-out split: different seeds, and no held-out question in training. A setting
+    the task refuses (a dataset, a protocol, a generator option of another task) is a ConfigError naming task."""
     task = load_task(cfg.name)
     options = {"dataset": cfg.dataset, "options": cfg.generator or None, "protocol": cfg.protocol}
-    held_out = task.make_tasks(cfg.eval_size, cfg.eval_seed, **options)
-    train = task.make_tasks(cfg.train_size, cfg.seed, exclude={t.input["question"] for t in held_out}, **options)
+    try:
+        held_out = task.make_tasks(cfg.eval_size, cfg.eval_seed, **options)
+        train = task.make_tasks(cfg.train_size, cfg.seed, exclude={t.input["question"] for t in held_out}, **options)
+    except (ValueError, TypeError) as e:  # TypeError: a generator's config given an option it has not
+        raise ConfigError(f"task: {e}") from e
     if cfg.balance and (lacking := next((t for t in train if cfg.balance not in t.input), None)):
         raise ValueError(f"task.balance={cfg.balance}: the {cfg.name} task's inputs have no such field "
                          f"(they have {', '.join(lacking.input)})")

@@ -14,6 +14,7 @@ contextvars: a thread the agent starts itself needs `contextvars.copy_context().
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import json
 import math
@@ -68,6 +69,8 @@ def _executors_inherit_context() -> None:
         return
 
     def in_callers_context(self, executor, func, *args):
+        if executor is not None and not isinstance(executor, concurrent.futures.ThreadPoolExecutor):
+            return run_in_executor(self, executor, func, *args)  # another process: a context does not pickle
         return run_in_executor(self, executor, contextvars.copy_context().run, func, *args)
 
     in_callers_context.copies_context = True

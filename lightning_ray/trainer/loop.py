@@ -28,7 +28,7 @@ def train(cfg: TrainConfig, resume: checkpoint.Checkpoint | None | EllipsisType 
     `splits`: the training and held-out tasks (made here if not given), before any service starts."""
     if resume is ...:
         resume = checkpoint.resume_point(cfg)
-    splits = splits or load_splits(cfg.task)
+    splits = splits or load_splits(cfg.task)  # a task setting its task refuses, before any service starts
     with Services(cfg, learner=True, resume=resume) as services:
         run = Run(cfg, services, resume, splits)
         if resume:  # metrics.jsonl as the checkpoint's history has it: later lines go
@@ -44,7 +44,8 @@ def train(cfg: TrainConfig, resume: checkpoint.Checkpoint | None | EllipsisType 
                 if not (last := run.ends_at(iteration)):
                     batches.start_after(iteration)  # async: the next batches' rollouts run while this one trains
                 updated = update(run, batch)
-                last = last or run.ends_at(iteration)  # the time budget spent meanwhile: no iteration after this
+                if not last and (last := run.ends_at(iteration)):  # the time budget spent meanwhile: none after this
+                    batches.cancel_ahead()  # nor their rollouts beside the last evaluation
                 if run.evaluates_at(iteration, last):
                     evaluate_held_out(run, iteration + 1)
                 record = record_iteration(run, batch, updated, batches.idle_seconds())

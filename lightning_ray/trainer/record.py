@@ -29,8 +29,8 @@ class IterationRecord(BaseModel):
     reward_mean: float = described("mean reward of the iteration's rollouts (a rollout without one counts 0)")
     rollouts: int = described("rollouts run, dropped groups included")
     failed_rollouts: int = described(
-        "rollouts that failed and were scored (the agent crashed or the policy's answer broke it; the platform's "
-        "failures are `infra_failed_rollouts`)")
+        "rollouts that failed: the agent crashed or the policy's answer broke it (scored 0), or the platform failed "
+        "them (`infra_failed_rollouts`)")
     infra_failed_rollouts: int = described(
         "the platform's failures: no reward, or not a finite one; left out of training")
     transitions: int = described(
@@ -131,7 +131,7 @@ def iteration_record(iteration, rollouts, spans, transitions, adapted, sampling,
         "iteration": iteration,
         "reward_mean": sum(r.reward or 0.0 for r in rollouts) / len(rollouts),
         "rollouts": len(rollouts),
-        "failed_rollouts": sum(r.status == "failed" and r.reward is not None for r in rollouts),
+        "failed_rollouts": sum(r.status == "failed" for r in rollouts),
         "infra_failed_rollouts": adapted["infra_failed_rollouts"],
         "transitions": len(transitions),
         "policy_calls": adapted["policy_calls"],

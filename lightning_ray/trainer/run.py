@@ -11,16 +11,17 @@ from lightning_ray.algorithm.select import Selection
 from lightning_ray.config import TrainConfig
 from lightning_ray.learner.checkpoint import Checkpoint, LoopState
 from lightning_ray.services import Services
+from lightning_ray.tasks import load_splits
 from lightning_ray.trainer.board import open_board
 from lightning_ray.types import Task
 
 
 class Run:
     def __init__(self, cfg: TrainConfig, services: Services, resume: Checkpoint | None,
-                 splits: tuple[list[Task], list[Task]]):
-        """`splits`: the training and held-out tasks (tasks.load_splits)."""
+                 splits: tuple[list[Task], list[Task]] | None = None):
+        """`splits`: the training and held-out tasks (made here if not given: tasks.load_splits)."""
         self.cfg, self.services, self.learner = cfg, services, services.learner
-        self.train_tasks, self.held_out = splits
+        self.train_tasks, self.held_out = splits or load_splits(cfg.task)
         self.rng = random.Random(cfg.seed)  # the task sampler
         self.select = Selection.of(cfg.model.name, cfg.algorithm.select.models, cfg.algorithm.select.agents)
         self.history: list[dict] = []  # metrics.jsonl's lines

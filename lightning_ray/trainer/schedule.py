@@ -79,14 +79,19 @@ class Batches:
     def __enter__(self) -> Batches:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def cancel_ahead(self) -> None:
         """Batches collected ahead of a run's end (its time budget, an error) are not trained: their unfinished
         rollouts are cancelled, so their collection ends (what it raises then concerns no one). An agent still
-        running a cancelled rollout is given a minute to return before the services stop under it."""
+        running a cancelled rollout is given a minute to return."""
         if self.pending:
             store = self.run.services.store
             if left := store.query_rollouts(status=["queued", "requeued", "running"]):
                 store.cancel([r.rollout_id for r in left])
             wait(self.pending.values(), timeout=60)
+            self.pending.clear()
+
+    def __exit__(self, *exc) -> None:
+        """Batches collected ahead are cancelled (cancel_ahead) before the services stop under them."""
+        self.cancel_ahead()
         if self.pool:
             self.pool.shutdown(wait=False, cancel_futures=True)

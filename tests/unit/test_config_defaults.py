@@ -232,6 +232,10 @@ def test_a_group_of_one_with_a_group_baseline_is_refused():
         compose(["run_dir=x", "rollout.group_size=1"])
     compose(["run_dir=x", "rollout.group_size=1", "algorithm=ppo"])  # a critic's baseline
     compose(["run_dir=x", "rollout.group_size=1", "algorithm=sft"])  # imitation
+    # prompt optimization trains no policy: its rollouts score prompts, one each or with AIR's spans as asked
+    compose(["run_dir=x", "rollout.group_size=1", "task.air.tool_ok=0.1"], config_name="apo", schema=APOJobConfig)
+    with pytest.raises(ConfigError, match="teacher.kind=oracle"):  # imitation's own refusal comes first
+        compose(["run_dir=x", "algorithm=grpo"], config_name="imitate")
 
 
 def test_serves_autoscaling_keys_and_values_are_checked_at_the_start():

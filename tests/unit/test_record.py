@@ -71,13 +71,13 @@ def test_per_adapter_counts_and_rollout_rewards():
 
 
 def test_failures_and_lengths_count_each_rollout_once_and_every_call():
-    """A platform failure (no reward) is not also the policy's; the response length counts the adapter's calls
-    before any is left out (the overlong filter dropped the longest, and the curve fell as truncation rose)."""
+    """Failures, the platform's among them; the response length counts the adapter's calls before any is left out
+    (the overlong filter dropped the longest, and the curve fell as truncation rose)."""
     rollouts = [Rollout(rollout_id="ok", task=Task(task_id="t", input={}), status="succeeded", reward=1.0),
                 Rollout(rollout_id="crash", task=Task(task_id="t", input={}), status="failed", reward=0.0),
                 Rollout(rollout_id="down", task=Task(task_id="t", input={}), status="failed", reward=None)]
     record = iteration_record(0, rollouts, [], [], ADAPTED, SAMPLING, 4, [], {})
-    assert (record["failed_rollouts"], record["infra_failed_rollouts"]) == (1, 1)
+    assert (record["failed_rollouts"], record["infra_failed_rollouts"]) == (2, 1)
     assert record["action_tokens_mean"] == pytest.approx(7 / 3)
 
 

@@ -226,6 +226,8 @@ def test_no_secret_reaches_the_run_directory(tmp_path):
                    "algorithm=sft", "teacher.kind=model", "teacher.path=/models/t", "teacher.api_key_env=MY_KEY"])
     cfg.save(tmp_path / "config.yaml")
     assert validate(yaml.safe_load((tmp_path / "config.yaml").read_text())) == cfg
+    assert masked("git+https://ghp_0123456789abcdef@github.com/o/r") == "git+https://***@github.com/o/r"
+    assert masked("serve.api_key=abc,teacher.api_key_env=MY_KEY") == "serve.api_key=***,teacher.api_key_env=MY_KEY"
 
 
 def test_the_default_config_has_nothing_that_looks_secret(tmp_path):

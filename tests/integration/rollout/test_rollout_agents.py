@@ -184,8 +184,11 @@ def test_a_command_the_platform_failed_gets_no_score_and_a_launchers_child_dies_
                 ["sh", "-c", "echo 'Error: connect ECONNREFUSED 127.0.0.1:8000' >&2; exit 1"]]
     for command in platform:
         assert isinstance(failure(command), INFRASTRUCTURE_ERRORS), command
-    policys = failure(["sh", "-c", "echo 'openai.BadRequestError: Error code: 400' >&2; exit 1"])
-    assert isinstance(policys, AgentCommandFailed) and not isinstance(policys, INFRASTRUCTURE_ERRORS)
+    logged = "echo 'model said: InternalServerError: Error code: 503' >&2; "  # the agent's log, not its error
+    for command in (["sh", "-c", "echo 'openai.BadRequestError: Error code: 400' >&2; exit 1"],
+                    ["sh", "-c", logged + "echo 'ValueError: no answer' >&2; exit 1"]):
+        policys = failure(command)
+        assert isinstance(policys, AgentCommandFailed) and not isinstance(policys, INFRASTRUCTURE_ERRORS), command
 
     marker = tmp_path / "still-running"
     launcher = CommandAgent(["sh", "-c", f"(sleep 3; touch {marker}) & sleep 30"], timeout_seconds=0.5)
