@@ -1,5 +1,5 @@
 """An attempt's span buffer (tracing/context.py SpanBatch): what reaches the sink, and when, with spans ending on
-several threads and a sink that fails or is slow."""
+several threads and a sink that fails or is slow; the runner's sink into the store; the context's reach."""
 
 from __future__ import annotations
 
@@ -70,3 +70,38 @@ def test_the_final_flush_raises_when_the_store_stays_unreachable():
     batch.add(spans(1)[0])
     with pytest.raises(ConnectionError, match="store down"):
         batch.flush()
+
+
+def test_the_attempts_sink_drops_what_the_store_refuses_and_raises_what_it_could_not_take():
+    """A span the store refuses would be refused at every try: dropped, the rest stored. A 5xx (a proxy's, a store
+    restarting) is no refusal: raised, so SpanBatch tries again and the attempt's end learns its trace is not whole.
+    (A stand-in store: a real one answers neither on demand.)"""
+    from lightning_ray.rollout.runner import _span_sink
+    from lightning_ray.store.errors import InvalidSpans, StoreError
+
+    class Store:
+        def __init__(self, error):
+            self.error = error
+
+        def add_spans(self, spans):
+            raise self.error
+
+    _span_sink(Store(InvalidSpans("span #0: span_id and name must be non-empty strings")), "r")(spans(1))
+    unavailable = StoreError("503 Service Unavailable")
+    with pytest.raises(StoreError, match="503"):
+        _span_sink(Store(unavailable), "r")(spans(1))
+
+
+def test_a_process_pool_still_runs_under_a_traced_attempt():
+    """asyncio's run_in_executor carries the attempt's context into thread pools only: a context does not pickle."""
+    import asyncio
+    from concurrent.futures import ProcessPoolExecutor
+
+    from lightning_ray.tracing import trace_attempt
+
+    async def squared():
+        with ProcessPoolExecutor(1) as pool:
+            return await asyncio.get_running_loop().run_in_executor(pool, pow, 7, 2)
+
+    with trace_attempt("ro-p", "at-p", lambda spans: None):
+        assert asyncio.run(squared()) == 49
