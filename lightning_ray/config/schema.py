@@ -208,7 +208,7 @@ class EmbeddingsConfig(_Strict):
 
 class ServeConfig(_Strict):
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, lt=65536)
+    port: int = Field(8000, ge=1, lt=65536)  # (not 0: agents are given this port, not the one Serve would pick)
     num_replicas: int = Field(1, gt=0)
     autoscaling: dict[str, Any] | None = None  # Serve's autoscaling_config; replaces num_replicas when set
 
@@ -530,7 +530,7 @@ class EvalConfig(_Strict):
 
 class RayConfig(_Strict):
     address: str | None = None  # None starts a local cluster; "auto" joins the one `ray job submit` runs on
-    num_cpus: int | None = 4  # logical CPUs for a local cluster: phases alternate, so they may exceed cores
+    num_cpus: int | None = Field(4, gt=0)  # a local cluster's logical CPUs: phases alternate, so they may exceed cores
     metrics_export_port: int | None = Field(None, ge=1, le=65535)  # a local cluster's Prometheus port; None: any free
 
 

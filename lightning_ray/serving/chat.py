@@ -71,6 +71,10 @@ async def enforce_tool_choice(server, tool_choice, offered: list[dict] | None, p
 
 
 async def create_chat_completion(server, body: ChatCompletionRequest, trace: CallTrace):
+    if body.functions is not None or body.function_call is not None:  # ignored, the model would never see them
+        raise ApiError(422, "functions and function_call are the deprecated form of tools and tool_choice: send "
+                            "those", param="functions" if body.functions is not None else "function_call",
+                       code="unsupported")
     await server.check_request(body, body.response_format and body.response_format.json_schema,
                                "response_format.json_schema.schema")
     offered = resolve_tool_choice(body.tool_choice, [t.model_dump(exclude_none=True) for t in body.tools or []])

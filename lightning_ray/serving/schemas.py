@@ -172,6 +172,8 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    functions: list[Any] | None = None  # the deprecated tools and tool_choice: refused (create_chat_completion)
+    function_call: Any = None
 
     @model_validator(mode="after")
     def _check_logprobs(self):

@@ -147,3 +147,12 @@ def test_a_replica_being_replaced_answers_a_stream_503_before_any_chunk(app_answ
     for stream in (False, True):
         r = app_answering(broken="engine core died").post(path, json={"model": "tiny", "stream": stream, **body})
         assert r.status_code == 503 and r.json()["error"]["code"] == "replica_unhealthy"
+
+
+@pytest.mark.parametrize("legacy", [{"functions": [ADD["function"]]}, {"function_call": "auto"}])
+def test_the_deprecated_functions_are_refused_not_ignored(app_answering, legacy):
+    """Ignored, the model never saw the functions: the agent waited for a call that could not come."""
+    r = app_answering().post("/v1/chat/completions", json={"model": "tiny", **legacy,
+                                                          "messages": [{"role": "user", "content": "2?"}]})
+    assert r.status_code == 422 and r.json()["error"]["param"] == next(iter(legacy))
+    assert "tools and tool_choice" in r.json()["error"]["message"]

@@ -254,3 +254,10 @@ def test_a_rollout_workers_env_vars_are_text_as_ray_takes_them():
                    "+task.runtime_env.env_vars.OMP_NUM_THREADS=1"])
     env = cfg.task.runtime_env["env_vars"]
     assert (env["CREWAI_DISABLE_TELEMETRY"], env["OMP_NUM_THREADS"]) == ("true", "1")
+
+
+@pytest.mark.parametrize("override, key", [("serve.port=0", "serve.port"), ("ray.num_cpus=0", "ray.num_cpus")])
+def test_a_port_or_cpu_count_of_zero_is_refused(override, key):
+    """serve.port=0: the agents were given port 0, not the one Serve picked."""
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        compose(["run_dir=x", override])
