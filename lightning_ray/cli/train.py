@@ -21,6 +21,7 @@ def run_training(cfg: TrainConfig) -> None:
         raise SystemExit(str(e)) from None
     from lightning_ray.terminal import route_logs  # imported late: `--help` and config errors stay instant
     from lightning_ray.trainer import train
+    from lightning_ray.trainer.collect import RolloutsFailed
 
     route_logs(cfg.run_path / "logs", cfg.verbose)
     try:
@@ -29,6 +30,8 @@ def run_training(cfg: TrainConfig) -> None:
         # at exit: below the traceback (Ray's OOM report is pages long)
         if hint := resume_hint(cfg.run_path, e, auto=cfg.resume_auto):
             atexit.register(print, hint, file=sys.stderr, flush=True)
+        if isinstance(e, RolloutsFailed):  # what the agent or its endpoint said is the story, not where it was raised
+            raise SystemExit(str(e)) from None
         raise
     board = f" (TensorBoard: tensorboard --logdir {cfg.run_path.parent})" if cfg.trainer.tensorboard else ""
     print(f"done: {len(history)} iterations, metrics in {cfg.run_path / 'metrics.jsonl'}{board}")

@@ -14,8 +14,20 @@ from lightning_ray.algorithm.dynamic_sampling import sample_groups
 from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, spans_read
 from lightning_ray.algorithm.select import by_adapter
 from lightning_ray.serving.teacher import TAUGHT
+from lightning_ray.trainer.record import common_errors
 from lightning_ray.trainer.run import PhaseTimer, Run
 from lightning_ray.types import Rollout, Span, Task, Transition
+
+
+class RolloutsFailed(RuntimeError):
+    """Every rollout of a round failed on the platform's side (no reward): an agent that cannot start, an endpoint
+    it cannot reach. Every further iteration would fail the same way, training nothing."""
+
+    def __init__(self, iteration: int, rollouts: list[Rollout]):
+        said = "; ".join(f"{n}x {error}" for error, n in common_errors(rollouts).items())
+        super().__init__(f"every rollout of iteration {iteration} ({len(rollouts)}) failed on the platform's side, "
+                         f"so the run stops: {said} (each attempt's error: lightning-ray store export <run_dir> "
+                         "--what rollouts)")
 
 
 @dataclass
@@ -62,6 +74,8 @@ def collect(run: Run, iteration: int, tasks: list[Task]) -> Batch:
                                               "sampling": {**task.sampling, **taught}})
                       for task in tasks for _ in range(cfg.rollout.group_size)]
             done = run.services.run_rollouts(groups, f"iter {iteration} rollouts")
+        if done and all(r.status == "failed" and r.reward is None for r in done):
+            raise RolloutsFailed(iteration, done)
         with batch.phase("adapt"):
             found = run.services.store.query_spans([r.rollout_id for r in done],
                                                    name=spans_read(run.select, cfg.task.air.enabled))

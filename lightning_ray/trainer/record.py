@@ -5,6 +5,7 @@ two the same)."""
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,6 +34,9 @@ class IterationRecord(BaseModel):
         "them (`infra_failed_rollouts`)")
     infra_failed_rollouts: int = described(
         "the platform's failures: no reward, or not a finite one; left out of training")
+    rollout_errors: dict[str, int] | None = described(
+        "the failed rollouts' most common errors (up to 3, each its first 300 characters) and how many said each",
+        optional=True)
     transitions: int = described(
         "training sequences made of the policy's calls (one per call, or per rollout at `algorithm.level=trajectory`)")
     policy_calls: int = described("the policy's calls the adapter read")
@@ -166,6 +170,8 @@ def iteration_record(iteration, rollouts, spans, transitions, adapted, sampling,
                                                                      "digest_s")},
             "learner_peak_mib": round(results[0]["peak_mib"], 1),
         })
+    if errors := common_errors(rollouts):
+        record["rollout_errors"] = errors
     if "base_calls" in adapted:  # an adapter per agent
         record.update(adapters=per_adapter(transitions), base_calls=adapted["base_calls"])
     return record
@@ -175,6 +181,13 @@ def per_adapter(transitions) -> dict[str, dict[str, float]]:
     return {name: {"transitions": len(pool), "with_signal": sum(t.advantage != 0 for t in pool),
                    "reward": statistics.mean({t.rollout_id: t.reward for t in pool}.values())}
             for name, pool in sorted(by_adapter(transitions).items())}
+
+
+def common_errors(rollouts, most: int = 3) -> dict[str, int]:
+    """The failed rollouts' most common errors, first lines only (a traceback's frames differ where its cause does
+    not), with their counts."""
+    said = Counter((r.error or "no error said").strip().split("\n")[0][:300] for r in rollouts if r.status == "failed")
+    return dict(said.most_common(most))
 
 
 def line(record: dict) -> dict:
@@ -202,8 +215,12 @@ def summary(r: dict) -> str:
               "no signal: policy unchanged")
     held_out = f" | held-out {r['eval']['accuracy']:.3f}" if "eval" in r else ""
     rounds = f" ({r['sampling_rounds']} rounds)" if r["sampling_rounds"] > 1 else ""
+    failed = (f"\n  {r['failed_rollouts']} of {r['rollouts']} rollouts failed, most often: " +
+              "; ".join(f"{n}x {error[:160]}" for error, n in r["rollout_errors"].items())
+              if r.get("rollout_errors") else "")
     return (f"iter {r['iteration']}: reward {r['reward_mean']:.3f} | groups with signal {r['groups_with_signal']}"
-            f"{rounds} | {update}{held_out} | " + " ".join(f"{k} {v:.1f}s" for k, v in r["seconds"].items()))
+            f"{rounds} | {update}{held_out} | " + " ".join(f"{k} {v:.1f}s" for k, v in r["seconds"].items()) +
+            failed)
 
 
 def fields_table() -> str:

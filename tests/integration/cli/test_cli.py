@@ -71,6 +71,19 @@ def test_train_passes_config_errors_through_by_key(tmp_path, override, named):
     assert r.returncode != 0 and named in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_run_whose_every_rollout_the_platform_fails_stops_saying_why(tiny_model_path, tmp_path):
+    """An agent command that cannot start (a typo): every rollout failed without a reward, and the run went on to
+    its last iteration training nothing, its terminal saying reward 0.000. It stops at the first round, in a line
+    that says what the attempts said."""
+    r = cli("train", *TINY, "task.command=[no-such-agent-command]", "trainer.eval_every=0",
+            f"serve.port={free_port()}", f"hydra.run.dir={tmp_path}", timeout=300)
+    said = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert said.startswith("every rollout of iteration 0 (32) failed on the platform's side")
+    assert "32x AgentCommandFailedByPlatform: task.command ['no-such-agent-command'] could not start" in said
+    assert not (tmp_path / "metrics.jsonl").exists()  # no iteration trained
+
+
 def test_train_prints_the_resolved_config_with_hydra_flags():
     r = cli("train", "trainer.iterations=3", "--cfg", "job")
     assert r.returncode == 0, r.stderr
