@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -52,6 +53,18 @@ def check_gpus(cfg: TrainConfig, learner: bool, detected: float) -> None:
                           "nvidia-smi sees them here, or placement=cpu")
 
 
+def check_port(host: str, port: int) -> None:
+    """Refuses a Serve port another program listens on, before a local cluster starts: Serve's proxy would fail to
+    bind it half a minute later, in a page of traceback."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Serve's: a closed run's TIME_WAIT is free
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"serve.port={port}: {host}:{port} is taken ({e.strerror}), another run's policy "
+                              "server's perhaps: choose another serve.port") from None
+
+
 class Services:
     def __init__(self, cfg: TrainConfig, rollout_workers: bool = True, learner: bool = False,
                  resume: Checkpoint | None = None):
@@ -71,6 +84,8 @@ class Services:
         self._since = time.perf_counter()
         try:
             if self.owns_ray:
+                if cfg.ray.address is None and "RAY_ADDRESS" not in os.environ:  # a cluster of its own: its port
+                    check_port(cfg.serve.host, cfg.serve.port)
                 self._start_ray(cfg, learner)
             self._start(cfg, rollout_workers, learner, resume)
             self._starting(None)

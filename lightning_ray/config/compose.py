@@ -121,7 +121,10 @@ def job(config_name: str, schema: type[TrainConfig] = TrainConfig):
         @hydra.main(version_base=None, config_path=str(CONFIGS), config_name=config_name)
         @functools.wraps(body)  # Hydra names the job after the function it unwraps to: jobs/<name>.py's
         def main(raw) -> None:
-            body(from_hydra(raw, schema))
+            try:
+                body(from_hydra(raw, schema))
+            except ConfigError as e:  # the key named, no traceback (a port taken, GPUs missing: found at the start)
+                raise SystemExit(str(e)) from None
 
         @functools.wraps(body)
         def run() -> None:

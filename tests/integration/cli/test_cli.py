@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -82,6 +83,19 @@ def test_a_run_whose_every_rollout_the_platform_fails_stops_saying_why(tiny_mode
     assert said.startswith("every rollout of iteration 0 (32) failed on the platform's side")
     assert "32x AgentCommandFailedByPlatform: task.command ['no-such-agent-command'] could not start" in said
     assert not (tmp_path / "metrics.jsonl").exists()  # no iteration trained
+
+
+def test_a_serve_port_another_program_holds_is_refused_before_ray_starts(tmp_path):
+    """Serve's proxy failed to bind it half a minute into the start, in a page of traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for job in ("train", "serve"):
+            r = cli(job, *TINY, f"serve.port={port}", f"hydra.run.dir={tmp_path / job}")
+            assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+            assert r.stderr.strip().splitlines()[-1].startswith(f"serve.port={port}: 127.0.0.1:{port} is taken")
+            assert not list((tmp_path / job / "logs").glob("ray"))  # no cluster started
 
 
 def test_train_prints_the_resolved_config_with_hydra_flags():
