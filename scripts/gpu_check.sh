@@ -26,8 +26,13 @@ step() {  # step NAME LOG COMMAND...: runs it (if STEPS names it) until the dead
     local name=$1 log=$2 left=$(( deadline - $(date +%s) )); shift 2
     [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $name "* ]] || return 1
     if (( left <= 10 )); then lap "$name (skipped: past the deadline)" -; failed=1; return 1; fi
-    timeout "$left" "$@" > "$out/$log" 2>&1
+    timeout -k 20 "$left" "$@" > "$out/$log" 2>&1  # -k: a step that hangs in its shutdown is killed too
     local rc=$?; lap "$name" $rc
+    # what a step cut off left running (the local Ray cluster it started, Serve's replicas) holds GPU memory the next
+    # one needs (not where the steps joined a cluster of RAY_ADDRESS: that one is not ours to stop)
+    if (( rc == 124 || rc == 137 )) && [ -z "${RAY_ADDRESS:-}" ]; then
+        $py -m ray.scripts.scripts stop --force > /dev/null 2>&1
+    fi
     (( rc == 0 )) || failed=1
     # each line tagged with its step and run: runs into the same OUT (STEPS=... one after another) append
     grep '^{' "$out/$log" | sed "s/^{/{\"step\": \"$name\", \"run\": $start, /" >> "$out/results.jsonl"
