@@ -2,7 +2,8 @@
 model, api_key), reward(task, answer) and system_prompt(task): the prompt its agent opens with, the task's own unless
 task["system_prompt"] gives one (set from task.system_prompt here, or by the prompt optimizer per candidate). The
 agent gets Task.input; the expected answer is in Task.reference, and reward() gets both (Task.reward_input); so does
-oracle(task, messages, tools), the imitation teacher's answer to a call from the gold data (serving/teacher.py)."""
+oracle(task, messages, tools), the imitation teacher's answer to a call from the gold data (serving/teacher.py).
+A reference's "problem", where a task gives one, names the problem whatever its wording: make_tasks excludes it too."""
 
 import importlib
 from types import ModuleType
@@ -34,8 +35,10 @@ def load_splits(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
     options = {"dataset": cfg.dataset, "options": cfg.generator or None, "protocol": cfg.protocol}
     try:
         held_out = task.make_tasks(cfg.eval_size, cfg.eval_seed, **options)
-        train = task.make_tasks(cfg.train_size, cfg.seed, exclude={t.input["question"] for t in held_out}, **options)
-    except (ValueError, TypeError) as e:  # TypeError: a generator's config given an option it has not
+        # none of its questions, nor its problems worded otherwise (reference["problem"], where a task gives one)
+        exclude = {key for t in held_out for key in (t.input["question"], t.reference.get("problem")) if key}
+        train = task.make_tasks(cfg.train_size, cfg.seed, exclude=exclude, **options)
+    except ValueError as e:
         raise ConfigError(f"task: {e}") from e
     if cfg.balance and (lacking := next((t for t in train if cfg.balance not in t.input), None)):
         raise ValueError(f"task.balance={cfg.balance}: the {cfg.name} task's inputs have no such field "

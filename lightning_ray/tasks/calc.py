@@ -3,7 +3,7 @@
 The agent below is ordinary `openai`-client code. It gets a base URL and a model name and knows nothing of
 training: any agent written this way can be trained unchanged. It speaks one of two protocols: "tools" (the
 calculator offered through OpenAI function calling) or "text" (CALC <expression> lines answered with RESULT lines).
-Rewards come from the generator's own scorer.
+Rewards: an exact match of the answer's number (basic_arithmetic), or the generator's own scorer (gsm_symbolic).
 """
 
 from __future__ import annotations
@@ -64,24 +64,47 @@ def make_tasks(n: int, seed: int, dataset: str = "basic_arithmetic", options: di
     # over from item 0, so the result depends on the arguments only, not on how a generator's items depend on size.
     size = n + len(exclude)
     while True:
-        data = reasoning_gym.create_dataset(dataset, size=size, seed=seed, **options)
+        try:
+            data = reasoning_gym.create_dataset(dataset, size=size, seed=seed, **options)
+        except TypeError as e:  # an option its generator has not
+            raise ValueError(f"the calc task's {dataset}: {e}") from None
         tasks, seen = [], set(exclude)
         for i in range(size):
             entry = data[i]
-            if entry["question"] in seen:
+            # a problem once, however it is worded ("What is 3 + 4?", "Solve 3 + 4."); and only where the
+            # calculator agrees with the answer (basic_arithmetic's generator divides with floor division)
+            if {entry["question"], problem := _problem(entry)} & seen or not _calculator_agrees(dataset, entry):
                 continue
-            seen.add(entry["question"])
+            seen |= {entry["question"], problem}
             tasks.append(Task(task_id=f"{dataset}-{seed}-{len(tasks)}",
                               input={"question": entry["question"], "dataset": dataset, "protocol": protocol},
                               # the scorer's; the metadata holds the expression, which gives the answer away too
-                              reference={"answer": entry["answer"],
-                                         "metadata": json.loads(json.dumps(entry["metadata"]))}))  # tuples: lists
+                              # (as JSON: tuples as lists, gsm_symbolic's fractions as text)
+                              reference={"answer": entry["answer"], "problem": problem,
+                                         "metadata": json.loads(json.dumps(entry["metadata"], default=str))}))
             if len(tasks) == n:
                 return tasks
         if size >= 64 * (n + len(exclude)):
             raise ValueError(f"{dataset} with {options} gave only {len(tasks)} distinct questions outside `exclude` "
                              f"in {size} draws; {n} were asked for")
         size *= 2
+
+
+def _problem(entry: dict) -> str:
+    """What makes two items one problem, whatever their wording: the expression where the generator gives one."""
+    expression = entry["metadata"].get("expression")
+    return f"= {expression.replace(' ', '')}" if isinstance(expression, str) else entry["question"]
+
+
+def _calculator_agrees(dataset: str, entry: dict) -> bool:
+    """basic_arithmetic: whether the calculator's value of the expression is the answer. Its generator divides with
+    floor division ("8 / -(5 * -8 + -39)" is 0 there, 0.101266 here): an agent using the tool right would score 0."""
+    if dataset != "basic_arithmetic":
+        return True
+    try:
+        return str(calculate(entry["metadata"]["expression"])) == entry["answer"]
+    except (ValueError, SyntaxError, OverflowError):
+        return False
 
 
 def calculate(expression: str) -> int | float:
@@ -101,9 +124,11 @@ def calculate(expression: str) -> int | float:
         raise ValueError(f"expression longer than {MAX_EXPRESSION} characters")
     try:
         value = ev(ast.parse(expression.strip(), mode="eval").body)
+        return int(value) if value.denominator == 1 else round(float(value), 6)
     except ZeroDivisionError:
         raise ValueError("division by zero") from None
-    return int(value) if value.denominator == 1 else round(float(value), 6)
+    except OverflowError:  # a result past a float's range ("1e200 * 1e200 / 3")
+        raise ValueError("the result is too large") from None
 
 
 def system_prompt(task: dict) -> str:
@@ -177,8 +202,8 @@ def agent(task: dict, base_url: str, model: str, api_key: str = "EMPTY", http_cl
 
 
 def _canonical(number: str) -> str:
-    """A whole number as the generators write it ("2.0", "-0" -> "2", "0"): basic_arithmetic's scorer compares
-    strings, and would give "2.0" partial credit for containing "2"."""
+    """A whole number as the generators write it ("2.0", "-0" -> "2", "0"), as the reward compares it with the
+    reference's text."""
     value = Fraction(number)
     return str(int(value)) if value.denominator == 1 else number
 
@@ -216,12 +241,19 @@ def _scorer(dataset: str):
 
 
 def reward(task: dict, answer: str | None) -> float:
-    """The generator's own score. basic_arithmetic's is exact string match, with partial credit
-    len(oracle)/len(answer) when the answer contains the oracle ("-2" for "2" scores 0.5)."""
+    """basic_arithmetic: 1 when the answer is the reference's number, however written ("7.0", " 7", 7), else 0. Not
+    its generator's scorer, which gave partial credit to an answer containing the reference ("-2" and "12" scored
+    0.5 for "2": always writing a minus sign paid) and less than 1 to "7.0". gsm_symbolic: its generator's scorer
+    (the number it reads from the answer)."""
     if answer is None:
         return 0.0
+    if task["dataset"] == "basic_arithmetic":
+        try:
+            return float(_canonical(str(answer).strip()) == task["answer"])
+        except (ValueError, ZeroDivisionError):  # not a number
+            return 0.0
     entry = {"question": task["question"], "answer": task["answer"], "metadata": task["metadata"]}
-    return float(_scorer(task["dataset"])(answer, entry))
+    return float(_scorer(task["dataset"])(str(answer), entry))
 
 
 def oracle(task: dict, messages: list[dict], tools: list[dict] | None) -> dict:

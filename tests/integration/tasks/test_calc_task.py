@@ -6,8 +6,9 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
+from lightning_ray.config import ConfigError, TaskConfig
 from lightning_ray.models.tiny import EASY
-from lightning_ray.tasks import calc
+from lightning_ray.tasks import calc, load_splits
 from lightning_ray.tracing import semconv
 
 
@@ -44,7 +45,7 @@ def test_exclude_keeps_training_disjoint_from_held_out():
 
 
 @pytest.mark.parametrize("expr", ["__import__('os').system('true')", "2**100", "open('x')", "1/0", "x + 1",
-                                  "(1).real", "True + 1", "1j * 2", "9" * 300])
+                                  "(1).real", "True + 1", "1j * 2", "9" * 300, "1e200 * 1e200 / 3"])
 def test_calculator_evaluates_nothing_but_arithmetic(expr):
     with pytest.raises((ValueError, SyntaxError)):
         calc.calculate(expr)
@@ -57,16 +58,46 @@ def test_calculator_divides_exactly(expr, value):
     assert result == value and type(result) is type(value)  # whole results are ints, as the generators write them
 
 
-def test_reward_is_the_generators_score():
+def test_reward_is_the_answers_number_exactly():
     [task] = calc.make_tasks(1, seed=0)
     assert (task.input["question"], task.reference["answer"]) == ("Calculate -33 / 11 + -22.", "-25")
-    assert calc.reward(task.reward_input, "-25") == 1.0
-    assert calc.reward(task.reward_input, "-24") == 0.0
-    assert calc.reward(task.reward_input, None) == 0.0
-    assert calc.reward(task.reward_input, "-250") == 0.75  # basic_arithmetic's partial credit: the answer inside it
+    for right in ("-25", "-25.0", " -25 ", -25):  # however written, by any agent
+        assert calc.reward(task.reward_input, right) == 1.0
+    # the generator's scorer gave an answer containing the reference partial credit ("-250": 0.75, and "25" for
+    # "-25" or "-2" for "2" 0.5: always writing a minus sign paid)
+    for wrong in ("-24", "-250", "25", "-2", "ANSWER -25", "1/0", "", None):
+        assert calc.reward(task.reward_input, wrong) == 0.0
     [word] = calc.make_tasks(1, seed=0, dataset="gsm_symbolic")
     assert calc.reward(word.reward_input, word.reference["answer"]) == 1.0
     assert calc.reward(word.reward_input, None) == 0.0
+
+
+def test_gsm_symbolics_splits_load_whole():
+    """Its metadata holds fractions (a serving_fraction), which JSON refused: task=calc_gsm failed at its start."""
+    train, held_out = load_splits(TaskConfig(dataset="gsm_symbolic", train_size=200))
+    assert (len(train), len(held_out)) == (200, 100) and any(
+        "serving_fraction" in t.reference["metadata"]["variables"] for t in train + held_out)
+
+
+def test_a_problem_is_in_one_split_however_it_is_worded():
+    """format_style=natural words one expression many ways ("What is ...", "Solve ..."): 41 of 100 held-out
+    expressions were in training, told apart by their questions only."""
+    cfg = TaskConfig(generator={**EASY, "format_style": "natural"}, train_size=200)
+    train, held_out = load_splits(cfg)
+    problems = [t.reference["problem"] for t in train]
+    assert len(set(problems)) == 200 and not set(problems) & {t.reference["problem"] for t in held_out}
+
+
+def test_only_problems_the_calculator_agrees_with_are_drawn():
+    """basic_arithmetic's generator divides with floor division: with four terms some answers were not the
+    calculator's ("Calculate 8 / -( 5 * -8 + -39 )." is 0 there), so an agent using the tool right scored 0."""
+    for t in calc.make_tasks(1000, seed=0, options={"max_terms": 4}):
+        assert str(calc.calculate(t.reference["metadata"]["expression"])) == t.reference["answer"]
+
+
+def test_a_generator_option_it_has_not_is_a_config_error_naming_task():
+    with pytest.raises(ConfigError, match="task: the calc task's basic_arithmetic: .*no_such_option"):
+        load_splits(TaskConfig(generator={"no_such_option": 1}))
 
 
 @pytest.fixture(scope="module")
