@@ -30,7 +30,7 @@ import openai
 from openai import OpenAI
 from tqdm import tqdm
 
-from lightning_ray.config import APOJobConfig
+from lightning_ray.config import APOJobConfig, ConfigError
 from lightning_ray.services import Services
 from lightning_ray.tasks import load_splits, load_task
 from lightning_ray.tracing import semconv
@@ -180,6 +180,8 @@ class PromptOptimizer:
 def optimize(cfg: APOJobConfig) -> dict:
     """Run the search; write apo_rounds.jsonl (every candidate, per round), apo.json and best_prompt.txt."""
     apo, run, started = cfg.apo, cfg.run_path, time.time()
+    if not hasattr(load_task(cfg.task.name), "system_prompt"):
+        raise ConfigError(f"task: the {cfg.task.name} task's agents have prompts of their own, none to optimize")
     train_split, held_out = load_splits(cfg.task)
     validation = train_split[:apo.val_size]  # selects; the held-out split only reports
     with Services(cfg) as services:

@@ -1,6 +1,6 @@
 """Built-in tasks. Each module offers make_tasks(n, seed, dataset, options, protocol, exclude), agent(task, base_url,
-model, api_key), reward(task, answer) and system_prompt(task): the prompt its agent opens with, the task's own unless
-task["system_prompt"] gives one (set from task.system_prompt here, or by the prompt optimizer per candidate). The
+model, api_key), reward(task, answer) and, where one prompt opens its agent, system_prompt(task): that prompt, the
+task's own unless task["system_prompt"] gives one (set from task.system_prompt here, or by the prompt optimizer). The
 agent gets Task.input; the expected answer is in Task.reference, and reward() gets both (Task.reward_input); so does
 oracle(task, messages, tools), the imitation teacher's answer to a call from the gold data (serving/teacher.py).
 A reference's "problem", where a task gives one, names the problem whatever its wording: make_tasks excludes it too."""
@@ -44,6 +44,9 @@ def load_splits(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
         raise ValueError(f"task.balance={cfg.balance}: the {cfg.name} task's inputs have no such field "
                          f"(they have {', '.join(lacking.input)})")
     if cfg.system_prompt is not None:
+        if not hasattr(task, "system_prompt"):  # set and never read: the run would not be what it says
+            raise ConfigError(f"task.system_prompt: the {cfg.name} task's agents have prompts of their own, "
+                              "none it takes from the task")
         train, held_out = ([t.model_copy(update={"input": {**t.input, "system_prompt": cfg.system_prompt}})
                             for t in split] for split in (train, held_out))
     return train, held_out

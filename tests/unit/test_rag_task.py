@@ -77,6 +77,9 @@ def test_bad_options_are_named():
         rag.make_tasks(1, seed=0, options={"size": 3})
     with pytest.raises(ValueError, match="unknown template.*: birth_city"):
         rag.make_tasks(1, seed=0, options={"templates": ["birth_city"]})
+    # one name as text, as the command line gives it (templates=birth_country): that name, not its letters
+    assert rag.make_tasks(3, seed=0, options={"templates": "birth_country"}) == \
+        rag.make_tasks(3, seed=0, options={"templates": ["birth_country"]})
     with pytest.raises(ValueError, match="needs task.generator.path"):
         rag.make_tasks(1, seed=0, dataset="musique")
 

@@ -16,7 +16,7 @@ import pytest
 
 from lightning_ray.algorithm.air import RULE, air_spans
 from lightning_ray.algorithm.lightningrl import recorded_calls
-from lightning_ray.config import AIRConfig, TaskConfig, validate
+from lightning_ray.config import AIRConfig, ConfigError, TaskConfig, validate
 from lightning_ray.tasks import load_splits, sql
 from lightning_ray.tasks.sql import chinook, spider
 from lightning_ray.tasks.sql.execution import QueryError, execute, execution_match, orders_result
@@ -122,6 +122,7 @@ def test_balance_names_a_field_the_tasks_have():
 def test_options_are_checked():
     few = sql.make_tasks(5, seed=0, options={"families": ["tracks_in_genre"]})
     assert {t.input["family"] for t in few} == {"tracks_in_genre"}
+    assert sql.make_tasks(5, seed=0, options={"families": "tracks_in_genre"}) == few  # one, as text: not its letters
     with pytest.raises(ValueError, match="only 25 questions"):
         sql.make_tasks(26, seed=0, options={"families": ["tracks_in_genre"]})
     with pytest.raises(ValueError, match="unknown Chinook question families: nope"):
@@ -243,6 +244,21 @@ def test_huge_results_and_values_are_refused(db):
         execute(db, "SELECT zeroblob(2000000000)")
     with pytest.raises(QueryError):
         execute(db, "SELECT 'a' || char(0) || 'b'\x00")
+    # each value under SQLite's limit, together gigabytes (2.5 GB in 2 s before the time limit): an OOM-killed worker
+    with pytest.raises(QueryError, match="a result of more than 16 MB"):
+        execute(db, "SELECT zeroblob(999000) FROM Track LIMIT 10000")
+
+
+def test_a_gold_query_that_does_not_run_is_the_platforms_failure_not_a_miss(db, tmp_path):
+    """A database missing on this node (Spider's paths are the head's), a gold query past the time limit: every
+    reward was 0, the run training on no signal, saying nothing. Now no reward: not trained on, the attempt tried
+    again, and where every rollout fails so, the run stops saying why."""
+    from lightning_ray.rollout.runner import INFRASTRUCTURE_ERRORS
+
+    for where, gold in ((tmp_path / "gone.sqlite", COUNT_ROCK), (db, "SELECT nope FROM Track")):
+        with pytest.raises(INFRASTRUCTURE_ERRORS, match="the gold query did not run"):
+            execution_match(where, COUNT_ROCK, gold)
+    assert execution_match(db, "SELECT nope FROM Track", COUNT_ROCK) == 0.0  # the answer's failure: a miss
 
 
 # ---- Spider's layout ------------------------------------------------------------------------------------------------
@@ -333,6 +349,26 @@ def test_spider_tasks_split_and_score(tmp_path):
     assert sql.reward(ordered, reversed_names) == 0.0  # the gold orders its result: so must the answer
     with pytest.raises(ValueError, match="needs task.generator.root"):
         sql.make_tasks(1, 0, dataset="spider")
+
+
+def test_a_spider_question_and_its_twin_wording_are_in_one_split(tmp_path):
+    """Spider words each gold query twice; told apart by their text, a held-out question's twin was trained on."""
+    root = make_spider(tmp_path / "spider")
+    questions = json.loads((root / "train_spider.json").read_text())
+    twins = [{**q, "question": f"Tell me: {q['question'].lower()}", "query": f"  {q['query'].upper()} "}
+             for q in questions]
+    (root / "twins.json").write_text(json.dumps(questions + twins))
+    cfg = TaskConfig(name="sql", dataset="spider", generator={"root": str(root), "questions": "twins.json"},
+                     train_size=2, eval_size=2)
+    for seed in range(5):
+        train, held_out = load_splits(cfg.model_copy(update={"seed": seed, "eval_seed": seed + 10}))
+        gold = lambda split: {" ".join(t.reference["gold"].lower().split()) for t in split}  # noqa: E731
+        assert len(gold(train)) == 2 and not gold(train) & gold(held_out)
+
+
+def test_a_system_prompt_the_task_has_no_use_for_is_refused():
+    with pytest.raises(ConfigError, match="task.system_prompt: the sql task's agents have prompts of their own"):
+        load_splits(TaskConfig(name="sql", dataset="chinook", protocol="text", system_prompt="Be brief."))
 
 
 def test_spider_loader_names_what_is_missing(tmp_path):

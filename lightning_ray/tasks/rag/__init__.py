@@ -73,7 +73,7 @@ def make_tasks(n: int, seed: int, dataset: str = "facts", options: dict | None =
     options = checked_options("rag", dataset, options, _OPTIONS)
     if dataset == "facts":
         pool = _facts(int(options.get("people", 500)), int(options.get("world_seed", 0)),
-                      tuple(options.get("templates", DEFAULT_TEMPLATES)))
+                      _names(options.get("templates", DEFAULT_TEMPLATES)))
     elif "path" not in options:
         raise ValueError("the rag task's musique dataset needs task.generator.path: a MuSiQue jsonl file")
     else:
@@ -95,6 +95,12 @@ def make_tasks(n: int, seed: int, dataset: str = "facts", options: dict | None =
     more = "a larger world: task.generator.people" if dataset == "facts" else "a larger file"
     raise ValueError(f"the rag task's {dataset} has {len(tasks)} questions outside `exclude`; {n} were asked for "
                      f"(a smaller task.train_size / eval_size, or {more})")
+
+
+def _names(value: str | list[str]) -> tuple[str, ...]:
+    """A list option given one name as text (templates=birth_country on the command line): that name, not its
+    letters."""
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def _facts(people: int, world_seed: int, templates: tuple[str, ...]) -> list[dict]:

@@ -8,7 +8,8 @@ Datasets (`task.dataset`):
 - `spider`: Spider's released layout (spider.py); options `root` (the directory holding tables.json) and
   `questions` (a question file or a list of them, default dev.json).
 Both take `max_rounds` (the rewrites the workflow may make, default 2). The training and held-out splits are drawn
-with different seeds, and no held-out question is in the training split (`exclude`).
+with different seeds, and no held-out question is in the training split (`exclude`), nor another wording of it (the
+same gold query on the same database). The workflow's prompts are its own: no `system_prompt` to replace.
 
 Train the writer and the rewriter but not the checker: `algorithm.select.agents=[writer,rewriter]`.
 """
@@ -59,8 +60,9 @@ def make_tasks(n: int, seed: int, dataset: str = "chinook", options: dict | None
         for e in examples:
             if len(drawn) == n:
                 break
-            if e.question not in seen:
-                seen.add(e.question)
+            # Spider words each gold query twice: a held-out question's twin is the same problem
+            if not {e.question, problem := _problem(e.db_id, e.gold)} & seen:
+                seen |= {e.question, problem}
                 drawn.append({"question": e.question, "gold": e.gold, "db": str(e.db_path), "db_id": e.db_id,
                               "schema": e.schema})
     if len(drawn) < n:
@@ -69,11 +71,19 @@ def make_tasks(n: int, seed: int, dataset: str = "chinook", options: dict | None
     # the gold query is the reward's only (Task.reference): an agent given it would just copy it
     return [Task(task_id=f"sql-{dataset}-{seed}-{i}",
                  input={**{k: v for k, v in item.items() if k != "gold"}, "max_rounds": max_rounds},
-                 reference={"gold": item["gold"]}) for i, item in enumerate(drawn)]
+                 reference={"gold": item["gold"], "problem": _problem(item["db_id"], item["gold"])})
+            for i, item in enumerate(drawn)]
+
+
+def _problem(db_id: str, gold: str) -> str:
+    """A question's problem, however worded: its database and gold query (case and spacing aside)."""
+    return f"{db_id}: {' '.join(gold.lower().split())}"
 
 
 def _chinook_pools(db: Path, families: list[str] | None) -> dict[str, list[tuple[str, str]]]:
     every = chinook.questions(str(db))
+    if isinstance(families, str):  # one family given as text (families=tracks_in_genre): not its letters
+        families = [families]
     if families is not None and (unknown := set(families) - set(every)):
         raise ValueError(f"unknown Chinook question families: {', '.join(sorted(unknown))} "
                          f"(known: {', '.join(every)})")

@@ -5,7 +5,8 @@ created or written), the connection is `PRAGMA query_only`, and an authorizer al
 ATTACH, PRAGMA, writes or schema changes). A progress handler ends a query past its time limit (a runaway recursive
 CTE, a cross join of big tables), and results are capped in rows and value size. Whatever goes wrong is a
 `QueryError`: the agent shows it to its checker, the reward counts it as a miss; nothing here raises anything else
-or hangs.
+or hangs. Only a gold query that does not run (its database missing on this node) is no miss of the policy's: the
+reward raises `GoldQueryFailed`, and the attempt is the platform's failure, not trained on.
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from lightning_ray.rollout.runner import PlatformFailure
+
 TIME_LIMIT_S = 2.0  # per query; Chinook's and Spider's gold queries take milliseconds
 MAX_ROWS = 10_000  # a result longer than this is not an answer to a question
 MAX_VALUE_BYTES = 1_000_000  # SQLITE_LIMIT_LENGTH: bounds zeroblob/printf/group_concat blow-ups
+MAX_RESULT_BYTES = 16_000_000  # a whole result's text and blobs: 10,000 rows of 1 MB values took 2.5 GB in 2 s
+_FETCH = 256  # rows fetched at a time, their size counted
 _PROGRESS_EVERY = 1_000  # virtual machine instructions between deadline checks (~µs)
 
 # Reading is all a query may do: the action codes SQLite asks the authorizer about for a SELECT.
@@ -30,6 +35,11 @@ _ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
 
 class QueryError(Exception):
     """The query did not run to a result: a syntax error, a refused write, the time or row limit, ..."""
+
+
+class GoldQueryFailed(PlatformFailure):
+    """The gold query did not run (no database file at its path on this node, a time limit under load): the
+    reward cannot say whether the answer is right."""
 
 
 @dataclass(frozen=True)
@@ -65,9 +75,14 @@ def execute(db_path: str | Path, sql: str, time_limit_s: float = TIME_LIMIT_S, m
         cursor = conn.execute(sql)
         if cursor.description is None:
             raise QueryError("not a query: the statement returns no rows")
-        rows = cursor.fetchmany(max_rows + 1)
-        if len(rows) > max_rows:
-            raise QueryError(f"more than {max_rows} rows")
+        rows, size = [], 0
+        while chunk := cursor.fetchmany(_FETCH):
+            rows += chunk
+            size += sum(len(v) for row in chunk for v in row if isinstance(v, str | bytes))
+            if len(rows) > max_rows:
+                raise QueryError(f"more than {max_rows} rows")
+            if size > MAX_RESULT_BYTES:
+                raise QueryError(f"a result of more than {MAX_RESULT_BYTES // 1_000_000} MB")
         return Result(tuple(d[0] for d in cursor.description), tuple(rows), frozenset(tables))
     except sqlite3.OperationalError as e:
         if str(e) == "interrupted":  # the progress handler's doing
@@ -80,15 +95,19 @@ def execute(db_path: str | Path, sql: str, time_limit_s: float = TIME_LIMIT_S, m
 
 
 def execution_match(db_path: str | Path, predicted: str | None, gold: str, time_limit_s: float = TIME_LIMIT_S) -> float:
-    """1.0 when the predicted query returns the gold query's result, else 0.0 (also for any error, either's).
+    """1.0 when the predicted query returns the gold query's result, else 0.0 (also for any error of its);
+    GoldQueryFailed where the gold query does not run.
 
     Results are compared as multisets of rows, or as lists when the gold query orders its outer result (ORDER BY
     outside any subquery). Column names do not matter, column order does; numbers compare by value rounded to
     6 decimals (2 equals 2.0; a sum added in another order still matches)."""
+    try:
+        ordered, expected = _gold_result(str(Path(db_path).expanduser().resolve()), gold, time_limit_s)
+    except QueryError as e:
+        raise GoldQueryFailed(f"the gold query did not run: {e}") from None
     if not predicted or not predicted.strip():
         return 0.0
     try:
-        ordered, expected = _gold_result(str(Path(db_path).expanduser().resolve()), gold, time_limit_s)
         got = _normalized(execute(db_path, predicted, time_limit_s).rows)
     except QueryError:
         return 0.0
