@@ -14,7 +14,7 @@ import ray
 
 from lightning_ray.config import ConfigError, TrainConfig
 from lightning_ray.learner.checkpoint import Checkpoint
-from lightning_ray.models import resolve_adapter, resolve_model_path
+from lightning_ray.models import check_model, resolve_adapter, resolve_model_path
 from lightning_ray.placement import ON_HEAD, actor_options, share_a_gpu
 from lightning_ray.rollout.dispatch import run_to_end
 from lightning_ray.rollout.worker import RolloutWorker
@@ -83,6 +83,10 @@ class Services:
         self.start_seconds: dict[str, float] = {}  # each part's start, in order: where a slow start's time went
         self._since = time.perf_counter()
         try:
+            try:  # a model not there: said before Ray's start (a traceback half a minute in, before)
+                check_model(cfg.model)
+            except FileNotFoundError as e:
+                raise ConfigError(str(e)) from None
             if self.owns_ray:
                 if cfg.ray.address is None and "RAY_ADDRESS" not in os.environ:  # a cluster of its own: its port
                     check_port(cfg.serve.host, cfg.serve.port)

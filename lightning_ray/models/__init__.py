@@ -60,11 +60,21 @@ def resolve_model_path(cfg: ModelConfig) -> Path:
             return _from_hub(cfg.path)
         raise FileNotFoundError(f"model.path={cfg.path}: no config.json there (expected an HF model directory, a "
                                 f"Hugging Face Hub id such as Qwen/Qwen2.5-0.5B-Instruct, or `{SMOLLM2}`)")
-    # keyed on what the build reads: its code, the demonstrations' code and the libraries that train and save it,
-    # read as files: importing them (torch, transformers) cost every run's driver ~6 s on a cache hit
-    key = content_key(*(Path(find_spec(m).origin).read_text() for m in ("lightning_ray.models.tiny",
-                                                                       "lightning_ray.tasks.calc")))
+    # keyed on what the build reads: its code, the demonstrations' (the calc task's, its generator's), the chat
+    # template its tokenizer is fitted on and saves, the scoring its warm-up trains with, and the libraries that
+    # train and save it; read as files: importing them (torch, transformers) cost every run's driver ~6 s on a hit
+    key = content_key(*(Path(find_spec(m).origin).read_text() for m in TINY_BUILD_SOURCES),
+                      packages=(*BUILD_PACKAGES, "reasoning-gym"))
     return _cached(Path(cfg.cache_dir).expanduser() / f"tiny-calc-{key}", _build_tiny_model)
+
+
+def check_model(cfg: ModelConfig) -> None:
+    """What resolve_model_path and resolve_adapter refuse (FileNotFoundError) that is found without building or
+    downloading anything: a local model.path with no model there, a model.adapter with no adapter."""
+    if cfg.path and cfg.path != SMOLLM2 and not (HUB_ID.fullmatch(cfg.path) and not Path(cfg.path).expanduser()
+                                                 .exists()):
+        resolve_model_path(cfg)  # a local directory: looked at, nothing built
+    resolve_adapter(cfg)
 
 
 def _build_tiny_model(path: Path) -> None:
@@ -73,7 +83,12 @@ def _build_tiny_model(path: Path) -> None:
     build_tiny_model(path)
 
 
-def content_key(*sources: str, packages: tuple[str, ...] = ("torch", "transformers", "tokenizers")) -> str:
+BUILD_PACKAGES = ("torch", "transformers", "tokenizers")
+TINY_BUILD_SOURCES = ("lightning_ray.models.tiny", "lightning_ray.tasks.calc", "lightning_ray.serving.templates",
+                      "lightning_ray.learner.scoring")
+
+
+def content_key(*sources: str, packages: tuple[str, ...] = BUILD_PACKAGES) -> str:
     """A short hash of a build's inputs (source texts, the versions of the packages it runs): a cache entry named by
     it is rebuilt exactly when one of them changes, never by hand-bumped names."""
     from importlib.metadata import version

@@ -85,16 +85,21 @@ def test_a_run_whose_every_rollout_the_platform_fails_stops_saying_why(tiny_mode
     assert not (tmp_path / "metrics.jsonl").exists()  # no iteration trained
 
 
-def test_a_serve_port_another_program_holds_is_refused_before_ray_starts(tmp_path):
-    """Serve's proxy failed to bind it half a minute into the start, in a page of traceback."""
+def test_a_serve_port_taken_or_a_model_not_there_is_refused_before_ray_starts(tmp_path):
+    """Serve's proxy failed to bind a port in use half a minute into the start, and a model.path with no model
+    failed after Ray's start, each in a page of traceback."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        for job in ("train", "serve"):
-            r = cli(job, *TINY, f"serve.port={port}", f"hydra.run.dir={tmp_path / job}")
+        for job, settings, said in (
+                ("train", [f"serve.port={port}"], f"serve.port={port}: 127.0.0.1:{port} is taken"),
+                ("serve", [f"serve.port={port}"], f"serve.port={port}: 127.0.0.1:{port} is taken"),
+                ("eval", [f"model.path={tmp_path}"], f"model.path={tmp_path}: no config.json"),
+                ("train", [f"model.adapter={tmp_path}", "learner.lora={}"], f"model.adapter={tmp_path}: no LoRA")):
+            r = cli(job, *TINY, *settings, f"hydra.run.dir={tmp_path / job}")
             assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
-            assert r.stderr.strip().splitlines()[-1].startswith(f"serve.port={port}: 127.0.0.1:{port} is taken")
+            assert r.stderr.strip().splitlines()[-1].startswith(said)
             assert not list((tmp_path / job / "logs").glob("ray"))  # no cluster started
 
 

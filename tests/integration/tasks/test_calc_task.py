@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from lightning_ray.config import ConfigError, TaskConfig
-from lightning_ray.models.tiny import EASY
+from lightning_ray.models.tiny import EASY, build_tokenizer
 from lightning_ray.tasks import calc, load_splits
 from lightning_ray.tracing import semconv
 
@@ -98,6 +98,13 @@ def test_only_problems_the_calculator_agrees_with_are_drawn():
 def test_a_generator_option_it_has_not_is_a_config_error_naming_task():
     with pytest.raises(ConfigError, match="task: the calc task's basic_arithmetic: .*no_such_option"):
         load_splits(TaskConfig(generator={"no_such_option": 1}))
+
+
+def test_the_cached_tiny_model_has_the_tokenizer_a_fresh_machine_builds(tiny_model_path):
+    """The model's cache key names every source its build reads (models/__init__.py): a warm machine whose cache
+    predates a change of the chat template kept testing the old model, where CI's fresh one built another."""
+    cached, fresh = AutoTokenizer.from_pretrained(tiny_model_path), build_tokenizer()
+    assert cached.get_vocab() == fresh.get_vocab() and cached.chat_template == fresh.chat_template
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from helpers import small
 import torch
 
 from lightning_ray.config import ModelConfig
-from lightning_ray.models import _cached, content_key
+from lightning_ray.models import BUILD_PACKAGES, _cached, content_key
 from lightning_ray.serving.chat import template_messages
 from lightning_ray.serving.responses import ResponsesRequest, to_chat
 from lightning_ray.serving.tools import asking_span_id
@@ -72,10 +72,14 @@ def warm_up_on_rag(base: Path, out: Path, steps: int = 200, seed: int = 0) -> Pa
 
 @pytest.fixture(scope="module")
 def rag_model_path(tiny_model_path) -> Path:
-    # keyed on the base model's own key, the warm-up's code and the agent's prompts and demonstrations; built on
-    # every core (nothing else runs meanwhile): 200 steps in ~62 s here, against 104 with an attention mask and the
-    # LM head on every position
-    key = content_key(tiny_model_path.name, inspect.getsource(warm_up_on_rag), Path(rag.__file__).read_text())
+    # keyed on the base model's own key, the warm-up's code, the agent's package (prompts, world, retrieval) and
+    # what renders its demonstrations (the Responses API's conversion, the chat template's messages, the Agents SDK);
+    # built on every core (nothing else runs meanwhile): 200 steps in ~62 s here, against 104 with an attention
+    # mask and the LM head on every position
+    sources = [*sorted(Path(rag.__file__).parent.glob("*.py")), Path(to_chat.__code__.co_filename),
+               Path(template_messages.__code__.co_filename)]
+    key = content_key(tiny_model_path.name, inspect.getsource(warm_up_on_rag), *(p.read_text() for p in sources),
+                      packages=(*BUILD_PACKAGES, "openai-agents"))
     return _cached(Path(ModelConfig().cache_dir).expanduser() / f"tiny-rag-{key}",
                    partial(warm_up_on_rag, tiny_model_path))
 
