@@ -59,19 +59,22 @@ def app_answering(tokenizer):
     """A client of the app's chat and Responses routes (its error handlers too) on a policy server whose model
     answers `completion`, 3 tokens at a time."""
 
-    async def run(completion, operation, prompts, *args):
+    async def run(completion, fails_after, operation, prompts, *args):
         ids = tokenizer.encode(completion, add_special_tokens=False)
         for i in range(0, len(ids), 3):
+            if i // 3 == fails_after:  # a bug of ours, say, with a detail no client should see
+                raise RuntimeError("secret detail")
             part = ids[i:i + 3]
             yield ChoiceDelta(index=0, text=tokenizer.decode(part), token_ids=part, logprobs=[0.0] * len(part),
                               finish_reason="stop" if i + 3 >= len(ids) else None, policy_version=0)
 
-    def make(completion: str = "Hi.", broken: str | None = None) -> TestClient:
+    def make(completion: str = "Hi.", broken: str | None = None, fails_after: int | None = None) -> TestClient:
+        """fails_after: the model raises after that many deltas."""
         server = object.__new__(POLICY_SERVER)  # its __init__ starts an engine inside a Serve replica
         server.model_name, server.tokenizer, server.max_model_len, server.defaults = "tiny", tokenizer, 512, {}
         server.rollout_sampling, server.taught, server.adapters = {}, {}, AdapterRoutes("tiny", False)
         server.tool_format, server.engine = "hermes", SimpleNamespace(policy_version=0, broken=broken)
-        server.run = lambda *args: run(completion, *args)
+        server.run = lambda *args: run(completion, fails_after, *args)
         api = FastAPI()
         http.install(api)
 
@@ -83,7 +86,7 @@ def app_answering(tokenizer):
         async def responses(body: ResponsesRequest):
             return http.answer(await create_response(server, body, CallTrace(None, None)))
 
-        return TestClient(api)
+        return TestClient(api, raise_server_exceptions=fails_after is None)  # else its 500, as a client sees it
 
     return make
 
@@ -91,6 +94,23 @@ def app_answering(tokenizer):
 def chunks(response) -> list[dict]:
     return [json.loads(line[6:]) for line in response.text.splitlines()
             if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+@pytest.mark.parametrize("route, body", [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                                         ("/v1/responses", {"input": "hi"})], ids=["chat", "responses"])
+def test_a_crash_is_a_server_error_saying_nothing_of_it_and_a_broken_stream_ends_with_it(app_answering, route, body):
+    """An exception of ours: an OpenAI error body with its type's name only (its text may hold anything), and a
+    stream it breaks, after some deltas went out, closes with an error event, not as a complete answer cut short
+    (which an agent would take as the policy's, and the trace train on)."""
+    body = {"model": "tiny", **body}
+    r = app_answering("Hello there, how are you today?", fails_after=0).post(route, json=body)
+    assert r.status_code == 500 and "secret" not in r.text
+    assert r.json()["error"] == {**r.json()["error"], "type": "server_error", "message": "internal error: RuntimeError"}
+    r = app_answering("Hello there, how are you today?", fails_after=2).post(route, json={**body, "stream": True})
+    assert r.status_code == 200 and "secret" not in r.text  # its headers had gone out with the first delta
+    assert chunks(r)[-1]["error"]["message"] == "internal error: RuntimeError" and len(chunks(r)) > 2
+    if route == "/v1/responses":  # response.failed before the error event, with the error as the response's
+        assert chunks(r)[-2]["response"]["status"] == "failed"
 
 
 @pytest.mark.parametrize("stream", [False, True])
