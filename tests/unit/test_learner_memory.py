@@ -38,6 +38,19 @@ def test_on_cpus_the_check_stands_aside():  # it would ask CUDA for its free mem
     check_fits(torch.nn.Linear(4, 4), torch.device("cpu"), 1, 0, offload=False, reference=False)
 
 
+def test_on_a_gpu_too_small_the_check_names_the_settings_that_fit(monkeypatch):
+    """No GPU here: CUDA's free-memory query stands in, as a GPU with a 1 MB or a 1 TB free would answer it."""
+    model = torch.nn.Linear(256, 256).to(torch.bfloat16)  # 65,792 parameters: 1.2 MB of model states
+    for free, fits in ((1e6, False), (1e12, True)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (int(free), int(80e9)))
+        if fits:
+            check_fits(model, torch.device("cuda"), 1, 1, offload=False, reference=False)
+        else:
+            with pytest.raises(MemoryError, match=r"at least 0\.0 GiB.*learner\.zero_stage=1.*"
+                                                  r"learner\.offload_optimizer=true.*learner\.lora"):
+                check_fits(model, torch.device("cuda"), 1, 1, offload=False, reference=False)
+
+
 def test_a_rank_out_of_gpu_memory_tells_the_driver_which_settings_lower_it(monkeypatch):
     """(The same batch would run out again on a restart or a resume.) A CUDA out-of-memory error cannot be produced
     on CPUs: the rank's work raises torch's, as a step that ran out would."""
