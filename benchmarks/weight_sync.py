@@ -1,14 +1,16 @@
 """Weight sync, per transport: from the learner's publish to every replica serving the new version (the registry's
 barrier), beside a pinned device-to-host copy of the same weights (the issue's baseline; on CPU a plain copy).
-One JSON line per model and transport.
+One JSON line per model and transport, with the ratio of the two (`vs_host_copy`: publish → served over the copy).
 
     .venv/bin/python benchmarks/weight_sync.py             # CPU: the tiny model; object_store, collective (gloo)
     python benchmarks/weight_sync.py --models 0.5b 1.5b    # CUDA: Qwen2.5-shaped random-init models in bf16;
-                                                           # cuda_ipc colocated, collective with 2+ GPUs
+                                                           # cuda_ipc colocated; object_store and collective
+                                                           # with 2+ GPUs (a GPU each for learner and replica)
 
 The learner is a stand-in actor holding the model and the run's publisher (weight_sync.make_publisher), as learner
 rank 0 does; replicas are the real policy app (HF engine). Version 1 is a warm-up (the first group, the first IPC
-mapping, the engine's first load); the figure is the median of the next `--versions`.
+mapping, the engine's first load); the figure is the median of the next `--versions`, and the host copy's the
+median of as many copies after one of warm-up.
 """
 
 from __future__ import annotations
@@ -55,26 +57,35 @@ def learner_actor(registry, path: str, kind: str, device: str, dtype: torch.dtyp
             ray.get(registry.publish.remote(version, self.publisher.publish(version, self.model)))
             return time.perf_counter() - start
 
-        def host_copy_s(self) -> float:
-            """The baseline: every parameter into (pinned, on CUDA) host memory."""
+        def host_copy_s(self, repeats: int) -> float:
+            """The baseline: every parameter into (pinned, on CUDA) host memory; as the sync's figure, the median of
+            `repeats` after a warm-up (was the min of 3 against the sync's median)."""
             named = list(self.model.named_parameters())
             pinned = torch.cuda.is_available() and device.startswith("cuda")
             host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for _, t in named]
             times = []
-            for _ in range(3):
+            for _ in range(repeats + 1):
                 start = time.perf_counter()
                 for (_, t), h in zip(named, host):
                     h.copy_(t.detach(), non_blocking=pinned)
                 if pinned:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
-            return min(times)
+            return statistics.median(times[1:])
 
     return ray.remote(num_cpus=0, num_gpus=num_gpus)(Learner).remote()
 
 
 def gpus_of(kind: str, cuda: bool) -> float:
     return (0.5 if kind == "cuda_ipc" else 1) if cuda else 0  # cuda_ipc: learner and replica share a GPU
+
+
+def default_transports(cuda: bool, gpus: int) -> list[str]:
+    """Those whose learner and replica fit the GPUs there: object_store and collective take a whole GPU each for
+    the learner and the replica, so on one GPU the replica could never be placed and the run would wait forever."""
+    if not cuda:
+        return ["object_store", "collective"]
+    return ["cuda_ipc"] + (["object_store", "collective"] if gpus > 1 else [])
 
 
 def serve_config(kind: str, port: int, replicas: int, cuda: bool):
@@ -96,6 +107,9 @@ def run(model: str, path: Path, kind: str, cuda: bool, replicas: int, versions: 
 
     dtype = torch.bfloat16 if cuda else torch.float32
     gpus = gpus_of(kind, cuda)
+    if cuda and gpus * (1 + replicas) > ray.cluster_resources().get("GPU", 0):  # else a replica waits forever
+        raise SystemExit(f"{kind} with {replicas} replica(s) needs {gpus * (1 + replicas):g} GPUs (learner and "
+                         f"replicas {gpus:g} each), {ray.cluster_resources().get('GPU', 0):g} here")
     registry = WeightRegistry.remote()
     store = StoreClient.start(Path(tempfile.mkdtemp(prefix="weight-sync-store-")))
     learner = learner_actor(registry, str(path), kind, "cuda" if cuda else "cpu", dtype, gpus)
@@ -110,11 +124,13 @@ def run(model: str, path: Path, kind: str, cuda: bool, replicas: int, versions: 
             seconds.append(time.perf_counter() - start)
         served = ray.get(registry.served_versions.remote())
         assert len(served) == replicas and set(served.values()) == {versions + 1}, served
+        served_s, copy_s = statistics.median(seconds[1:]), ray.get(learner.host_copy_s.remote(versions))
         return {"model": model, "transport": kind, "device": "cuda" if cuda else "cpu", "replicas": replicas,
                 "bytes": ray.get(learner.nbytes.remote()),
-                "publish_to_served_s": round(statistics.median(seconds[1:]), 4), "first_s": round(seconds[0], 4),
+                "publish_to_served_s": round(served_s, 4), "first_s": round(seconds[0], 4),
                 "learner_publish_s": round(statistics.median(publish_seconds[1:]), 4),
-                "host_copy_baseline_s": round(ray.get(learner.host_copy_s.remote()), 4)}
+                "host_copy_baseline_s": round(copy_s, 4),
+                "vs_host_copy": round(served_s / copy_s, 2)}  # ours over the baseline, medians of `versions` each
     finally:
         delete_apps([APP_NAME])
         ray.kill(learner)
@@ -130,9 +146,7 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=3)
     parser.add_argument("--port", type=int, default=8123)
     args = parser.parse_args()
-    transports = args.transports or ["object_store", "collective"]
-    if cuda and not args.transports:  # collective between two GPUs: the learner's and the replica's
-        transports = ["object_store", "cuda_ipc"] + (["collective"] if torch.cuda.device_count() > 1 else [])
+    transports = args.transports or default_transports(cuda, torch.cuda.device_count() if cuda else 0)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     for model in args.models:
         path = model_dir(model, torch.bfloat16 if cuda else torch.float32)

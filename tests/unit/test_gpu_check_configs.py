@@ -40,6 +40,15 @@ def test_the_weight_sync_steps_replicas_take_the_transport_measured(transport):
     assert weight_sync.of_run(cfg) == transport and cfg.serve.resources["GPU"] > 0
 
 
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_the_weight_sync_steps_default_transports_fit_the_gpus_there(gpus):
+    """Learner and replica of each default transport fit the GPUs (object_store on one GPU wanted two and hung)."""
+    ws = benchmark("weight_sync")
+    transports = ws.default_transports(True, gpus)
+    assert "cuda_ipc" in transports and all(2 * ws.gpus_of(t, cuda=True) <= gpus for t in transports)
+    assert ws.default_transports(False, 0) == ["object_store", "collective"]
+
+
 def test_the_update_steps_bare_loop_takes_the_learners_gradient_with_none_of_its_code():
     """The bare side's textbook loss (its own padding, head and log-softmax) and the learner's scoring and policy
     loss give one gradient on the same micro-batches: the benchmark compares the same work, not our code twice."""
