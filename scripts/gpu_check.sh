@@ -45,7 +45,7 @@ step tests pytest.log $py -m pytest -m gpu -rP -p no:cacheprovider ${PYTEST_ARGS
     tests/integration/trainer/test_gpu.py tests/integration/weight_sync/test_weight_transports.py \
     && tail -1 "$out/pytest.log" | tee -a "$out/summary.txt"
 step iteration-0.5b iteration-0.5b.log $py benchmarks/iteration.py --models qwen2.5-0.5b
-# the HF engine's batch against the same engine one call at a time, at that size (random outputs: max_tokens each)
+# the HF engine's batch against the same engine one call at a time, at that size (max_tokens each: ignore_eos)
 step engine-0.5b engine-0.5b.log $py benchmarks/engine_throughput.py --model qwen2.5-0.5b --engines hf hf_one \
     --prompts digits --requests 32 --concurrency 32 --max-tokens 64
 # its sampler: a batch's rows at once against a row at a time (Qwen2.5's vocabulary; seconds)
