@@ -43,5 +43,7 @@ async def solve(question: str, base_url: str, model: str, api_key: str) -> str:
 def agent(task: dict, base_url: str, model: str, api_key: str) -> str | None:
     """The rollout worker's entry point (task.agent): the final answer's number, as the task's scorer wants it."""
     reply = asyncio.run(solve(task["question"], base_url, model, api_key))
-    found = re.findall(r"-?\d+(?:\.\d+)?", reply.split("ANSWER")[-1])
-    return found[0] if found else None
+    # the number after the last ANSWER; without one, the reply's last number, its conclusion ("7 - 12 = -5")
+    _, marker, tail = reply.rpartition("ANSWER")
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", tail)
+    return (numbers[0] if marker else numbers[-1]) if numbers else None

@@ -83,5 +83,7 @@ def agent(task: dict, base_url: str, model: str, api_key: str) -> str | None:
 
     tracer = setup_otel().get_tracer(__name__)
     reply = str(build_crew(base_url, model, api_key, tracer).kickoff(inputs={"question": task["question"]}))
-    found = re.findall(r"-?\d+(?:\.\d+)?", reply.split("ANSWER")[-1])
-    return found[0] if found else None
+    # the number after the last ANSWER; without one, the reply's last number, its conclusion ("7 - 12 = -5")
+    _, marker, tail = reply.rpartition("ANSWER")
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", tail)
+    return (numbers[0] if marker else numbers[-1]) if numbers else None
