@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import ray
@@ -190,12 +191,24 @@ def test_a_command_the_platform_failed_gets_no_score_and_a_launchers_child_dies_
         policys = failure(command)
         assert isinstance(policys, AgentCommandFailed) and not isinstance(policys, INFRASTRUCTURE_ERRORS), command
 
-    marker = tmp_path / "still-running"
-    launcher = CommandAgent(["sh", "-c", f"(sleep 3; touch {marker}) & sleep 30"], timeout_seconds=0.5)
+    pid_file = tmp_path / "child.pid"
+    launcher = CommandAgent(["sh", "-c", f"sh -c 'echo $$ > {pid_file}; exec sleep 30 > /dev/null 2>&1' & exec sleep 30"],
+                            timeout_seconds=2)
     with pytest.raises(Exception, match="killed"):
         launcher({}, base_url="u", model="m", api_key="k")
-    time.sleep(4)
-    assert not marker.exists()  # the launcher's child died with it
+    child, deadline = int(pid_file.read_text()), time.monotonic() + 10
+    # the launcher's child (its output elsewhere: no pipe keeps the attempt waiting) dies with it, not 30 s later
+    while alive(child):
+        assert time.monotonic() < deadline, "the launcher's child outlived its attempt"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"  # a zombie has died
 
 
 def test_a_large_task_reaches_a_command_on_stdin(tmp_path):
