@@ -16,6 +16,7 @@ from collections import defaultdict
 import pytest
 from helpers import small
 
+from lightning_ray.learner.checkpoint import latest
 from lightning_ray.models.tiny import EASY
 from lightning_ray.store.sqlite import SQLiteBackend
 from lightning_ray.tracing import semconv
@@ -116,7 +117,9 @@ def test_a_time_budget_ends_training_with_the_final_evaluation(runs):
     history = runs["rl"]
     assert [h["iteration"] for h in history] == [0]
     assert history[0]["eval_before"]["tasks"] == history[0]["eval"]["tasks"] == 4
-    assert history[0]["policy_version"] == 0 or (runs["reinforced"] / "checkpoint").is_dir()  # saved if it trained
+    # checkpointed as the last iteration, whether or not it trained (its version then 0)
+    assert (runs["reinforced"] / "checkpoint").is_dir()
+    assert latest(runs["reinforced"]).state.next_iteration == 1
 
 
 def test_pass_at_k_is_over_k_samples_of_each_held_out_problem(runs):
