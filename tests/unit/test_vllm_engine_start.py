@@ -50,7 +50,9 @@ def test_a_vllm_that_fails_to_start_raises_its_engine_cores_error_and_the_settin
                                                                                               monkeypatch):
     """A process standing for vLLM's engine core writes to this process's stdout and stderr (captured to files, as
     Ray's are its worker's log files), then the client raises what vLLM's does; an error logged before the start is
-    not the start's."""
+    not the start's. A stand-in because the engine core is a process of its own on GPUs only (on CPUs it runs in
+    this one), and a start that fails there takes a GPU: its log lines are the pinned vLLM's (core.py), which a
+    vLLM that logs otherwise would need matched anew."""
     from lightning_ray.serving.engines import vllm
 
     def fail_to_start(args):
