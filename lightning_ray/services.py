@@ -53,16 +53,21 @@ def check_gpus(cfg: TrainConfig, learner: bool, detected: float) -> None:
                           "nvidia-smi sees them here, or placement=cpu")
 
 
-def check_port(host: str, port: int) -> None:
+def check_port(host: str, port: int, tries: int = 5) -> None:
     """Refuses a Serve port another program listens on, before a local cluster starts: Serve's proxy would fail to
-    bind it half a minute later, in a page of traceback."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Serve's: a closed run's TIME_WAIT is free
-        try:
-            probe.bind((host, port))
-        except OSError as e:
-            raise ConfigError(f"serve.port={port}: {host}:{port} is taken ({e.strerror}), another run's policy "
-                              "server's perhaps: choose another serve.port") from None
+    bind it half a minute later, in a page of traceback. Asked again for a few seconds: a cluster stopped just
+    before (a benchmark's previous setting) may hold it while its proxy exits."""
+    for attempt in range(tries):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Serve's: a closed run's TIME_WAIT is free
+            try:
+                probe.bind((host, port))
+                return
+            except OSError as e:
+                taken = e.strerror
+        time.sleep(1 if attempt < tries - 1 else 0)
+    raise ConfigError(f"serve.port={port}: {host}:{port} is taken ({taken}), another run's policy server's perhaps: "
+                      "choose another serve.port")
 
 
 class Services:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from lightning_ray.config import ConfigError, TrainConfig, job
+from lightning_ray.config import TrainConfig, job
 
 
 @job("train")
@@ -15,10 +15,7 @@ def main(cfg: TrainConfig) -> None:
     from lightning_ray.terminal import route_logs
     from lightning_ray.trainer.evaluate import evaluate
 
-    try:  # a task setting its task refuses: said before the services' minutes of start
-        _, held_out = load_splits(cfg.task)
-    except ConfigError as e:
-        raise SystemExit(str(e)) from None
+    _, held_out = load_splits(cfg.task)  # a task setting its task refuses, before the services' minutes of start
     route_logs(cfg.run_path / "logs", cfg.verbose)
     with Services(cfg) as services:
         result = {"model": str(services.model_path), "dataset": cfg.task.dataset, "protocol": cfg.task.protocol,

@@ -38,7 +38,7 @@ def load_splits(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
         # none of its questions, nor its problems worded otherwise (reference["problem"], where a task gives one)
         exclude = {key for t in held_out for key in (t.input["question"], t.reference.get("problem")) if key}
         train = task.make_tasks(cfg.train_size, cfg.seed, exclude=exclude, **options)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # TypeError: an option of the wrong kind (people=[3])
         raise ConfigError(f"task: {e}") from e
     if cfg.balance and (lacking := next((t for t in train if cfg.balance not in t.input), None)):
         raise ValueError(f"task.balance={cfg.balance}: the {cfg.name} task's inputs have no such field "

@@ -45,6 +45,7 @@ MAX_TURNS = 3  # model calls per episode: calculator, answer, and one retry
 MAX_EXPRESSION = 200  # characters: bounds the work (and the size of the numbers) one calculator call can cause
 
 _NUMBER = r"-?\d+(?:\.\d+)?"
+_DECIMAL = re.compile(r"[-+]?\d+(?:\.\d+)?")
 _CALC = re.compile(r"CALC:?\s*([-+*/(). \d]+)")
 _ANSWER = re.compile(rf"ANSWER:?\s*({_NUMBER})")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -247,11 +248,9 @@ def reward(task: dict, answer: str | None) -> float:
     (the number it reads from the answer)."""
     if answer is None:
         return 0.0
-    if task["dataset"] == "basic_arithmetic":
-        try:
-            return float(_canonical(str(answer).strip()) == task["answer"])
-        except (ValueError, ZeroDivisionError):  # not a number
-            return 0.0
+    if task["dataset"] == "basic_arithmetic":  # a number as written, not "1e999999999" (a huge int to compute)
+        number = str(answer).strip()
+        return float(_DECIMAL.fullmatch(number) is not None and _canonical(number) == task["answer"])
     entry = {"question": task["question"], "answer": task["answer"], "metadata": task["metadata"]}
     return float(_scorer(task["dataset"])(str(answer), entry))
 

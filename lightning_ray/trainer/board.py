@@ -21,7 +21,8 @@ def to_board(board: SummaryWriter, written: dict) -> None:
     """A metrics.jsonl line as scalars, nested keys joined by '/': the iteration's at the step after it, each held-out
     evaluation's as eval/<key> at the iterations it came after. Flushed: a run that dies keeps its curves."""
     step = written["iteration"] + 1
-    for name, value in _numbers({k: v for k, v in written.items() if k not in ("iteration", "eval", "eval_before")}):
+    for name, value in _numbers({k: v for k, v in written.items() if k not in ("iteration", "eval", "eval_before",
+                                                                              "rollout_errors")}):  # text, not scalars
         board.add_scalar(name, value, step)
     for evaluation in filter(None, (written.get("eval_before"), written.get("eval"))):
         for name, value in _numbers({k: v for k, v in evaluation.items() if k != "after"}, "eval/"):

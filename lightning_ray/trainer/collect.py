@@ -20,8 +20,8 @@ from lightning_ray.types import Rollout, Span, Task, Transition
 
 
 class RolloutsFailed(RuntimeError):
-    """Every rollout of a round failed on the platform's side (no reward): an agent that cannot start, an endpoint
-    it cannot reach. Every further iteration would fail the same way, training nothing."""
+    """Every rollout of an iteration's first round failed on the platform's side (no reward): an agent that cannot
+    start, an endpoint it cannot reach. Every further iteration would fail the same way, training nothing."""
 
     def __init__(self, iteration: int, rollouts: list[Rollout]):
         said = "; ".join(f"{n}x {error}" for error, n in common_errors(rollouts).items())
@@ -74,7 +74,8 @@ def collect(run: Run, iteration: int, tasks: list[Task]) -> Batch:
                                               "sampling": {**task.sampling, **taught}})
                       for task in tasks for _ in range(cfg.rollout.group_size)]
             done = run.services.run_rollouts(groups, f"iter {iteration} rollouts")
-        if done and all(r.status == "failed" and r.reward is None for r in done):
+        # the iteration's first round only: a later one may be a single group (dynamic sampling's refill)
+        if done and not batch.rollouts and all(r.status == "failed" and r.reward is None for r in done):
             raise RolloutsFailed(iteration, done)
         with batch.phase("adapt"):
             found = run.services.store.query_spans([r.rollout_id for r in done],

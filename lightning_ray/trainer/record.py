@@ -35,7 +35,7 @@ class IterationRecord(BaseModel):
     infra_failed_rollouts: int = described(
         "the platform's failures: no reward, or not a finite one; left out of training")
     rollout_errors: dict[str, int] | None = described(
-        "the failed rollouts' most common errors (up to 3, each its first 300 characters) and how many said each",
+        "the failed rollouts' most common errors (up to 3, each by its first and last lines) and how many said each",
         optional=True)
     transitions: int = described(
         "training sequences made of the policy's calls (one per call, or per rollout at `algorithm.level=trajectory`)")
@@ -184,10 +184,13 @@ def per_adapter(transitions) -> dict[str, dict[str, float]]:
 
 
 def common_errors(rollouts, most: int = 3) -> dict[str, int]:
-    """The failed rollouts' most common errors, first lines only (a traceback's frames differ where its cause does
-    not), with their counts."""
-    said = Counter((r.error or "no error said").strip().split("\n")[0][:300] for r in rollouts if r.status == "failed")
-    return dict(said.most_common(most))
+    """The failed rollouts' most common errors, each by its first and last lines (a traceback's frames differ where
+    its cause, its last line, does not; a command's error opens with its exit status), with their counts."""
+    def said(error: str | None) -> str:
+        lines = [line.strip() for line in (error or "no error said").strip().splitlines() if line.strip()]
+        return (lines[0] if len(lines) == 1 else f"{lines[0][:150]} ... {lines[-1][:150]}")[:300]
+
+    return dict(Counter(said(r.error) for r in rollouts if r.status == "failed").most_common(most))
 
 
 def line(record: dict) -> dict:

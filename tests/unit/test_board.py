@@ -17,7 +17,8 @@ def iteration(i: int, reward: float, evaluation: dict | None = None, **extra) ->
 def test_each_line_is_scalars_at_the_iterations_trained_and_evaluations_at_theirs(tmp_path):
     board = open_board(tmp_path, first=0)
     to_board(board, iteration(0, 0.25, eval_before={"after": 0, "accuracy": 0.5, "accuracy_by": {"add": 0.375}}))
-    to_board(board, iteration(1, 0.5, {"after": 2, "accuracy": 0.75, "accuracy_by": {"add": 0.625}}))
+    to_board(board, iteration(1, 0.5, {"after": 2, "accuracy": 0.75, "accuracy_by": {"add": 0.625}},
+                              rollout_errors={"ValueError: no answer": 3}))
     board.close()
     scalars = board_scalars(tmp_path / "tensorboard")
     assert scalars["reward_mean"] == {1: 0.25, 2: 0.5}  # (float32: these are exact)
@@ -25,6 +26,7 @@ def test_each_line_is_scalars_at_the_iterations_trained_and_evaluations_at_their
     assert scalars["seconds/rollout"] == {1: 2.0, 2: 3.0} and scalars["adapters/write/reward"] == {1: 0.125, 2: 0.25}
     assert scalars["updated"] == {1: 1.0, 2: 1.0}
     assert not {"iteration", "rollout_policy_versions", "eval/after"} & set(scalars)  # a step, a list, a step
+    assert not [name for name in scalars if name.startswith("rollout_errors")]  # texts: a series per error, once
 
 
 def test_a_resumed_run_hides_what_the_stopped_one_logged_after_its_checkpoint(tmp_path):

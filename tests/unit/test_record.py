@@ -73,17 +73,18 @@ def test_per_adapter_counts_and_rollout_rewards():
 def test_failures_and_lengths_count_each_rollout_once_and_every_call():
     """Failures, the platform's among them; the response length counts the adapter's calls before any is left out
     (the overlong filter dropped the longest, and the curve fell as truncation rose)."""
-    crash = "KeyError: 'answer'\nTraceback (most recent call last): ..."
+    crash = "Traceback (most recent call last):\n  File \"agent.py\", line 9, in solve\n\nKeyError: 'answer'\n"
     rollouts = [Rollout(rollout_id="ok", task=Task(task_id="t", input={}), status="succeeded", reward=1.0),
                 *(Rollout(rollout_id=f"crash{i}", task=Task(task_id="t", input={}), status="failed", reward=0.0,
                           error=crash) for i in range(2)),
                 Rollout(rollout_id="down", task=Task(task_id="t", input={}), status="failed", reward=None)]
     record = iteration_record(0, rollouts, [], [], ADAPTED, SAMPLING, 4, [], {})
     assert (record["failed_rollouts"], record["infra_failed_rollouts"]) == (3, 1)
-    # what they said, on the terminal too: each error by its first line, the most common first
-    assert record["rollout_errors"] == {"KeyError: 'answer'": 2, "no error said": 1}
-    assert summary(record).endswith(
-        "\n  3 of 4 rollouts failed, most often: 2x KeyError: 'answer'; 1x no error said")
+    # what they said, on the terminal too: each error by its first and last lines (a traceback's cause is its last),
+    # the most common first
+    said = "Traceback (most recent call last): ... KeyError: 'answer'"
+    assert record["rollout_errors"] == {said: 2, "no error said": 1}
+    assert summary(record).endswith(f"\n  3 of 4 rollouts failed, most often: 2x {said}; 1x no error said")
     assert "rollout_errors" not in made([])  # none failed
     assert record["action_tokens_mean"] == pytest.approx(7 / 4)
 

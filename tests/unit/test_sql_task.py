@@ -351,6 +351,16 @@ def test_spider_tasks_split_and_score(tmp_path):
         sql.make_tasks(1, 0, dataset="spider")
 
 
+def test_a_spider_question_whose_gold_query_does_not_run_here_is_not_drawn(tmp_path):
+    """(Spider has gold queries of more than MAX_ROWS rows.) Its every rollout would be the platform's failure."""
+    root = make_spider(tmp_path / "spider")
+    questions = json.loads((root / "dev.json").read_text())
+    broken = {**questions[0], "question": "Which column is not there?", "query": "SELECT nope FROM singer"}
+    (root / "broken.json").write_text(json.dumps([*questions, broken]))
+    tasks = sql.make_tasks(2, 0, dataset="spider", options={"root": str(root), "questions": "broken.json"})
+    assert sorted(t.input["question"] for t in tasks) == sorted(q["question"] for q in questions)
+
+
 def test_a_spider_question_and_its_twin_wording_are_in_one_split(tmp_path):
     """Spider words each gold query twice; told apart by their text, a held-out question's twin was trained on."""
     root = make_spider(tmp_path / "spider")

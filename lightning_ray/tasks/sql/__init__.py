@@ -21,7 +21,7 @@ from pathlib import Path
 
 from lightning_ray.tasks import checked_options
 from lightning_ray.tasks.sql import chinook, spider
-from lightning_ray.tasks.sql.execution import TIME_LIMIT_S, execution_match
+from lightning_ray.tasks.sql.execution import TIME_LIMIT_S, execution_match, gold_runs
 from lightning_ray.tasks.sql.schema import from_sqlite
 from lightning_ray.types import Task
 
@@ -47,9 +47,12 @@ def make_tasks(n: int, seed: int, dataset: str = "chinook", options: dict | None
         schema, drawn, seen = from_sqlite(db), [], set(exclude)
         while len(drawn) < n and any(pools.values()):  # a question of each family in turn: every kind is represented
             for name in order:
-                if pools[name] and len(drawn) < n and (item := pools[name].pop())[0] not in seen:
-                    seen.add(item[0])
-                    drawn.append({"question": item[0], "gold": item[1], "db": "chinook", "db_id": "chinook",
+                if not pools[name] or len(drawn) == n:
+                    continue
+                question, gold = pools[name].pop()
+                if not {question, problem := _problem("chinook", gold)} & seen:
+                    seen |= {question, problem}
+                    drawn.append({"question": question, "gold": gold, "db": "chinook", "db_id": "chinook",
                                   "schema": schema, "family": name})
     else:
         if "root" not in options:
@@ -60,8 +63,9 @@ def make_tasks(n: int, seed: int, dataset: str = "chinook", options: dict | None
         for e in examples:
             if len(drawn) == n:
                 break
-            # Spider words each gold query twice: a held-out question's twin is the same problem
-            if not {e.question, problem := _problem(e.db_id, e.gold)} & seen:
+            # Spider words each gold query twice: a held-out question's twin is the same problem; and a gold query
+            # that does not run within the limits here (over MAX_ROWS) could score no answer
+            if not {e.question, problem := _problem(e.db_id, e.gold)} & seen and gold_runs(e.db_path, e.gold):
                 seen |= {e.question, problem}
                 drawn.append({"question": e.question, "gold": e.gold, "db": str(e.db_path), "db_id": e.db_id,
                               "schema": e.schema})

@@ -5,8 +5,10 @@ created or written), the connection is `PRAGMA query_only`, and an authorizer al
 ATTACH, PRAGMA, writes or schema changes). A progress handler ends a query past its time limit (a runaway recursive
 CTE, a cross join of big tables), and results are capped in rows and value size. Whatever goes wrong is a
 `QueryError`: the agent shows it to its checker, the reward counts it as a miss; nothing here raises anything else
-or hangs. Only a gold query that does not run (its database missing on this node) is no miss of the policy's: the
-reward raises `GoldQueryFailed`, and the attempt is the platform's failure, not trained on.
+or hangs. Only a gold query that does not run is no miss of the policy's: the reward raises `GoldQueryFailed`, and
+the attempt is the platform's failure, not trained on. The tasks hold gold queries that run where they were made
+(`gold_runs`): one that fails in a rollout does so on its node (its database missing there, the time limit under
+load).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ TIME_LIMIT_S = 2.0  # per query; Chinook's and Spider's gold queries take millis
 MAX_ROWS = 10_000  # a result longer than this is not an answer to a question
 MAX_VALUE_BYTES = 1_000_000  # SQLITE_LIMIT_LENGTH: bounds zeroblob/printf/group_concat blow-ups
 MAX_RESULT_BYTES = 16_000_000  # a whole result's text and blobs: 10,000 rows of 1 MB values took 2.5 GB in 2 s
-_FETCH = 256  # rows fetched at a time, their size counted
+_FETCH = 16  # rows fetched at a time, their size counted: 16 MB at most (MAX_VALUE_BYTES each) before a check
 _PROGRESS_EVERY = 1_000  # virtual machine instructions between deadline checks (~µs)
 
 # Reading is all a query may do: the action codes SQLite asks the authorizer about for a SELECT.
@@ -112,6 +114,15 @@ def execution_match(db_path: str | Path, predicted: str | None, gold: str, time_
     except QueryError:
         return 0.0
     return float(got == expected if ordered else Counter(got) == Counter(expected))
+
+
+def gold_runs(db_path: str | Path, gold: str, time_limit_s: float = TIME_LIMIT_S) -> bool:
+    """Whether the gold query runs to a result within the limits (Spider has some of over MAX_ROWS rows)."""
+    try:
+        _gold_result(str(Path(db_path).expanduser().resolve()), gold, time_limit_s)
+    except QueryError:
+        return False
+    return True
 
 
 @lru_cache(maxsize=4096)

@@ -65,7 +65,7 @@ def test_reward_is_the_answers_number_exactly():
         assert calc.reward(task.reward_input, right) == 1.0
     # the generator's scorer gave an answer containing the reference partial credit ("-250": 0.75, and "25" for
     # "-25" or "-2" for "2" 0.5: always writing a minus sign paid)
-    for wrong in ("-24", "-250", "25", "-2", "ANSWER -25", "1/0", "", None):
+    for wrong in ("-24", "-250", "25", "-2", "ANSWER -25", "1/0", "", None, "-25e0", "1e999999999"):  # no 10**1e9
         assert calc.reward(task.reward_input, wrong) == 0.0
     [word] = calc.make_tasks(1, seed=0, dataset="gsm_symbolic")
     assert calc.reward(word.reward_input, word.reference["answer"]) == 1.0
