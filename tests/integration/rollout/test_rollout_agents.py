@@ -192,8 +192,8 @@ def test_a_command_the_platform_failed_gets_no_score_and_a_launchers_child_dies_
         assert isinstance(policys, AgentCommandFailed) and not isinstance(policys, INFRASTRUCTURE_ERRORS), command
 
     pid_file = tmp_path / "child.pid"
-    launcher = CommandAgent(["sh", "-c", f"sh -c 'echo $$ > {pid_file}; exec sleep 30 > /dev/null 2>&1' & exec sleep 30"],
-                            timeout_seconds=2)
+    child = f"sh -c 'echo $$ > {pid_file}; exec sleep 30 > /dev/null 2>&1'"
+    launcher = CommandAgent(["sh", "-c", f"{child} & exec sleep 30"], timeout_seconds=2)
     with pytest.raises(Exception, match="killed"):
         launcher({}, base_url="u", model="m", api_key="k")
     child, deadline = int(pid_file.read_text()), time.monotonic() + 10
