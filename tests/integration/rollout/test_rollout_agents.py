@@ -192,12 +192,12 @@ def test_a_command_the_platform_failed_gets_no_score_and_a_launchers_child_dies_
         assert isinstance(policys, AgentCommandFailed) and not isinstance(policys, INFRASTRUCTURE_ERRORS), command
 
     pid_file = tmp_path / "child.pid"
-    child = f"sh -c 'echo $$ > {pid_file}; exec sleep 30 > /dev/null 2>&1'"
-    launcher = CommandAgent(["sh", "-c", f"{child} & exec sleep 30"], timeout_seconds=2)
+    agent = f"sh -c 'echo $$ > {pid_file}; exec sleep 30 > /dev/null 2>&1'"  # its output elsewhere: no pipe held
+    launcher = CommandAgent(["sh", "-c", f"{agent} & exec sleep 30"], timeout_seconds=2)
     with pytest.raises(Exception, match="killed"):
         launcher({}, base_url="u", model="m", api_key="k")
     child, deadline = int(pid_file.read_text()), time.monotonic() + 10
-    # the launcher's child (its output elsewhere: no pipe keeps the attempt waiting) dies with it, not 30 s later
+    # the launcher's child dies with it, not 30 s later
     while alive(child):
         assert time.monotonic() < deadline, "the launcher's child outlived its attempt"
         time.sleep(0.05)
