@@ -12,10 +12,11 @@ import os
 import re
 import signal
 import subprocess
+import time
 from collections.abc import Callable
 
 from lightning_ray.config import TaskConfig
-from lightning_ray.rollout.runner import AttemptTimeout, PlatformFailure
+from lightning_ray.rollout.runner import LEASE_LOST, AttemptTimeout, PlatformFailure
 from lightning_ray.tasks import load_task
 
 
@@ -87,13 +88,7 @@ class CommandAgent:
                                        stderr=subprocess.PIPE, env=env, text=True, start_new_session=True)
         except OSError as e:
             raise AgentCommandFailedByPlatform(f"task.command {self.command} could not start: {e}") from e
-        try:
-            stdout, stderr = process.communicate(task, timeout=self.timeout_seconds)
-        except subprocess.TimeoutExpired as e:
-            _kill_group(process)
-            process.communicate()
-            raise AttemptTimeout(f"the agent command ran past rollout.timeout_seconds={self.timeout_seconds:g} "
-                                 "and was killed") from e
+        stdout, stderr = self._communicate(process, task)
         _kill_group(process)  # what it left running
         if process.returncode != 0:
             said = f"{self.command[0]} exited with {process.returncode}: {stderr.strip()[-2000:]}"
@@ -102,6 +97,27 @@ class CommandAgent:
             raise (AgentCommandFailedByPlatform if platform else AgentCommandFailed)(said)
         lines = [line for line in stdout.splitlines() if line.strip()]
         return lines[-1].strip() if lines else ""
+
+    def _communicate(self, process: subprocess.Popen, task: str) -> tuple[str, str]:
+        """Its output once it exits; killed at the deadline, or once the attempt's lease is lost (runner.LEASE_LOST,
+        looked at every second: its rollout cancelled or timed out, its result would be dropped)."""
+        lost, start, given = LEASE_LOST.get(), time.monotonic(), task
+        while True:
+            left = None if self.timeout_seconds is None else max(self.timeout_seconds - (time.monotonic() - start), 0)
+            wait = left if lost is None else min(left, 1.0) if left is not None else 1.0
+            try:  # called again after a timeout, it goes on where it was (its input is given once)
+                return process.communicate(given, timeout=wait)
+            except subprocess.TimeoutExpired as e:
+                given = None
+                late, gone = left is not None and wait >= left, lost is not None and lost.is_set()
+                if late or gone:
+                    _kill_group(process)
+                    process.communicate()
+                    if late:
+                        raise AttemptTimeout(f"the agent command ran past rollout.timeout_seconds="
+                                             f"{self.timeout_seconds:g} and was killed") from e
+                    raise AgentCommandFailedByPlatform("the attempt's lease was lost (its rollout cancelled or timed "
+                                                       "out in the store): the command was killed") from e
 
 
 def _kill_group(process: subprocess.Popen) -> None:

@@ -38,6 +38,9 @@ INFRASTRUCTURE_ERRORS = (openai.APIConnectionError, openai.InternalServerError, 
 
 # Agent threads this process left behind at a timeout (_within): they may still run, and call the policy.
 ABANDONED: list[threading.Thread] = []
+# Set while an attempt runs, once the store says its lease is lost (timed out, its rollout cancelled): an agent that
+# can be stopped (a command: rollout/agents.py) stops then, not at its deadline, calling the policy meanwhile.
+LEASE_LOST: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("lease_lost", default=None)
 
 
 def abandoned_agents() -> int:
@@ -90,12 +93,15 @@ def run_attempt(store: RolloutStore, rollout: Rollout, agent: Callable, reward: 
     base_url = f"{policy_url}/rollouts/{rid}/attempts/{aid}/v1"
     agent_key = auth.agent_key(api_key, rid, aid) if api_key else "EMPTY"
     with _heartbeats(store, rollout) as lease_lost:
+        told = LEASE_LOST.set(lease_lost)
         try:
             status, value, error = _traced_attempt(store, rollout, agent, reward, base_url, model, agent_key,
                                                    tracing_backend)
         except Exception as e:  # the spans' last hand-over: a trace with calls missing is not trained on
             status, value, error = "failed", None, f"its spans did not all reach the store: {type(e).__name__}: {e}"
             logger.warning("rollout %s attempt %s: %s", rid, aid, error)
+        finally:
+            LEASE_LOST.reset(told)
     if lease_lost.is_set():
         logger.warning("rollout %s attempt %s lost its lease; its result is dropped", rid, aid)
         return

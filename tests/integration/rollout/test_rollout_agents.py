@@ -167,6 +167,27 @@ def test_a_command_gets_the_endpoint_and_task_and_its_failures_are_the_attempts(
     assert time.monotonic() - started < 20  # killed at 0.5 s, not left to sleep its 30
 
 
+def test_a_command_whose_attempt_lost_its_lease_is_killed_then():
+    """Its rollout cancelled or timed out in the store (the heartbeat's StaleAttempt sets runner.LEASE_LOST): it ran
+    on to its deadline, calling the policy, its result to be dropped. Waited for a second at a time, a command reading
+    a long task on stdin still gets it whole."""
+    from lightning_ray.rollout.runner import INFRASTRUCTURE_ERRORS, LEASE_LOST
+
+    lost = threading.Event()
+    told = LEASE_LOST.set(lost)
+    try:
+        reader = CommandAgent([sys.executable, "-c", "import sys, time; task = sys.stdin.read(); time.sleep(1.5); "
+                               "print(len(task))"], timeout_seconds=60)
+        assert reader({"question": "x" * 200_000}, base_url="u", model="m", api_key="k") == "200016"
+        threading.Timer(0.5, lost.set).start()
+        started = time.monotonic()
+        with pytest.raises(INFRASTRUCTURE_ERRORS, match="lease was lost"):
+            CommandAgent(["sleep", "60"], timeout_seconds=60)({}, base_url="u", model="m", api_key="k")
+        assert time.monotonic() - started < 10
+    finally:
+        LEASE_LOST.reset(told)
+
+
 def test_a_command_the_platform_failed_gets_no_score_and_a_launchers_child_dies_at_the_deadline(tmp_path):
     """A command is told from the platform's failures as an in-process agent's exception is (those are retried, not
     scored 0): it could not start, the out-of-memory killer's SIGKILL, EX_TEMPFAIL (75), an OpenAI SDK's 5xx or
