@@ -31,8 +31,10 @@ def train(cfg: TrainConfig, resume: checkpoint.Checkpoint | None | EllipsisType 
     splits = splits or load_splits(cfg.task)  # a task setting its task refuses, before any service starts
     with Services(cfg, learner=True, resume=resume) as services:
         run = Run(cfg, services, resume, splits)
-        if resume:  # metrics.jsonl as the checkpoint's history has it: later lines go
-            (cfg.run_path / "metrics.jsonl").write_text("".join(json.dumps(line(r)) + "\n" for r in run.history))
+        # metrics.jsonl as the checkpoint's history has it, later lines gone; a new run's empty (a retried job's
+        # first attempt, stopped before its first checkpoint, left its lines: they were counted twice)
+        (cfg.run_path / "metrics.jsonl").write_text("".join(json.dumps(line(r)) + "\n" for r in run.history))
+        if resume:
             print(f"resumed from {resume.path.name}: iteration {run.first}, "
                   f"policy v{resume.state.policy_version}", flush=True)
         elif cfg.trainer.eval_every and cfg.trainer.eval_before:

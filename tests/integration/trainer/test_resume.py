@@ -138,6 +138,8 @@ def test_a_run_killed_mid_iteration_goes_on_from_its_checkpoint(tmp_path):
     run = tmp_path / "run"
     args = [*TINY, "trainer.iterations=2", "trainer.checkpoint_every=1", "trainer.eval_every=0",
             f"serve.port={free_port()}", f"hydra.run.dir={run}", "resume=auto"]
+    run.mkdir()  # as an attempt that died before its first checkpoint left it: the new run's lines replace it
+    (run / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "stale": True}) + "\n")
     job = subprocess.Popen([*CLI, "train", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, start_new_session=True)  # its own session: Ray's processes too
     try:
@@ -152,6 +154,8 @@ def test_a_run_killed_mid_iteration_goes_on_from_its_checkpoint(tmp_path):
         kill_session(job)  # the driver and every process of its Ray cluster
     left = unfinished(run)  # what the killed run left: none of its processes writes any more
     assert left and latest(run).state.next_iteration == 1
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [h["iteration"] for h in logged] == [0] and "stale" not in logged[0]  # the new run's lines alone
     r = cli("train", *args, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "resumed from iter-000001: iteration 1, policy v1" in r.stdout
