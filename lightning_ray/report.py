@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import json
+import sys
 from pathlib import Path
 
 # (file stem, title, metrics.jsonl field): the report's curves over iterations; held-out accuracy is added apart
@@ -33,10 +34,7 @@ def write_report(run_dir: Path, fmt: str = "md", out_dir: Path | None = None) ->
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: not a run directory (no metrics.jsonl in it)")
-    try:
-        history = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except json.JSONDecodeError as e:  # a ValueError: one line on the CLI
-        raise ValueError(f"{path}: a line is not JSON ({e}): was it cut off?") from None
+    history = _lines(path)
     if not history:
         raise FileNotFoundError(f"{path}: no iteration written yet")
     evals = [h[k] for h in history for k in ("eval_before", "eval") if k in h]
@@ -57,15 +55,33 @@ def write_report(run_dir: Path, fmt: str = "md", out_dir: Path | None = None) ->
     return page
 
 
+def _lines(path: Path) -> list[dict]:
+    """metrics.jsonl's records; a last line still being written (a running job's; a job killed mid-write) is left
+    out, said on stderr. A line cut off before others is a ValueError: one line on the CLI."""
+    text = path.read_text()
+    lines = [line for line in text.split("\n") if line.strip()]
+    history = []
+    for n, line in enumerate(lines, 1):
+        try:
+            history.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if n == len(lines) and not text.endswith("\n"):
+                print(f"{path}: its last line is not written yet; the report leaves it out", file=sys.stderr)
+                break
+            raise ValueError(f"{path}: line {n} is not JSON ({e}): was it cut off?") from None
+    return history
+
+
 def _summary(history: list[dict], evals: list[dict]) -> list[tuple[str, str]]:
     first, last = history[0], history[-1]
+    before = first.get("eval_before", {})  # its seconds are in no iteration's
     rows = [("iterations", str(len(history))),
             ("training reward", f"{first['reward_mean']:.3f} → {last['reward_mean']:.3f}"),
             ("rollouts", str(sum(h["rollouts"] for h in history))),
             ("transitions", str(sum(h["transitions"] for h in history))),
             ("policy updates", f"{sum(h['updated'] for h in history)} (policy v{last['policy_version']})"),
             ("trained tokens", str(sum(h.get("trained_tokens", 0) for h in history))),
-            ("seconds", f"{sum(map(loop_seconds, history)):.0f}")]
+            ("seconds", f"{sum(map(loop_seconds, history)) + before.get('seconds', 0):.0f}")]
     if evals:
         rows.insert(2, ("held-out accuracy", " → ".join(
             f"{e['accuracy']:.3f} " + (f"after {e['after']}" if e["after"] else "before") for e in evals)))

@@ -9,6 +9,7 @@ of its values too (sql: of each question family).
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
@@ -46,9 +47,11 @@ def evaluate(services: Services, tasks: list[Task], pass_k: int = 0, desc: str =
 
 def evaluate_held_out(run: Run, after: int) -> dict:
     """The held-out split, after `after` iterations, kept with the run's evaluations."""
+    start = time.perf_counter()
     with run.phase("eval"):
         result = {"after": after, **evaluate(run.services, run.held_out, run.cfg.eval.pass_k,
                                              f"eval after {after}" if after else "eval before")}
+    result["seconds"] = round(time.perf_counter() - start, 3)  # the one before training is in no iteration's
     run.evals.append(result)
     return result
 

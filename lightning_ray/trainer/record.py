@@ -122,7 +122,7 @@ class IterationRecord(BaseModel):
     eval: dict[str, Any] | None = described(
         "held-out evaluation `after` that many iterations, over `tasks` problems: `accuracy` (greedy), "
         "`reward_mean`, `failed_rollouts` (the platform's: no reward, counted wrong), `pass@k` and `mean@k` (one "
-        "sample's accuracy at `rollout.temperature`) when `eval.pass_k` is set, `accuracy_by` each `task.balance` "
+        "sample's accuracy at `rollout.temperature`) when `eval.pass_k` is set, `seconds` it took, `accuracy_by` each `task.balance` "
         "value's when that is set", optional=True)
 
 

@@ -53,11 +53,24 @@ def test_bad_input_is_one_line_and_exit_code_2(args, named):
 
 
 def test_a_run_directory_that_does_not_read_is_one_line_and_exit_code_2(tmp_path):
-    """A metrics.jsonl with no line yet, or cut off mid-line: tracebacks before."""
-    for text, named in [("", "no iteration written yet"), ('{"iteration": 0}\n{"iter', "was it cut off")]:
+    """A metrics.jsonl with no line yet, or a line cut off before others: tracebacks before."""
+    for text, named in [("", "no iteration written yet"), ('{"iter\n{"iteration": 0}\n', "line 1 is not JSON")]:
         (tmp_path / "metrics.jsonl").write_text(text)
         r = cli("report", str(tmp_path))
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and named in r.stderr, r.stderr
+
+
+def test_report_of_a_running_job_leaves_out_the_line_being_written(tmp_path):
+    """A running job's metrics.jsonl, its last line half-written: the report of the lines before (it exited 2), and
+    its seconds count the evaluation before training, which is in no iteration's seconds."""
+    line = {"iteration": 0, "reward_mean": 0.25, "rollouts": 8, "transitions": 8, "updated": True,
+            "policy_version": 1, "seconds": {"rollout": 10.0, "train": 5.0},
+            "eval_before": {"after": 0, "accuracy": 0.5, "seconds": 7.0}}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(line) + '\n{"iteration": 1, "rew')
+    r = cli("report", str(tmp_path), "-o", str(tmp_path / "out"))
+    assert r.returncode == 0 and "last line is not written yet" in r.stderr, r.stderr
+    page = (tmp_path / "out" / "report.md").read_text()
+    assert "| iterations | 1 |" in page and "| seconds | 22 |" in page, page
 
 
 @pytest.mark.parametrize("override, named", [("rollout.group_size=0", "rollout.group_size"),
