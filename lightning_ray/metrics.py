@@ -38,4 +38,4 @@ def metrics() -> SimpleNamespace:
 
 def count_error(component: str, kind: str, n: int = 1) -> None:
     if n > 0:
-        metrics().errors.inc(n, tags={"component": component, "kind": kind})
+        metrics().errors.inc(n, tags={"component": component, "kind": str(kind)})  # Ray refuses a tag not text

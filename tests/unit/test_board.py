@@ -38,3 +38,11 @@ def test_a_resumed_run_hides_what_the_stopped_one_logged_after_its_checkpoint(tm
     to_board(resumed, iteration(2, 0.9))
     resumed.close()
     assert board_scalars(tmp_path / "tensorboard")["reward_mean"] == pytest.approx({1: 0.0, 2: 0.1, 3: 0.9})
+
+
+def test_an_error_counted_by_an_int_code_is_counted_not_raised():
+    """The policy server counts an exception by its `code` when it has one: an int (an HTTP library's status) made
+    Ray's counter raise TypeError inside the handler, in place of the error being answered."""
+    from lightning_ray.metrics import count_error
+
+    count_error("policy_server", 404)  # raised TypeError: Tag values must be str
