@@ -78,7 +78,10 @@ def run_to_end(store, workers: list, slots_per_worker: int, rollout_ids: list[st
                 free.append(w)
 
     total = len(set(rollout_ids))
-    with tqdm(total=len(rollout_ids), desc=desc, leave=False) as bar:
+    # a batch collected ahead (rollout.mode=async) runs in a thread, beside the update's spinner on the same line: the
+    # loop shows that it waits for it, and the iteration's line what it collected
+    ahead = threading.current_thread() is not threading.main_thread()
+    with tqdm(total=len(rollout_ids), desc=desc, leave=False, disable=ahead) as bar:
         while True:
             # counted, not read: the ended rollouts themselves are read once, at the end
             counts = store.count_rollouts(rollout_ids)

@@ -10,6 +10,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
+from lightning_ray.terminal import status
 from lightning_ray.trainer.collect import Batch, collect, draw
 from lightning_ray.trainer.run import Run
 from lightning_ray.types import Task
@@ -29,7 +30,11 @@ class Batches:
         """The iteration's batch: collected now (sync, or a first batch), or waited for (async: as the phase
         `wait`). Its phase timer goes on as the iteration's (run.phase)."""
         start, pending = time.monotonic(), self.pending.pop(iteration, None)
-        batch = pending.result() if pending else self._collect(iteration, self._begin(iteration))
+        if pending:
+            with status(f"iter {iteration}: waiting for its rollouts, collected during the update", report=False):
+                batch = pending.result()
+        else:
+            batch = self._collect(iteration, self._begin(iteration))
         waited = time.monotonic() - start
         if pending:
             batch.phase.add("wait", waited)
