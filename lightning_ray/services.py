@@ -14,6 +14,7 @@ import ray
 
 from lightning_ray.config import ConfigError, TrainConfig
 from lightning_ray.learner.checkpoint import Checkpoint
+from lightning_ray.metrics import name_run
 from lightning_ray.models import check_model, resolve_adapter, resolve_model_path
 from lightning_ray.placement import ON_HEAD, actor_options, share_a_gpu
 from lightning_ray.rollout.dispatch import run_to_end
@@ -127,6 +128,7 @@ class Services:
                            **({"num_cpus": cfg.ray.num_cpus, "_metrics_export_port": cfg.ray.metrics_export_port,
                                "_system_config": {"worker_maximum_startup_concurrency": 16}} if local else {}))
         _link_ray_logs(context.address_info["session_dir"], cfg.run_path / "logs")
+        name_run(cfg.run_path.name)
         if local:  # else the replicas or ranks would wait for GPUs for ever, behind a spinner (a cluster may grow)
             check_gpus(cfg, learner, ray.cluster_resources().get("GPU", 0))
         if context.dashboard_url:

@@ -80,6 +80,8 @@ def test_the_run_is_on_the_prometheus_endpoint(cli_run):
     assert m.values("ray_lightning_ray_weight_sync_seconds_count")[0] >= 1
     assert max(m.values("ray_lightning_ray_policy_version", role="served")) >= 1
     assert m.values("ray_lightning_ray_staleness") == [0.0]  # on-policy: data from the version being trained
+    # the driver's gauges by run (a sweep's jobs share a cluster): its directory's name
+    assert m.values("ray_lightning_ray_reward_mean", run=cli_run["dir"].name) == rewards
 
 
 def test_the_grafana_dashboard_has_a_panel_per_metric():
