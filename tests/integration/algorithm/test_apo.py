@@ -89,10 +89,14 @@ def test_the_system_prompt_reaches_the_agent_through_the_task_input():
     assert calc.opening(train[0].input)[0] == {"role": "system", "content": "Be exact."}
 
 
-def test_the_apo_job_validates_its_config_by_key(tmp_path):
-    r = subprocess.run([sys.executable, "jobs/apo.py", "apo.beam=0", f"hydra.run.dir={tmp_path}"], cwd=ROOT,
+@pytest.mark.parametrize("override, named", [("apo.beam=0", "apo.beam"),
+                                             # its workflow's prompts are its own: an AttributeError after the
+                                             # services' start before
+                                             ("task=sql", "task: the sql task's agents have prompts of their own")])
+def test_the_apo_job_validates_its_config_by_key(tmp_path, override, named):
+    r = subprocess.run([sys.executable, "jobs/apo.py", override, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "apo.beam" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode != 0 and named in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 # ---- one real round ------------------------------------------------------------------------------------------------
