@@ -235,6 +235,19 @@ def test_a_runaway_query_ends_at_the_time_limit(db):
     start = time.monotonic()  # the task's own limit
     assert sql.reward({"db": "chinook", "gold": COUNT_ROCK}, runaway) == 0.0
     assert time.monotonic() - start < sql.TIME_LIMIT_S + slack
+    # one LIKE is one instruction, which the limit cannot stop: a 10 kB pattern against 1 MB took 14 s at 0.5
+    like = "SELECT printf('%.*c', 999999, 'a') LIKE '%' || printf('%.*c', 10000, 'a') || 'b'"
+    start = time.monotonic()
+    with pytest.raises(QueryError, match="LIKE or GLOB pattern too complex"):
+        execute(db, like, time_limit_s=0.5)
+    assert time.monotonic() - start < 0.5 + slack
+    assert execute(db, "SELECT COUNT(*) FROM Track WHERE Name LIKE '%love%'").rows[0][0] > 0  # a question's LIKE
+
+
+def test_sqlites_pointer_handing_function_is_refused(db):
+    """fts3_tokenizer gives out a library's address (and its two-argument form takes one): no reading there."""
+    with pytest.raises(QueryError, match="not authorized"):
+        execute(db, "SELECT hex(fts3_tokenizer('simple'))")
 
 
 def test_huge_results_and_values_are_refused(db):
