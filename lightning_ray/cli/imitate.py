@@ -7,6 +7,7 @@ import shlex
 
 from lightning_ray.cli.train import run_training
 from lightning_ray.config import TrainConfig, job
+from lightning_ray.config.secrets import masked
 
 IMITATION_ONLY = ("teacher", "algorithm", "trainer", "seed", "run_dir", "resume", "model.path")
 
@@ -24,10 +25,11 @@ def main(cfg: TrainConfig) -> None:
 def rl_command(cfg: TrainConfig, overrides: list[str]) -> str:
     """RL from the imitation's checkpoint, with this run's own settings (task, placement, model preset, engine,
     learner: a GPU run's go on on the GPUs) but those of imitation itself (teacher, algorithm, trainer, seed,
-    run_dir). Both start from configs/train.yaml, so the overrides alone say it."""
+    run_dir). Both start from configs/train.yaml, so the overrides alone say it. A secret given in clear is printed as
+    '***' (to be given again; serve.api_key=${oc.env:VAR} is printed as it is)."""
     def imitation_only(override: str) -> bool:
         key = override.lstrip("+~").split("=", 1)[0]
         return any(key == k or key.startswith(k + ".") for k in IMITATION_ONLY)
 
-    kept = [o for o in overrides if not imitation_only(o)]
+    kept = [masked(o) for o in overrides if not imitation_only(o)]  # printed: to the terminal and Ray's job logs
     return shlex.join(["python", "jobs/train.py", *kept, f"model.path={cfg.run_path / 'checkpoint'}"])

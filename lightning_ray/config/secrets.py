@@ -12,6 +12,7 @@ import yaml
 SECRET_KEY = re.compile(r"key|token|secret|passw", re.IGNORECASE)
 # (not a part of a path or a name: /data/hf_downloads/ is no token; https://ghp_...@github.com is one)
 SECRET_VALUE = re.compile(r"(?<![\w.-])(?<!\w/)(sk-|hf_|ghp_|gho_|github_pat_|xox[abp]-|AKIA)[\w-]{8,}")
+URL_PASSWORD = re.compile(r"(?<=://)([^/\s:@]+):[^/\s@]+(?=@)")  # https://user:password@host: the password
 ENV_REF = r"\$\{oc\.env:\w+\}"  # where a secret comes from ('serve.api_key=${oc.env:MY_KEY}'), not the secret: kept
 # An override that sets a secret, as Hydra's records of a command line hold it: alone, or one of a k=v,k=v list
 # (override_dirname); its value runs to the next override
@@ -29,7 +30,9 @@ def masked(node: Any) -> Any:
                 else masked(v) for k, v in node.items()}
     if isinstance(node, list):
         return [masked(v) for v in node]
-    return SECRET_OVERRIDE.sub(r"\1***", SECRET_VALUE.sub("***", node)) if isinstance(node, str) else node
+    if not isinstance(node, str):
+        return node
+    return SECRET_OVERRIDE.sub(r"\1***", URL_PASSWORD.sub(r"\1:***", SECRET_VALUE.sub("***", node)))
 
 
 def mask_file(path: Path) -> None:

@@ -4,6 +4,7 @@ two the same)."""
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import Counter
 from typing import Any
@@ -122,8 +123,8 @@ class IterationRecord(BaseModel):
     eval: dict[str, Any] | None = described(
         "held-out evaluation `after` that many iterations, over `tasks` problems: `accuracy` (greedy), "
         "`reward_mean`, `failed_rollouts` (the platform's: no reward, counted wrong), `pass@k` and `mean@k` (one "
-        "sample's accuracy at `rollout.temperature`) when `eval.pass_k` is set, `seconds` it took, `accuracy_by` each `task.balance` "
-        "value's when that is set", optional=True)
+        "sample's accuracy at `rollout.temperature`) when `eval.pass_k` is set, `seconds` it took, `accuracy_by` "
+        "each `task.balance` value's when that is set", optional=True)
 
 
 def iteration_record(iteration, rollouts, spans, transitions, adapted, sampling, version, results, seconds) -> dict:
@@ -183,11 +184,15 @@ def per_adapter(transitions) -> dict[str, dict[str, float]]:
             for name, pool in sorted(by_adapter(transitions).items())}
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # all but tab and line ends: the terminal's
+
+
 def common_errors(rollouts, most: int = 3) -> dict[str, int]:
     """The failed rollouts' most common errors, each by its first and last lines (a traceback's frames differ where
     its cause, its last line, does not; a command's error opens with its exit status), with their counts."""
     def said(error: str | None) -> str:
-        lines = [line.strip() for line in (error or "no error said").strip().splitlines() if line.strip()]
+        error = _CONTROL.sub("?", error or "no error said")  # an agent's stderr may hold the model's escape codes
+        lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
         return (lines[0] if len(lines) == 1 else f"{lines[0][:150]} ... {lines[-1][:150]}")[:300]
 
     return dict(Counter(said(r.error) for r in rollouts if r.status == "failed").most_common(most))

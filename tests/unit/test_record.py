@@ -97,3 +97,12 @@ def test_the_reports_seconds_count_an_async_batchs_collection_once():
     sync = {"seconds": {"rollout": 60.0, "adapt": 5.0, "train": 55.0, "sync": 2.0}}
     overlapped = {"seconds": {"rollout": 60.0, "adapt": 5.0, "wait": 10.0, "train": 55.0, "sync": 2.0}}
     assert (loop_seconds(sync), loop_seconds(overlapped)) == (122.0, 67.0)
+
+
+def test_an_error_printed_on_the_terminal_carries_no_escape_codes():
+    """A command agent's stderr may hold the model's text: ESC sequences (clear the screen, OSC 52 writes to the
+    clipboard) reached the terminal through the iteration's line."""
+    error = "exit status 1\nboom \x1b[2J\x1b[H\x1b]52;c;aGk=\x1b\\ \x9b31m done\ttab"
+    rollouts = [Rollout(rollout_id="r", task=Task(task_id="t", input={}), status="failed", reward=0.0, error=error)]
+    (said,) = iteration_record(0, rollouts, [], [], ADAPTED, SAMPLING, 4, [], {})["rollout_errors"]
+    assert said == "exit status 1 ... boom ?[2J?[H?]52;c;aGk=?\\ ?31m done\ttab"

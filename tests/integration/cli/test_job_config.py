@@ -228,6 +228,10 @@ def test_no_secret_reaches_the_run_directory(tmp_path):
     assert validate(yaml.safe_load((tmp_path / "config.yaml").read_text())) == cfg
     assert masked("git+https://ghp_0123456789abcdef@github.com/o/r") == "git+https://***@github.com/o/r"
     assert masked("serve.api_key=abc,teacher.api_key_env=MY_KEY") == "serve.api_key=***,teacher.api_key_env=MY_KEY"
+    # a password in a URL (a teacher's endpoint, a pip index); a port is none
+    assert masked("teacher.base_url=https://bob:hunter2@api.example.com/v1") == (
+        "teacher.base_url=https://bob:***@api.example.com/v1")
+    assert masked("ray.address=ray://head:10001") == "ray.address=ray://head:10001"
 
 
 def test_the_default_config_has_nothing_that_looks_secret(tmp_path):
@@ -273,6 +277,10 @@ def test_the_rl_run_an_imitation_prints_keeps_its_placement_and_model_and_drops_
         imitation = compose([*task, f"run_dir={tmp_path}"], config_name="imitate")
         printed = shlex.split(rl_command(imitation, [*task, f"run_dir={tmp_path}"]))[2:]
         assert compose([*printed, f"run_dir={tmp_path / 'rl'}"]).task == imitation.task, task
+    # printed to the terminal and the job's logs: a key given in clear is not; one from the environment is kept
+    keys = ["serve.api_key=sk-live-0123456789abcdef", "+engine.env.HF_TOKEN=${oc.env:HF_TOKEN}"]
+    printed = rl_command(compose([f"run_dir={tmp_path}"], config_name="imitate"), keys)
+    assert "sk-live" not in printed and "serve.api_key=***" in printed and "${oc.env:HF_TOKEN}" in printed
 
 
 def test_a_runs_local_cluster_hides_the_gpus_from_components_given_none(tmp_path):
