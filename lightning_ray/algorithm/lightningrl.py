@@ -48,7 +48,7 @@ def _transitions(rollout: Rollout, spans: list[Span], policy_model: str, agent_r
         return None, 0
     select = select or Selection.of(policy_model)
     selected = [c for c in select.calls(recorded_calls(spans), spans)
-                if imitation or semconv.TEACHER not in c.attributes]
+                if (imitation or semconv.TEACHER not in c.attributes) and not _after_the_end(c, rollout)]
     calls = sorted(filter(answered, selected), key=lambda s: s.start_time)
     step_rewards, step_of = [0.0] * len(calls), {c.span_id: i for i, c in enumerate(calls)}
     for r in intermediate if calls else []:
@@ -205,6 +205,15 @@ def _constrained(span: Span) -> dict:
 def _temperature(span: Span) -> float:
     t = span.attributes.get(semconv.SAMPLING, {}).get("temperature", 1.0)
     return t if t > 0 else 1.0  # greedy: no temperature to score at
+
+
+# A call the attempt's agent cannot have made: one that started after the rollout ended (a command agent's process
+# that left its process group, still holding the attempt's key), with slack for the clocks of two machines.
+CLOCK_SLACK_S = 1.0
+
+
+def _after_the_end(call: Span, rollout: Rollout) -> bool:
+    return rollout.ended_at is not None and call.start_time > rollout.ended_at + CLOCK_SLACK_S
 
 
 def _number(span: Span) -> bool:

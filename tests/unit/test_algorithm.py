@@ -63,6 +63,17 @@ def test_training_data_comes_only_from_what_the_server_recorded():
     assert [(t.response_ids.tolist(), t.reward) for t in opted_in] == [([2], 1.0)]  # the last well-formed one
 
 
+def test_a_call_made_after_the_rollout_ended_is_not_trained():
+    """A command agent's process that left its process group outlives its attempt, its key still valid: its calls
+    after the rollout's end (recorded by the server, under the attempt) were trained with the attempt's reward."""
+    rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}), attempt_id="at-1", reward=1.0,
+                      ended_at=10.0)
+    spans = [llm_span("ro-1", "policy", 9.5, [1], [2]),
+             llm_span("ro-1", "policy", 10.5, [1], [3]),  # within the clocks' slack: the agent's last, say
+             llm_span("ro-1", "policy", 60.0, [1], [666])]
+    assert [t.response_ids.tolist() for t in transitions_from_spans(rollout, spans, "policy")] == [[2], [3]]
+
+
 def agent_span(span_id, parent, attributes, name="invoke_agent"):
     return Span(span_id=span_id, parent_id=parent, rollout_id="ro-1", attempt_id="at-1", name=name,
                 attributes=attributes)
