@@ -39,7 +39,8 @@ INFRASTRUCTURE_ERRORS = (openai.APIConnectionError, openai.InternalServerError, 
 # Agent threads this process left behind at a timeout (_within): they may still run, and call the policy.
 ABANDONED: list[threading.Thread] = []
 # Set while an attempt runs, once the store says its lease is lost (timed out, its rollout cancelled): an agent that
-# can be stopped (a command: rollout/agents.py) stops then, not at its deadline, calling the policy meanwhile.
+# can be stopped (a command: rollout/agents.py) stops then, not at its deadline, calling the policy meanwhile; one
+# that cannot (a Python thread) is left behind, as at its deadline, and the worker goes on (_within).
 LEASE_LOST: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("lease_lost", default=None)
 
 
@@ -158,6 +159,10 @@ class AttemptTimeout(Exception):
     """The agent ran past its attempt's deadline (rollout.timeout_seconds)."""
 
 
+class AttemptAbandoned(Exception):
+    """The attempt's lease was lost while its agent ran: no one will take its result."""
+
+
 class AgentAborted(Exception):
     """The agent raised what is not an Exception (asyncio.CancelledError, SystemExit, KeyboardInterrupt)."""
 
@@ -182,7 +187,13 @@ def _within(seconds: float | None, fn: Callable, *args, **kwargs):
 
     thread = threading.Thread(target=run, daemon=True, name="agent")
     thread.start()
-    thread.join(seconds)
+    deadline, lease_lost = time.monotonic() + seconds, LEASE_LOST.get()
+    while thread.is_alive() and (left := deadline - time.monotonic()) > 0:
+        thread.join(min(left, 1.0))
+        if lease_lost is not None and lease_lost.is_set() and thread.is_alive():  # its result would be dropped:
+            ABANDONED.append(thread)  # the worker goes on to the next rollout
+            raise AttemptAbandoned("the attempt's lease was lost (its rollout cancelled or timed out in the store); "
+                                   "the agent's thread was abandoned")
     if thread.is_alive():
         ABANDONED.append(thread)
         raise AttemptTimeout(f"the agent ran past rollout.timeout_seconds={seconds:g}; its thread was abandoned")

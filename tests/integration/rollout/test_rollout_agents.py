@@ -188,6 +188,25 @@ def test_a_command_whose_attempt_lost_its_lease_is_killed_then():
         LEASE_LOST.reset(told)
 
 
+def test_an_in_process_agent_whose_attempt_lost_its_lease_is_left_behind_then():
+    """A Python agent cannot be killed: its worker waited for it to its deadline (rollout.timeout_seconds, 600 s by
+    default), taking no other rollout, for a result the store would refuse. It is left behind at once, as at its
+    deadline."""
+    from lightning_ray.rollout.runner import LEASE_LOST, AttemptAbandoned, _within
+
+    lost, release = threading.Event(), threading.Event()
+    told = LEASE_LOST.set(lost)
+    try:
+        threading.Timer(0.5, lost.set).start()
+        started = time.monotonic()
+        with pytest.raises(AttemptAbandoned, match="lease was lost"):
+            _within(60, release.wait, 30)
+        assert time.monotonic() - started < 10
+    finally:
+        LEASE_LOST.reset(told)
+        release.set()
+
+
 def test_a_command_the_platform_failed_gets_no_score_and_a_launchers_child_dies_at_the_deadline(tmp_path):
     """A command is told from the platform's failures as an in-process agent's exception is (those are retried, not
     scored 0): it could not start, the out-of-memory killer's SIGKILL, EX_TEMPFAIL (75), an OpenAI SDK's 5xx or
