@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -80,7 +82,7 @@ class Services:
         resume: a checkpoint of this run to go on from (its policy served as its version, the learner's state
         loaded, the rollouts the stopped run left unfinished cancelled). What started is stopped again if a later
         part fails to start."""
-        self.cfg, self.learner, self.apps = cfg, None, []
+        self.cfg, self.learner, self.apps, self.signals = cfg, None, [], {}
         self.store, self.registry, self.workers = None, None, []
         cfg.run_path.mkdir(parents=True, exist_ok=True)
         cfg.save(cfg.run_path / "config.yaml")
@@ -128,6 +130,11 @@ class Services:
                            **({"num_cpus": cfg.ray.num_cpus, "_metrics_export_port": cfg.ray.metrics_export_port,
                                "_system_config": {"worker_maximum_startup_concurrency": 16}} if local else {}))
         _link_ray_logs(context.address_info["session_dir"], cfg.run_path / "logs")
+        if threading.current_thread() is threading.main_thread():
+            # ray.init's SIGTERM handler aborts the driver 3 s later, its parts unstopped, no resume line: `ray job
+            # stop`, `kill`, a pod's stop end the run as Ctrl-C does; and Ctrl-C works where a shell started it
+            # with SIGINT ignored (a script's background job). Restored at the exit.
+            self.signals = {s: signal.signal(s, signal.default_int_handler) for s in (signal.SIGTERM, signal.SIGINT)}
         name_run(cfg.run_path.name)
         if local:  # else the replicas or ranks would wait for GPUs for ever, behind a spinner (a cluster may grow)
             check_gpus(cfg, learner, ray.cluster_resources().get("GPU", 0))
@@ -212,15 +219,20 @@ class Services:
     def __exit__(self, *exc) -> None:
         """Stops every part, each whatever happened to the others (a part already gone, its node lost, must not
         leave the rest running); the first failure is raised once all were tried."""
+        interrupted = bool(exc) and isinstance(exc[1], KeyboardInterrupt)
+        if interrupted:
+            console.print("stopping (Ctrl-C again stops at once) ...")
         steps = [self.learner.stop] if self.learner else []  # its ranks shut down while the apps are deleted
         steps += [lambda: delete_apps(self.apps)] if self.apps else []
-        steps += [self.learner.close] if self.learner else []
+        # a rank reads its stop after its step (a minute, for a big one): interrupted, Ray's shutdown ends it instead
+        steps += [lambda: self.learner.close(5 if interrupted and self.owns_ray else 60)] if self.learner else []
         # Named, the run's actors would outlive it in a driver that goes on (a notebook, the tests' one cluster):
         # Serve keeps the handles a deleted app was deployed with.
         steps += [lambda actor=actor: ray.kill(actor, no_restart=True)
                   for actor in [*self.workers, *([self.registry] if self.registry else [])]]
         steps += [self.store.close] if self.store else []
         steps += [ray.shutdown] if self.owns_ray else []
+        steps += [lambda: [signal.signal(s, handler) for s, handler in self.signals.items()]]
         failure = None
         for step in steps:
             try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import threading
 
 from lightning_ray.config import TrainConfig, compose, job
@@ -18,11 +17,7 @@ def main(cfg: TrainConfig) -> None:
     route_logs(cfg.run_path / "logs", cfg.verbose)
     with Services(cfg, rollout_workers=False) as services:
         print(serving_help(services.server_url, cfg), flush=True)
-        # `kill`, a pod's stop: as Ctrl-C, cleanly; and Ctrl-C itself even where a shell started us with SIGINT
-        # ignored (a non-interactive shell's background job, whose children inherit that)
-        for stop in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(stop, signal.default_int_handler)
-        try:
+        try:  # Ctrl-C, or SIGTERM (`kill`, a pod's stop: as Ctrl-C, services.py)
             threading.Event().wait()
         except KeyboardInterrupt:
             print("stopping ...", flush=True)

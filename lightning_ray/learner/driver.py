@@ -255,10 +255,10 @@ class Learner:
                 with contextlib.suppress(ray.exceptions.RayError):
                     inbox.put(None)
 
-    def close(self) -> None:
-        """Stops the ranks and waits for the training run to end."""
+    def close(self, timeout: float = 60) -> None:
+        """Stops the ranks and waits for the training run to end (`timeout` seconds at most)."""
         self.stop()
-        self.thread.join(timeout=60)
+        self.thread.join(timeout=timeout)
         ray.kill(self.mailboxes)  # named: in a driver that goes on (the tests' one cluster) it would outlive the run
 
 

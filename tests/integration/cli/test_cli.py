@@ -251,16 +251,37 @@ def test_serve_answers_an_openai_client_until_ctrl_c(run_dir, tmp_path):
                                              max_tokens=8, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
     finally:
-        server.send_signal(signal.SIGINT)
+        server.send_signal(signal.SIGTERM)  # a pod's stop: as Ctrl-C
         try:  # Serve drains and deletes both apps, then Ray shuts down: slow on a loaded machine
             rest, _ = server.communicate(timeout=300)
         except subprocess.TimeoutExpired:
             server.kill()
-            pytest.fail("serve did not stop within 300 s of Ctrl-C:\n" + server.communicate()[0][-3000:])
+            pytest.fail("serve did not stop within 300 s of SIGTERM:\n" + server.communicate()[0][-3000:])
     assert server.returncode == 0, rest[-3000:]
     assert "stopped" in rest and "Traceback" not in rest
     served = json.loads(cli("store", "inspect", str(tmp_path), "--json").stdout)  # the call, recorded in its store
     assert served["rollouts"] == 0 and served["spans_by_name"][semconv.LLM_CALL] == 1
+
+
+def test_sigterm_stops_a_training_run_as_ctrl_c_does(tmp_path):
+    """`ray job stop`, `kill`, a pod's stop send SIGTERM: ray.init's handler aborted the driver 3 s later (exit 134),
+    its parts unstopped and no word of the checkpoint to go on from. Now the run stops as on Ctrl-C."""
+    job = subprocess.Popen([*CLI, "train", *TINY, "trainer.iterations=20", "trainer.eval_every=0",
+                            "trainer.checkpoint_every=1", f"serve.port={free_port()}", f"hydra.run.dir={tmp_path}"],
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, deadline = [], time.monotonic() + 300
+    try:
+        while not any(line.startswith("iter 0:") for line in lines):  # logged once its checkpoint is saved
+            line = job.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(lines[-40:])
+            lines.append(line)
+        job.send_signal(signal.SIGTERM)
+        rest, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode not in (0, -6, 134), rest[-3000:]  # interrupted, not aborted
+    assert "SIGTERM received" not in rest and "stopping" in rest, rest[-3000:]
+    assert f"goes on with the same command and resume={tmp_path}" in rest, rest[-3000:]
 
 
 def test_the_rayservice_application_serves_the_checkpoint(run_dir, ray_cluster, serve_port, tmp_path):
