@@ -151,9 +151,9 @@ class Services:
         # On the head, beside the driver: the store's SQLite files are the run directory's.
         self._starting("the trace store")
         self.store = StoreClient.start(cfg.run_path, cfg.store.num_shards, label=label, actor_options=ON_HEAD)
-        # a training run going on in its directory (resume=, auto too where it found no checkpoint): the stopped
-        # run's unfinished rollouts, which no worker is waiting for
-        if learner and cfg.resume and (left := self.store.query_rollouts(status=["queued", "requeued", "running"])):
+        # a training run in a directory a stopped run left (resume=; or none, where it stopped before a checkpoint):
+        # that run's unfinished rollouts, which no worker waits for (a new run's workers took them first)
+        if learner and (left := self.store.query_rollouts(status=["queued", "requeued", "running"])):
             self.store.cancel([r.rollout_id for r in left])
         self.attempts = AttemptPolicy(max_attempts=cfg.rollout.max_attempts,
                                       timeout_seconds=cfg.rollout.timeout_seconds,
