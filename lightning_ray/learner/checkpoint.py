@@ -7,7 +7,7 @@
 
 A checkpoint is written into `iter-N.tmp` and renamed into place only once whole, and the `checkpoint` link is swapped
 atomically, so a crash while saving leaves the previous checkpoint as it was; a `.tmp` left behind is deleted by the
-next save. The last `trainer.keep_checkpoints` are kept.
+next save, whatever its iteration. The last `trainer.keep_checkpoints` are kept.
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ def commit(tmp: Path, state: LoopState, keep: int) -> Checkpoint:
     os.replace(link, run_path / LINK)
     for old in _saved(run_path)[:-keep]:
         shutil.rmtree(old)
+    for torn in (run_path / DIR).glob("iter-*.tmp"):  # a save that died, of another iteration (a resumed run's
+        shutil.rmtree(torn, ignore_errors=True)  # schedule may differ): as big as a checkpoint
     return Checkpoint(path=final, state=state)
 
 

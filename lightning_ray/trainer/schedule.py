@@ -61,6 +61,8 @@ class Batches:
         (the sampler's state, which a checkpoint keeps, changes in this thread only)."""
         self.run.started.append(time.time())
         self.run.sampler_before[iteration] = self.run.rng.getstate()
+        for old in [i for i in self.run.sampler_before if i < iteration - self.ahead]:  # 24 kB each, read by the
+            del self.run.sampler_before[old]  # checkpoint after the iteration before it only (Run.state)
         return draw(self.run)
 
     def _collect(self, iteration: int, tasks: list[Task]) -> Batch:

@@ -48,6 +48,9 @@ def test_a_checkpoint_is_whole_or_absent_and_the_last_ones_stay(tmp_path):
     found = latest(tmp_path)
     assert found.path.name == "iter-000003" and found.state == state(3)
     assert staging(tmp_path, 4) == torn and not any(torn.iterdir())  # the next save starts it afresh
+    (torn / "policy").mkdir()  # and one of another iteration (a resumed run's other schedule) goes with the next save
+    commit(staging(tmp_path, 5), state(5), keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["iter-000003", "iter-000005"]
     assert latest(tmp_path / "nowhere") is None
 
 
@@ -76,6 +79,10 @@ def test_an_async_runs_checkpoint_keeps_the_sampler_as_before_the_batches_drawn_
     commit(staging(tmp_path, 1), run.state(0), keep=1)
     resumed = Run(cfg, services, latest(tmp_path))
     assert resumed.first == 1 and [draw(resumed), draw(resumed)] == drawn_ahead
+    with Batches(resumed) as batches:  # the states a checkpoint may still read, not one per iteration (24 kB each)
+        for i in range(1, 40):
+            batches._begin(i)
+    assert sorted(resumed.sampler_before) == [37, 38, 39]
 
 
 def test_a_stopped_run_says_how_to_go_on_and_why_it_stopped(tmp_path):
