@@ -5,12 +5,14 @@ run a set of rollouts to their end."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import socket
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 import ray
 
@@ -56,6 +58,24 @@ def check_gpus(cfg: TrainConfig, learner: bool, detected: float) -> None:
                           "nvidia-smi sees them here, or placement=cpu")
 
 
+def hold_run_dir(run_path: Path) -> IO:
+    """The run directory, locked for this process while it runs (released when it ends, however it ends): a second
+    job given it would overwrite its config.yaml, share its store and queue, and empty its metrics.jsonl."""
+    lock = open(run_path / ".lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise ConfigError(f"run_dir: {run_path} is in use by a run still running ({holder}): give another run_dir, "
+                          "or stop that run first") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return lock
+
+
 def check_port(host: str, port: int, tries: int = 5) -> None:
     """Refuses a Serve port another program listens on, before a local cluster starts: Serve's proxy would fail to
     bind it half a minute later, in a page of traceback. Asked again for a few seconds: a cluster stopped just
@@ -85,6 +105,7 @@ class Services:
         self.cfg, self.learner, self.apps, self.signals = cfg, None, [], {}
         self.store, self.registry, self.workers = None, None, []
         cfg.run_path.mkdir(parents=True, exist_ok=True)
+        self.lock = hold_run_dir(cfg.run_path)
         cfg.save(cfg.run_path / "config.yaml")
         print(f"run directory: {cfg.run_path}", flush=True)
         self.owns_ray, self.phase = not ray.is_initialized(), "Ray"
@@ -232,7 +253,7 @@ class Services:
                   for actor in [*self.workers, *([self.registry] if self.registry else [])]]
         steps += [self.store.close] if self.store else []
         steps += [ray.shutdown] if self.owns_ray else []
-        steps += [lambda: [signal.signal(s, handler) for s, handler in self.signals.items()]]
+        steps += [lambda: [signal.signal(s, handler) for s, handler in self.signals.items()], self.lock.close]
         failure = None
         for step in steps:
             try:

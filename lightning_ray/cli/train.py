@@ -6,7 +6,7 @@ import atexit
 import sys
 from pathlib import Path
 
-from lightning_ray.config import TrainConfig, job
+from lightning_ray.config import ConfigError, TrainConfig, job
 
 
 def run_training(cfg: TrainConfig) -> None:
@@ -26,8 +26,9 @@ def run_training(cfg: TrainConfig) -> None:
     try:
         history = train(cfg, resume, splits)
     except (Exception, KeyboardInterrupt) as e:  # hours of training need not be lost: say how to go on
-        # at exit: below the traceback (Ray's OOM report is pages long)
-        if hint := resume_hint(cfg.run_path, e, auto=cfg.resume_auto):
+        # at exit: below the traceback (Ray's OOM report is pages long); a refused start trained nothing (the
+        # checkpoint there may be another run's, still running)
+        if not isinstance(e, ConfigError) and (hint := resume_hint(cfg.run_path, e, auto=cfg.resume_auto)):
             atexit.register(print, hint, file=sys.stderr, flush=True)
         if isinstance(e, RolloutsFailed):  # what the agent or its endpoint said is the story, not where it was raised
             raise SystemExit(str(e)) from None

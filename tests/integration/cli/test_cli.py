@@ -263,6 +263,22 @@ def test_serve_answers_an_openai_client_until_ctrl_c(run_dir, tmp_path):
     assert served["rollouts"] == 0 and served["spans_by_name"][semconv.LLM_CALL] == 1
 
 
+def test_a_run_directory_in_use_is_refused_before_anything_is_written(tmp_path):
+    """A second job given a running one's run_dir overwrote its config.yaml, then (another serve.port) would have
+    shared its store and queue and emptied its metrics.jsonl; and it printed the running one's resume line."""
+    import fcntl
+
+    (tmp_path / "config.yaml").write_text("the running job's\n")
+    with open(tmp_path / ".lock", "w") as held:
+        held.write("pid 4242 on head\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        r = cli("train", *TINY, f"hydra.run.dir={tmp_path}")
+    assert r.returncode != 0 and r.stderr.count("\n") == 1, r.stderr[-3000:]
+    assert f"run_dir: {tmp_path} is in use by a run still running (pid 4242 on head)" in r.stderr
+    assert (tmp_path / "config.yaml").read_text() == "the running job's\n" and "resume=" not in r.stderr
+
+
 def test_sigterm_stops_a_training_run_as_ctrl_c_does(tmp_path):
     """`ray job stop`, `kill`, a pod's stop send SIGTERM: ray.init's handler aborted the driver 3 s later (exit 134),
     its parts unstopped and no word of the checkpoint to go on from. Now the run stops as on Ctrl-C."""
