@@ -156,7 +156,6 @@ class Services:
             # stop`, `kill`, a pod's stop end the run as Ctrl-C does; and Ctrl-C works where a shell started it
             # with SIGINT ignored (a script's background job). Restored at the exit.
             self.signals = {s: signal.signal(s, signal.default_int_handler) for s in (signal.SIGTERM, signal.SIGINT)}
-        name_run(cfg.run_path.name)
         if local:  # else the replicas or ranks would wait for GPUs for ever, behind a spinner (a cluster may grow)
             check_gpus(cfg, learner, ray.cluster_resources().get("GPU", 0))
         if context.dashboard_url:
@@ -168,6 +167,7 @@ class Services:
             self.model_path: Path = resolve_model_path(cfg.model)
             adapter = resolve_adapter(cfg.model)  # before anything starts: a wrong one fails here, named
         label = cfg.run_path.name  # names that read well in the Ray dashboard, unique per run
+        name_run(label)  # the driver's gauges (Ray is up, this process's or the caller's)
         self.queue = f"run@{label}"  # this run's rollouts, taken by its own workers only (types.Rollout.queue)
         # On the head, beside the driver: the store's SQLite files are the run directory's.
         self._starting("the trace store")
@@ -247,6 +247,8 @@ class Services:
         steps += [lambda: delete_apps(self.apps)] if self.apps else []
         # a rank reads its stop after its step (a minute, for a big one): interrupted, Ray's shutdown ends it instead
         steps += [lambda: self.learner.close(5 if interrupted and self.owns_ray else 60)] if self.learner else []
+        # A command agent runs in a session of its own, which the worker's death leaves running: stopped first.
+        steps += [lambda: ray.get([w.stop_agents.remote() for w in self.workers], timeout=30)] if self.workers else []
         # Named, the run's actors would outlive it in a driver that goes on (a notebook, the tests' one cluster):
         # Serve keeps the handles a deleted app was deployed with.
         steps += [lambda actor=actor: ray.kill(actor, no_restart=True)

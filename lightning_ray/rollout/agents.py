@@ -88,8 +88,12 @@ class CommandAgent:
                                        stderr=subprocess.PIPE, env=env, text=True, start_new_session=True)
         except OSError as e:
             raise AgentCommandFailedByPlatform(f"task.command {self.command} could not start: {e}") from e
-        stdout, stderr = self._communicate(process, task)
-        _kill_group(process)  # what it left running
+        RUNNING.add(process.pid)
+        try:
+            stdout, stderr = self._communicate(process, task)
+        finally:
+            _kill_group(process)  # what it left running
+            RUNNING.discard(process.pid)
         if process.returncode != 0:
             said = f"{self.command[0]} exited with {process.returncode}: {stderr.strip()[-2000:]}"
             last_words = "\n".join(stderr.strip().splitlines()[-LAST_WORDS:])
@@ -123,7 +127,24 @@ class CommandAgent:
 def _kill_group(process: subprocess.Popen) -> None:
     """The command's whole process group: what it started in the background too, so no agent outlives its attempt
     calling the policy."""
+    kill_group(process.pid)
+
+
+def kill_group(pgid: int) -> None:
     try:
-        os.killpg(process.pid, signal.SIGKILL)
+        os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:  # every process of the group has exited
         pass
+
+
+# The process groups of the commands running in this process: killed when the run stops (the worker's own death
+# takes its direct children only, and a command runs in a session of its own: its launcher's children lived on)
+RUNNING: set[int] = set()
+
+
+def kill_running() -> int:
+    """Kill every command agent still running here, with all it started; how many."""
+    groups = list(RUNNING)
+    for pgid in groups:
+        kill_group(pgid)
+    return len(groups)

@@ -7,14 +7,14 @@ import threading
 import ray
 
 from lightning_ray.config import TaskConfig
-from lightning_ray.rollout.agents import resolve_agent
+from lightning_ray.rollout.agents import kill_running, resolve_agent
 from lightning_ray.rollout.batching import BatchedStore
 from lightning_ray.rollout.runner import abandoned_agents, work
 from lightning_ray.rollout.routes import ReplicaRoutes
 from lightning_ray.tasks import load_task
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, concurrency_groups={"control": 1})  # stop_agents runs while every slot is busy
 class RolloutWorker:
     """Constructed from plain values only: Ray restarts a dead worker with its constructor's arguments, and those
     holding actor handles (the store's) would live in the object store, where they may be gone by then."""
@@ -41,6 +41,11 @@ class RolloutWorker:
             self.store = self.store or BatchedStore(store)
         return work(self.store, self.agent, self.reward, self.server_url, self.model_name, self.api_key,
                     self.worker_id, self.tracing_backend, self.max_abandoned, self.queue)
+
+    @ray.method(concurrency_group="control")
+    def stop_agents(self) -> int:
+        """Kill the agent commands running here, and what they started (the run stops: ray.kill would leave them)."""
+        return kill_running()
 
     def worn_out(self) -> bool:
         """Due a restart (rollout/dispatch.py does it once none of its rollouts runs): its abandoned agent threads

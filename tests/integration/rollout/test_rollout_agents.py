@@ -188,6 +188,30 @@ def test_a_command_whose_attempt_lost_its_lease_is_killed_then():
         LEASE_LOST.reset(told)
 
 
+def test_the_run_stopping_kills_its_running_commands_and_what_they_started(tmp_path):
+    """ray.kill of a worker took its direct children at most: a command's session (a launcher's child, a tool server
+    it started in the background) lived on, calling the policy of a run that had ended."""
+    from lightning_ray.rollout.agents import RUNNING, kill_running
+
+    pids = tmp_path / "pids"
+    agent = CommandAgent(["sh", "-c", f"sleep 611 & echo $! > {pids}; sleep 45"], timeout_seconds=120)
+    attempt = threading.Thread(target=lambda: pytest.raises(Exception, agent, {}, base_url="u", model="m",
+                                                            api_key="k"))
+    attempt.start()
+    deadline = time.monotonic() + 30
+    while not (pids.exists() and pids.read_text().strip()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    background = int(pids.read_text())
+    assert kill_running() == 1  # as the worker's stop_agents does, when the run stops
+    attempt.join(30)
+    assert not attempt.is_alive() and not RUNNING
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{background}").exists() and Path(f"/proc/{background}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the command's background child lives on"
+        time.sleep(0.05)
+
+
 def test_an_in_process_agent_whose_attempt_lost_its_lease_is_left_behind_then():
     """A Python agent cannot be killed: its worker waited for it to its deadline (rollout.timeout_seconds, 600 s by
     default), taking no other rollout, for a result the store would refuse. It is left behind at once, as at its
