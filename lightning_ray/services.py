@@ -168,6 +168,13 @@ class Services:
             adapter = resolve_adapter(cfg.model)  # before anything starts: a wrong one fails here, named
         label = cfg.run_path.name  # names that read well in the Ray dashboard, unique per run
         name_run(label)  # the driver's gauges (Ray is up, this process's or the caller's)
+        # Serve's apps are the cluster's ("policy" at /, "store"): a second run would replace the first's policy
+        # server with its own, its weight syncs then waiting for ever. A run lives while its registry does.
+        if others := sorted(name.split("@", 1)[1] for name in ray.util.list_named_actors()
+                            if name.startswith("weight-registry@") and name != f"weight-registry@{label}"):
+            raise ConfigError(f"ray.address: another run ({', '.join(others)}) is running on this Ray cluster, and "
+                              "this one would replace its policy server: one run per cluster at a time (stop it, or "
+                              "give this run a cluster of its own)")
         self.queue = f"run@{label}"  # this run's rollouts, taken by its own workers only (types.Rollout.queue)
         # On the head, beside the driver: the store's SQLite files are the run directory's.
         self._starting("the trace store")

@@ -56,6 +56,26 @@ def test_a_run_that_fails_to_start_stops_what_it_started(ray_cluster, tiny_model
         time.sleep(0.5)
 
 
+def test_a_second_run_on_a_cluster_where_one_runs_is_refused(ray_cluster, tiny_model_path, serve_port, tmp_path):
+    """Serve's apps are the cluster's: a second job submitted to it replaced the running one's policy server (whose
+    weight syncs then waited for ever), and whichever ended first deleted both. A run lives while its registry does."""
+    from ray import serve
+
+    from lightning_ray.config import ConfigError
+
+    @ray.remote(num_cpus=0)
+    class Registry:  # a stand-in for the other run's weight registry: only its name is looked at
+        pass
+
+    other = Registry.options(name="weight-registry@another-run").remote()
+    try:
+        with pytest.raises(ConfigError, match=r"ray.address: another run \(another-run\) is running on this Ray"):
+            Services(small(config(tmp_path, serve_port, tiny_model_path)))
+        assert "policy" not in serve.status().applications
+    finally:
+        ray.kill(other)
+
+
 def test_agents_left_behind_at_timeouts_cost_their_worker_a_restart_not_a_leak(ray_cluster, tiny_model_path,
                                                                                 serve_port, tmp_path):
     """Every other rollout hangs past rollout.timeout_seconds: its thread cannot be stopped and is left behind. At
