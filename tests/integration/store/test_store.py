@@ -69,6 +69,10 @@ def test_span_retention_keeps_the_spans_file_from_growing(tmp_path):
     assert kept == {f"r{i}" for i in range(30 - keep, 30)} and len(store.query_spans()) == keep * 20 * 5
     assert len(store.query_rollouts()) == 30 * 20  # the rollouts themselves stay
     assert max(sizes[10:]) <= sizes[9] * 1.05, sizes  # without deletions: ~0.8 MB more every iteration
+    # a cut reads the rollouts since the last one only (every rollout ever stored: 1 s a cut at 1M): a span of an
+    # older rollout that came late, started before that cut, goes by its time at the next
+    store.add_span_rows([span_row(Span(rollout_id="r0-0", name="llm.call", start_time=1.0))], "server")
+    assert store.delete_spans(before=29 - keep + 1) == 1 and len(store.query_spans()) == keep * 20 * 5
 
 
 def test_a_worker_takes_rollouts_of_its_own_queue_only(tmp_path):
