@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from lightning_ray.config import TrainConfig, compose
+from lightning_ray.tasks import dataset_of
 from lightning_ray.trainer import train
 
 DEFAULTS = ["trainer.iterations=16", "trainer.eval_every=4", "task.eval_size=100"]
@@ -42,7 +43,7 @@ def trained(cfg: TrainConfig) -> dict:
     for h in history:
         for k, v in h["seconds"].items():
             phases[k] = round(phases.get(k, 0.0) + v, 1)
-    return {"model": cfg.model.path, "dataset": cfg.task.dataset, "protocol": cfg.task.protocol,
+    return {"model": cfg.model.path, "dataset": dataset_of(cfg.task), "protocol": cfg.task.protocol,
             "held_out": cfg.task.eval_size, "iterations": len(history),
             "batch": f"{cfg.rollout.tasks_per_iteration}x{cfg.rollout.group_size}", "lr": cfg.learner.lr,
             "accuracy": [(e["after"], round(e["accuracy"], 3)) for e in evals],

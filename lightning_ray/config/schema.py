@@ -85,10 +85,13 @@ class AIRConfig(_Strict):
 
 
 class TaskConfig(_Strict):
-    name: Literal["calc", "sql", "rag"] = "calc"  # lightning_ray/tasks/<name>
-    # calc: a reasoning-gym generator; sql: chinook (templated questions) or spider (generator.root: its directory);
-    # rag: facts (a generated world) or musique (generator.path: a jsonl file)
-    dataset: Literal["basic_arithmetic", "gsm_symbolic", "chinook", "spider", "facts", "musique"] = "basic_arithmetic"
+    # a built-in task (lightning_ray/tasks/<name>) or your own: a module "package.module" offering make_tasks and
+    # reward, as the built-ins do (docs/03-agents-and-tasks.md, examples/custom_task)
+    name: str = Field("calc", pattern=r"^(calc|sql|rag|[A-Za-z_]\w*(\.[A-Za-z_]\w*)+)$")
+    # calc: basic_arithmetic (the default) or gsm_symbolic, reasoning-gym's generators; sql: chinook (the default:
+    # templated questions) or spider (generator.root: its directory); rag: facts (the default: a generated world)
+    # or musique (generator.path: a jsonl file); your task's own names. null: the task's default
+    dataset: str | None = Field(None, min_length=1)
     generator: dict[str, Any] = {}  # the generator's options; {}: the task's defaults
     protocol: Literal["text", "tools"] = "text"  # CALC lines in text, or the calculator by OpenAI function calling
     train_size: int = Field(1000, gt=0)

@@ -25,7 +25,9 @@ def resolve_agent(cfg: TaskConfig, timeout_seconds: float | None = None) -> Call
         return CommandAgent(cfg.command, timeout_seconds, cfg.agent_env)
     if cfg.agent:
         return entry_point(cfg.agent)
-    return load_task(cfg.name).agent
+    if not callable(agent := getattr(load_task(cfg.name), "agent", None)):
+        raise ValueError(f"task.name={cfg.name}: the task has no agent of its own: give task.agent or task.command")
+    return agent
 
 
 def entry_point(spec: str) -> Callable:

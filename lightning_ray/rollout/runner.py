@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import math
+import numbers
 import threading
 import time
 
@@ -121,7 +122,7 @@ def _traced_attempt(store: RolloutStore, rollout: Rollout, agent: Callable, rewa
         try:
             answer = _within(rollout.config.timeout_seconds, agent, rollout.task.input, base_url=base_url,
                              model=model, api_key=agent_key)
-            value, status, error = reward(rollout.task.reward_input, answer), "succeeded", None
+            value, status, error = _score(reward, rollout.task.reward_input, answer), "succeeded", None
         except AttemptTimeout as e:  # the store times the attempt out too; the agent's thread is left behind
             # scored 0 when a timeout is the policy's doing (rollout.timeout_policy), else left out of training
             answer, status, error = None, "timeout", str(e)
@@ -131,10 +132,8 @@ def _traced_attempt(store: RolloutStore, rollout: Rollout, agent: Callable, rewa
             answer, status, error = None, "failed", f"{type(e).__name__}: {e}"
             value = None if isinstance(e, INFRASTRUCTURE_ERRORS) else 0.0
             tracing.emit_exception(e)
-        if value is not None and not math.isfinite(value):  # the reward function's fault, not the policy's: no reward
-            status, error = "failed", f"the task's reward function returned {value!r}, not a finite number"
-            value = None
-            logger.warning("rollout %s: %s", rid, error)
+            if isinstance(e, RewardFailed):
+                logger.warning("rollout %s: %s", rid, error)
         root.set_attributes({"answer": answer, "status": status, "error": error})
         if value is not None:  # in the trace too, told from a reward the agent emitted (task.agent_rewards)
             current_attempt.get().tracer.record(semconv.REWARD, {semconv.REWARD_VALUE: value,
@@ -153,6 +152,22 @@ def _span_sink(store: RolloutStore, rollout_id: str) -> Callable:
             logger.warning("rollout %s: the store refused spans of its trace: %s", rollout_id, e)
 
     return sink
+
+
+class RewardFailed(PlatformFailure):
+    """The task's reward function raised, or returned no finite number: its fault, not the policy's (no reward)."""
+
+
+def _score(reward: Callable, task: dict, answer) -> float:
+    try:
+        value = reward(task, answer)
+    except PlatformFailure:  # its own word that it could not score (sql: the gold query did not run)
+        raise
+    except Exception as e:
+        raise RewardFailed(f"the task's reward function raised {type(e).__name__}: {e}") from e
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):  # (True, an np.float32: numbers)
+        raise RewardFailed(f"the task's reward function returned {value!r}, not a finite number")
+    return float(value)
 
 
 class AttemptTimeout(Exception):

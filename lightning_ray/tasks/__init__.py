@@ -6,14 +6,34 @@ oracle(task, messages, tools), the imitation teacher's answer to a call from the
 A reference's "problem", where a task gives one, names the problem whatever its wording: make_tasks excludes it too."""
 
 import importlib
+import inspect
 from types import ModuleType
 
 from lightning_ray.config import ConfigError, TaskConfig
 from lightning_ray.types import Task
 
 
+BUILT_IN = ("calc", "sql", "rag")
+
+
 def load_task(name: str) -> ModuleType:
-    return importlib.import_module(f"lightning_ray.tasks.{name}")
+    """A built-in task by its name, or your own by its module's ("package.module"): a ConfigError naming task.name
+    where it cannot be imported or lacks make_tasks or reward."""
+    try:
+        task = importlib.import_module(f"lightning_ray.tasks.{name}" if name in BUILT_IN else name)
+    except ImportError as e:
+        raise ConfigError(f"task.name={name}: not a built-in task ({', '.join(BUILT_IN)}), and its module cannot be "
+                          f"imported: {e}") from None
+    if missing := [f for f in ("make_tasks", "reward") if not callable(getattr(task, f, None))]:
+        raise ConfigError(f"task.name={name}: the module has no {' or '.join(missing)} (docs/03-agents-and-tasks.md, "
+                          "Your own task)")
+    return task
+
+
+def dataset_of(cfg: TaskConfig) -> str | None:
+    """task.dataset, or the task's default where it is null (make_tasks' own default, if it has one)."""
+    default = inspect.signature(load_task(cfg.name).make_tasks).parameters.get("dataset")
+    return cfg.dataset or (default.default if default and default.default is not inspect.Parameter.empty else None)
 
 
 def checked_options(task: str, dataset: str, options: dict | None, allowed: dict[str, set[str]]) -> dict:
@@ -32,7 +52,8 @@ def load_splits(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
     """The training split and the held-out split: different seeds, and no held-out question in training. A setting
     the task refuses (a dataset, a protocol, a generator option of another task) is a ConfigError naming task."""
     task = load_task(cfg.name)
-    options = {"dataset": cfg.dataset, "options": cfg.generator or None, "protocol": cfg.protocol}
+    options = {"options": cfg.generator or None, "protocol": cfg.protocol,
+               **({"dataset": cfg.dataset} if cfg.dataset else {})}  # (none: the task's default)
     try:
         held_out = task.make_tasks(cfg.eval_size, cfg.eval_seed, **options)
         # none of its questions, nor its problems worded otherwise (reference["problem"], where a task gives one)

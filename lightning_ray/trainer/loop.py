@@ -12,7 +12,7 @@ from lightning_ray.config import TrainConfig
 from lightning_ray.learner import checkpoint
 from lightning_ray.report import plot_learning_curve
 from lightning_ray.services import Services
-from lightning_ray.tasks import load_splits
+from lightning_ray.tasks import dataset_of, load_splits
 from lightning_ray.trainer.evaluate import evaluate_held_out
 from lightning_ray.trainer.log import log, record_iteration
 from lightning_ray.trainer.record import line
@@ -65,7 +65,7 @@ def finish(run: Run) -> None:
     if run.board:
         run.board.close()
     if run.history:
-        title = f"{run.cfg.task.dataset} · {run.cfg.model.path or 'tiny test model'}"
+        title = f"{dataset_of(run.cfg.task)} · {run.cfg.model.path or 'tiny test model'}"
         plot_learning_curve(run.history, run.evals, run.cfg.run_path / "learning_curve.png", title)
     if run.evals and (final := run.evals[-1])["after"]:
         first = run.evals[0]  # none before training where trainer.eval_before=false

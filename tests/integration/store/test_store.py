@@ -463,6 +463,22 @@ def test_a_reward_that_is_not_finite_fails_the_attempt_without_a_reward(ray_clus
     assert (emitted.status, emitted.reward) == ("failed", 0.0) and "rewards must be finite" in emitted.error
     rewards = [s.attributes["lightning_ray.reward"] for s in client.query_spans(ids, name="reward")]
     assert rewards == [0.0]  # the emitting agent's failure, scored as every agent error is; no NaN, no inf
+    # a reward function of the wrong type, or one that raises, is as much its own fault: said so, not trained on (a
+    # TypeError escaped to the spans' hand-over, "its spans did not all reach the store"; a raise scored 0)
+    def raises(task, answer):
+        raise KeyError("answer")
+
+    said = {"1": "returned '1', not a finite number", None: "returned None, not a finite number",
+            raises: "the task's reward function raised KeyError: 'answer'", True: None}
+    ids = [r.rollout_id for r in client.enqueue([Task(task_id=f"r{i}", input={"emits": False}) for i in range(4)])]
+    for value in said:
+        run_attempt(client, client.dequeue("w"), agent, value if callable(value) else lambda t, a, v=value: v,
+                    "http://unused", "m")
+    for rollout, (value, error) in zip(client.get_rollouts(ids), said.items()):
+        if error is None:  # a bool is a number: a reward function that returns `answer == gold`
+            assert (rollout.status, rollout.reward) == ("succeeded", 1.0)
+        else:
+            assert (rollout.status, rollout.reward) == ("failed", None) and error in rollout.error, rollout.error
 
 
 def test_a_refused_span_or_an_agents_base_exception_ends_the_attempt_with_its_verdict(ray_cluster):
