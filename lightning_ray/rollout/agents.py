@@ -55,10 +55,11 @@ class AgentCommandFailedByPlatform(PlatformFailure):
 
 
 EX_TEMPFAIL = 75
-# What an OpenAI SDK (Python, JavaScript) that could not reach the endpoint or got a 5xx from it raises, as its
-# uncaught error's line says it (the error's name at the line's start); looked for in stderr's last lines only (the
-# rest is the agent's log, which may hold anything, the model's words too)
-SDK_PLATFORM_ERRORS = re.compile(r"^(?:[\w.]+\.)?(?:APIConnectionError|APIConnectionTimeoutError|InternalServerError)\b"
+# What an OpenAI SDK (Python, JavaScript) raises where it could not reach the endpoint, got a 5xx, or was set up
+# wrong (runner.INFRASTRUCTURE_ERRORS), as its uncaught error's line says it (the error's name at the line's start);
+# looked for in stderr's last lines only (the rest is the agent's log, which may hold anything, the model's words too)
+SDK_PLATFORM_ERRORS = re.compile(r"^(?:[\w.]+\.)?(?:APIConnectionError|APIConnectionTimeoutError|InternalServerError"
+                                 r"|AuthenticationError|PermissionDeniedError|NotFoundError)\b"
                                  r"|^Error: connect ECONN(?:REFUSED|RESET)\b", re.MULTILINE)
 LAST_WORDS = 20  # lines: a JavaScript error's stack follows its line
 # A task's JSON in LIGHTNING_RAY_TASK up to this size: Linux refuses an environment string past 128 KiB (stdin has it)

@@ -32,8 +32,12 @@ class PlatformFailure(Exception):
 
 
 # Errors that say the platform failed the agent, not that the policy did: the endpoint unreachable, timing out or
-# answering 5xx. (A 4xx, such as a prompt grown past the context length, is the policy's doing: it scores 0.)
-INFRASTRUCTURE_ERRORS = (openai.APIConnectionError, openai.InternalServerError, httpx.TransportError, ConnectionError,
+# answering 5xx; or the agent set up wrong, which no answer of the policy's causes: a key refused (401, 403), a path
+# or model not there (404: a base URL with /v1 twice, another model's name). Not trained on, and where the first
+# round's every rollout ends so, the run stops saying why. (Any other 4xx, such as a prompt grown past the context
+# length, is the policy's doing: it scores 0.)
+INFRASTRUCTURE_ERRORS = (openai.APIConnectionError, openai.InternalServerError, openai.AuthenticationError,
+                         openai.PermissionDeniedError, openai.NotFoundError, httpx.TransportError, ConnectionError,
                          TimeoutError, PlatformFailure)
 
 

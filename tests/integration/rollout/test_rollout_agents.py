@@ -266,9 +266,17 @@ def test_a_command_the_platform_failed_gets_no_score_and_a_launchers_child_dies_
 
     platform = [["/no/such/agent"], ["sh", "-c", "kill -9 $$"], ["sh", "-c", "exit 75"],
                 [sys.executable, "-c", "raise SystemExit('openai.InternalServerError: Error code: 503 - replaced')"],
-                ["sh", "-c", "echo 'Error: connect ECONNREFUSED 127.0.0.1:8000' >&2; exit 1"]]
+                ["sh", "-c", "echo 'Error: connect ECONNREFUSED 127.0.0.1:8000' >&2; exit 1"],
+                # set up wrong, which no answer of the policy's causes: a key refused, a base URL with /v1 twice
+                ["sh", "-c", "echo 'openai.AuthenticationError: Error code: 401' >&2; exit 1"],
+                ["sh", "-c", "echo 'NotFoundError: 404 no such path: /v1/v1/chat/completions' >&2; exit 1"]]
     for command in platform:
         assert isinstance(failure(command), INFRASTRUCTURE_ERRORS), command
+    # an in-process agent's: the same exceptions (scored 0, the run going on, before)
+    import httpx
+    import openai
+    refused = httpx.Response(401, request=httpx.Request("POST", "http://u/v1/chat/completions"))
+    assert isinstance(openai.AuthenticationError("refused", response=refused, body=None), INFRASTRUCTURE_ERRORS)
     logged = "echo 'model said: InternalServerError: Error code: 503' >&2; "  # the agent's log, not its error
     for command in (["sh", "-c", "echo 'openai.BadRequestError: Error code: 400' >&2; exit 1"],
                     ["sh", "-c", logged + "echo 'ValueError: no answer' >&2; exit 1"]):

@@ -98,6 +98,8 @@ def test_an_agents_key_reaches_the_policy_and_its_own_spans_only(app):
                                                              headers={"X-Attempt-Id": "at-other"}),
             "health": policy.get("/health"),
             "a made-up key": httpx.get(f"{base_url}/models", headers={"Authorization": f"Bearer {api_key}0"}),
+            # a base URL given /v1 twice: a path not there (it was refused as beyond the key)
+            "a path not there": policy.post(f"/rollouts/{rid}/attempts/{aid}/v1/v1/chat/completions", json=hello),
         }
         seen["own spans"] = http.post("/v1/spans", json={"spans": [own]})
         seen["own OTLP spans"] = http.post("/v1/traces", content=MessageToJson(encode_spans(own_otlp)),
@@ -112,6 +114,7 @@ def test_an_agents_key_reaches_the_policy_and_its_own_spans_only(app):
     assert seen["models"] == [MODEL, *EmbeddingsConfig().names]  # the policy first, then the embedding model
     outcomes = {what: refused(r) for what, r in seen["tries"].items()}
     assert outcomes.pop("a made-up key") == (401, "invalid_api_key")
+    assert outcomes.pop("a path not there") == (404, "not_found")
     assert outcomes == dict.fromkeys(outcomes, (403, "permission_denied")), outcomes
     assert seen["own spans"].json()["accepted"] == 1 and seen["own OTLP spans"].status_code == 200
     # the worker, not the agent, ended the attempt: with the task's reward for the model's answer
