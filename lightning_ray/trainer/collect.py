@@ -30,6 +30,23 @@ class RolloutsFailed(RuntimeError):
                          "--what rollouts)")
 
 
+class NoPolicyCalls(RolloutsFailed):
+    """No rollout of an iteration's first round made a call the policy server recorded as the policy's: an agent that
+    calls a URL of its own (not the base URL it is given), or no model; or a selection that picks none of its calls.
+    Every iteration would train nothing, its line saying "no signal"."""
+
+    def __init__(self, iteration: int, rollouts: list[Rollout], recorded: int):
+        failed = sum(r.status == "failed" for r in rollouts)
+        said = "; ".join(f"{n}x {error}" for error, n in common_errors(rollouts).items())
+        why = (f"the server recorded {recorded} call(s) under them, none the policy's as algorithm.select picks them "
+               "(model.name, select.models, select.agents)" if recorded else
+               "none reached the policy server under its rollout: does the agent use the base URL it is given "
+               "(base_url, OPENAI_BASE_URL), not one of its own, and call the model at all?")
+        RuntimeError.__init__(self, f"no rollout of iteration {iteration} ({len(rollouts)}) made a call the policy can "
+                              f"be trained on, so the run stops: {why}"
+                              + (f" ({failed} failed, most often: {said})" if failed else ""))
+
+
 @dataclass
 class Batch:
     """What an iteration collected, over every sampling round (the groups dynamic sampling dropped included)."""
@@ -86,6 +103,8 @@ def collect(run: Run, iteration: int, tasks: list[Task]) -> Batch:
                 found += air
             transitions, counts = adapt(done, found, cfg.model.name, alg.level, cfg.task.agent_rewards, run.select,
                                         imitation=alg.objective == "sft")
+            if not batch.rollouts and not counts["policy_calls"]:  # (the first round, as above)
+                raise NoPolicyCalls(iteration, done, len(recorded_calls(found)))
             if alg.adapters:  # the base's calls (of agents no adapter names) train nothing: it is frozen
                 base = [tr for tr in transitions if tr.adapter not in alg.adapters]
                 counts["base_calls"] = sum(len(tr.call_tokens or [0]) for tr in base)

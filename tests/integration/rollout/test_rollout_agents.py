@@ -76,6 +76,20 @@ def test_a_second_run_on_a_cluster_where_one_runs_is_refused(ray_cluster, tiny_m
         ray.kill(other)
 
 
+def test_a_run_whose_first_round_has_no_policy_call_stops_saying_why(ray_cluster, tiny_model_path, serve_port,
+                                                                       tmp_path):
+    """An agent that calls a URL of its own (the printed one pasted in; a selection that picks none of its calls
+    likewise): the run trained nothing to its end, each line saying "no signal"."""
+    from lightning_ray.trainer.collect import NoPolicyCalls
+
+    cfg = small(config(tmp_path, serve_port, tiny_model_path, task={"agent": "tests.agents.own_url:agent"},
+                       trainer={"iterations": 3, "eval_every": 0}))
+    with pytest.raises(NoPolicyCalls, match=r"no rollout of iteration 0 \(16\) made a call the policy can be trained "
+                                            r"on, so the run stops: none reached the policy server under its rollout: "
+                                            r"does the agent use the base URL it is given"):
+        train(cfg)
+
+
 def test_agents_left_behind_at_timeouts_cost_their_worker_a_restart_not_a_leak(ray_cluster, tiny_model_path,
                                                                                 serve_port, tmp_path):
     """Every other rollout hangs past rollout.timeout_seconds: its thread cannot be stopped and is left behind. At
