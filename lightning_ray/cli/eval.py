@@ -13,7 +13,7 @@ def main(cfg: TrainConfig) -> None:
     from lightning_ray.services import Services  # imported late: `--help` and config errors stay instant
     from lightning_ray.tasks import dataset_of, load_splits
     from lightning_ray.terminal import route_logs
-    from lightning_ray.trainer.evaluate import evaluate
+    from lightning_ray.trainer.evaluate import evaluate, failures
 
     _, held_out = load_splits(cfg.task)  # a task setting its task refuses, before the services' minutes of start
     route_logs(cfg.run_path / "logs", cfg.verbose)
@@ -23,4 +23,5 @@ def main(cfg: TrainConfig) -> None:
     out = cfg.run_path / "eval.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
-    print(f"held-out accuracy {result['accuracy']:.3f} on {result['tasks']} problems; written to {out}")
+    print(f"held-out accuracy {result['accuracy']:.3f} on {result['tasks']} problems{failures(result)}; written to "
+          f"{out}")

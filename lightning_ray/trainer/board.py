@@ -25,7 +25,8 @@ def to_board(board: SummaryWriter, written: dict) -> None:
                                                                               "rollout_errors")}):  # text, not scalars
         board.add_scalar(name, value, step)
     for evaluation in filter(None, (written.get("eval_before"), written.get("eval"))):
-        for name, value in _numbers({k: v for k, v in evaluation.items() if k != "after"}, "eval/"):
+        for name, value in _numbers({k: v for k, v in evaluation.items() if k not in ("after", "rollout_errors")},
+                                    "eval/"):
             board.add_scalar(name, value, evaluation["after"])
     board.flush()
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from lightning_ray.metrics import metrics
 from lightning_ray.services import Services
+from lightning_ray.trainer.record import common_errors
 from lightning_ray.types import Rollout, Task
 
 if TYPE_CHECKING:  # a run's TensorBoard writer imports torch (~2 s): `lightning-ray eval` needs neither
@@ -27,6 +28,8 @@ def evaluate(services: Services, tasks: list[Task], pass_k: int = 0, desc: str =
     result = {"tasks": len(tasks), "accuracy": _solved(greedy) / len(tasks),
               "reward_mean": sum(r.reward or 0.0 for r in greedy) / len(greedy),
               "failed_rollouts": sum(r.reward is None for r in greedy)}
+    if errors := common_errors(greedy):  # an accuracy of agents that failed is not the policy's: said beside it
+        result["rollout_errors"] = errors
     if key := services.cfg.task.balance:  # each kind of task's accuracy: what training gained or lost, and where
         kinds: dict[str, list[Rollout]] = defaultdict(list)
         for r in greedy:
@@ -43,6 +46,14 @@ def evaluate(services: Services, tasks: list[Task], pass_k: int = 0, desc: str =
         result[f"pass@{pass_k}"] = sum(_solved(rs) > 0 for rs in by_task.values()) / len(tasks)
         result[f"mean@{pass_k}"] = _solved(sampled) / len(sampled)  # accuracy of one sample at that temperature
     return result
+
+
+def failures(result: dict) -> str:
+    """What the accuracy's line says of the evaluation's failed rollouts (the agent's and the platform's)."""
+    if not (errors := result.get("rollout_errors")):
+        return ""
+    return (f" ({sum(errors.values())} of {result['tasks']} rollouts failed, most often: "
+            + "; ".join(f"{n}x {error[:160]}" for error, n in errors.items()) + ")")
 
 
 def evaluate_held_out(run: Run, after: int) -> dict:

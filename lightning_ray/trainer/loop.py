@@ -13,7 +13,7 @@ from lightning_ray.learner import checkpoint
 from lightning_ray.report import plot_learning_curve
 from lightning_ray.services import Services
 from lightning_ray.tasks import dataset_of, load_splits
-from lightning_ray.trainer.evaluate import evaluate_held_out
+from lightning_ray.trainer.evaluate import evaluate_held_out, failures
 from lightning_ray.trainer.log import log, record_iteration
 from lightning_ray.trainer.record import line
 from lightning_ray.trainer.run import Run
@@ -38,7 +38,8 @@ def train(cfg: TrainConfig, resume: checkpoint.Checkpoint | None | EllipsisType 
             print(f"resumed from {resume.path.name}: iteration {run.first}, "
                   f"policy v{resume.state.policy_version}", flush=True)
         elif cfg.trainer.eval_every and cfg.trainer.eval_before:
-            print(f"held-out accuracy before training: {evaluate_held_out(run, 0)['accuracy']:.3f}", flush=True)
+            before = evaluate_held_out(run, 0)
+            print(f"held-out accuracy before training: {before['accuracy']:.3f}{failures(before)}", flush=True)
         run.start_clock()
         with Batches(run) as batches:
             for iteration in run.iterations():
@@ -71,4 +72,4 @@ def finish(run: Run) -> None:
         first = run.evals[0]  # none before training where trainer.eval_before=false
         before = f"{first['accuracy']:.3f} before → " if first["after"] == 0 else ""
         print(f"held-out accuracy: {before}{final['accuracy']:.3f} after {final['after']} iterations "
-              f"({len(run.held_out)} problems)", flush=True)
+              f"({len(run.held_out)} problems){failures(final)}", flush=True)

@@ -124,7 +124,8 @@ class IterationRecord(BaseModel):
         "held-out evaluation `after` that many iterations, over `tasks` problems: `accuracy` (greedy), "
         "`reward_mean`, `failed_rollouts` (the platform's: no reward, counted wrong), `pass@k` and `mean@k` (one "
         "sample's accuracy at `rollout.temperature`) when `eval.pass_k` is set, `seconds` it took, `accuracy_by` "
-        "each `task.balance` value's when that is set", optional=True)
+        "each `task.balance` value's when that is set, `rollout_errors` as the iteration's when any failed",
+        optional=True)
 
 
 def iteration_record(iteration, rollouts, spans, transitions, adapted, sampling, version, results, seconds) -> dict:

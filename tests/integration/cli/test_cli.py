@@ -88,11 +88,13 @@ def test_train_passes_config_errors_through_by_key(tmp_path, override, named):
 def test_a_run_whose_every_rollout_the_platform_fails_stops_saying_why(tiny_model_path, tmp_path):
     """An agent command that cannot start (a typo): every rollout failed without a reward, and the run went on to
     its last iteration training nothing, its terminal saying reward 0.000. It stops at the first round, in a line
-    that says what the attempts said."""
-    r = cli("train", *TINY, "task.command=[no-such-agent-command]", "trainer.eval_every=0",
-            f"serve.port={free_port()}", f"hydra.run.dir={tmp_path}", timeout=300)
+    that says what the attempts said. The held-out accuracy before it says its rollouts failed (a bare 0.000)."""
+    r = cli("train", *TINY, "task.command=[no-such-agent-command]", f"serve.port={free_port()}",
+            f"hydra.run.dir={tmp_path}", timeout=300)
     said = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert ("held-out accuracy before training: 0.000 (4 of 4 rollouts failed, most often: 4x "
+            "AgentCommandFailedByPlatform: task.command ['no-such-agent-command'] could not start") in r.stdout
     assert said.startswith("every rollout of iteration 0 (32) failed on the platform's side")
     assert "32x AgentCommandFailedByPlatform: task.command ['no-such-agent-command'] could not start" in said
     assert (tmp_path / "metrics.jsonl").read_text() == ""  # no iteration logged
