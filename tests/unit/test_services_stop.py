@@ -18,7 +18,7 @@ class Part:
         if self.fails:
             raise RuntimeError(f"{self.name} is gone")
 
-    def close(self):
+    def close(self, timeout: float | None = None):
         self.log.append(f"{self.name}.close")
 
 
@@ -27,6 +27,7 @@ def stopped(learner_fails: bool) -> tuple[list, Exception | None]:
     services = Services.__new__(Services)  # its parts set by hand: no Ray started
     services.learner, services.store = Part(log, "learner", fails=learner_fails), Part(log, "store")
     services.apps, services.workers, services.registry, services.owns_ray = [], [], None, False
+    services.signals, services.lock = {}, Part(log, "run_dir lock")
     try:
         services.__exit__(None, None, None)
     except RuntimeError as e:
@@ -36,9 +37,11 @@ def stopped(learner_fails: bool) -> tuple[list, Exception | None]:
 
 def test_a_part_that_fails_to_stop_does_not_leave_the_others_running():
     log, error = stopped(learner_fails=True)
-    assert log == ["learner.stop", "learner.close", "store.close"]  # before: the store was never closed
+    assert log == ["learner.stop", "learner.close", "store.close", "run_dir lock.close"]  # before: the store was
+    # never closed
     assert str(error) == "learner is gone"
 
 
 def test_parts_stop_in_order_and_nothing_is_raised_when_all_stop():
-    assert stopped(learner_fails=False) == (["learner.stop", "learner.close", "store.close"], None)
+    assert stopped(learner_fails=False) == (["learner.stop", "learner.close", "store.close", "run_dir lock.close"],
+                                            None)
