@@ -58,6 +58,12 @@ def check_gpus(cfg: TrainConfig, learner: bool, detected: float) -> None:
                           "nvidia-smi sees them here, or placement=cpu")
 
 
+def _tried(refs: list[ray.ObjectRef], timeout: float) -> None:
+    """Waits for the calls, whatever their ends (each ran where its actor lives)."""
+    with contextlib.suppress(ray.exceptions.RayError):
+        ray.get(refs, timeout=timeout)
+
+
 def hold_run_dir(run_path: Path) -> IO:
     """The run directory, locked for this process while it runs (released when it ends, however it ends): a second
     job given it would overwrite its config.yaml, share its store and queue, and empty its metrics.jsonl."""
@@ -254,8 +260,9 @@ class Services:
         steps += [lambda: delete_apps(self.apps)] if self.apps else []
         # a rank reads its stop after its step (a minute, for a big one): interrupted, Ray's shutdown ends it instead
         steps += [lambda: self.learner.close(5 if interrupted and self.owns_ray else 60)] if self.learner else []
-        # A command agent runs in a session of its own, which the worker's death leaves running: stopped first.
-        steps += [lambda: ray.get([w.stop_agents.remote() for w in self.workers], timeout=30)] if self.workers else []
+        # A command agent runs in a session of its own, which the worker's death leaves running: stopped first (a
+        # worker gone with its node, or restarting, has none to stop: no failure of the run's)
+        steps += [lambda: _tried([w.stop_agents.remote() for w in self.workers], 30)] if self.workers else []
         # Named, the run's actors would outlive it in a driver that goes on (a notebook, the tests' one cluster):
         # Serve keeps the handles a deleted app was deployed with.
         steps += [lambda actor=actor: ray.kill(actor, no_restart=True)

@@ -95,7 +95,7 @@ class CommandAgent:
         try:
             stdout, stderr = self._communicate(process, task)
         finally:
-            _kill_group(process)  # what it left running
+            kill_group(process.pid)  # what it left running
             RUNNING.discard(process.pid)
         if process.returncode != 0:
             said = f"{self.command[0]} exited with {process.returncode}: {stderr.strip()[-2000:]}"
@@ -118,7 +118,7 @@ class CommandAgent:
                 given = None
                 late, gone = left is not None and wait >= left, lost is not None and lost.is_set()
                 if late or gone:
-                    _kill_group(process)
+                    kill_group(process.pid)
                     process.communicate()
                     if late:
                         raise AttemptTimeout(f"the agent command ran past rollout.timeout_seconds="
@@ -127,13 +127,9 @@ class CommandAgent:
                                                        "out in the store): the command was killed") from e
 
 
-def _kill_group(process: subprocess.Popen) -> None:
-    """The command's whole process group: what it started in the background too, so no agent outlives its attempt
-    calling the policy."""
-    kill_group(process.pid)
-
-
 def kill_group(pgid: int) -> None:
+    """A command's whole process group (its pid's): what it started in the background too, so no agent outlives its
+    attempt calling the policy."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:  # every process of the group has exited
