@@ -14,7 +14,7 @@ from lightning_ray.algorithm.dynamic_sampling import sample_groups
 from lightning_ray.algorithm.lightningrl import adapt, recorded_calls, spans_read
 from lightning_ray.algorithm.select import by_adapter
 from lightning_ray.serving.teacher import TAUGHT
-from lightning_ray.trainer.record import common_errors
+from lightning_ray.trainer.record import common_errors, most_often
 from lightning_ray.trainer.run import PhaseTimer, Run
 from lightning_ray.types import Rollout, Span, Task, Transition
 
@@ -24,7 +24,7 @@ class RolloutsFailed(RuntimeError):
     start, an endpoint it cannot reach. Every further iteration would fail the same way, training nothing."""
 
     def __init__(self, iteration: int, rollouts: list[Rollout]):
-        said = "; ".join(f"{n}x {error}" for error, n in common_errors(rollouts).items())
+        said = most_often(common_errors(rollouts), width=300)
         super().__init__(f"every rollout of iteration {iteration} ({len(rollouts)}) failed on the platform's side, "
                          f"so the run stops: {said} (each attempt's error: lightning-ray store export <run_dir> "
                          "--what rollouts)")
@@ -37,7 +37,7 @@ class NoPolicyCalls(RolloutsFailed):
 
     def __init__(self, iteration: int, rollouts: list[Rollout], recorded: int):
         failed = sum(r.status == "failed" for r in rollouts)
-        said = "; ".join(f"{n}x {error}" for error, n in common_errors(rollouts).items())
+        said = most_often(common_errors(rollouts), width=300)
         why = (f"the server recorded {recorded} call(s) under them, none the policy's as algorithm.select picks them "
                "(model.name, select.models, select.agents)" if recorded else
                "none reached the policy server under its rollout: does the agent use the base URL it is given "

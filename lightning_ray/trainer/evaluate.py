@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from lightning_ray.metrics import metrics
 from lightning_ray.services import Services
-from lightning_ray.trainer.record import common_errors
+from lightning_ray.trainer.record import common_errors, most_often
 from lightning_ray.types import Rollout, Task
 
 if TYPE_CHECKING:  # a run's TensorBoard writer imports torch (~2 s): `lightning-ray eval` needs neither
@@ -52,8 +52,7 @@ def failures(result: dict) -> str:
     """What the accuracy's line says of the evaluation's failed rollouts (the agent's and the platform's)."""
     if not (errors := result.get("rollout_errors")):
         return ""
-    return (f" ({sum(errors.values())} of {result['tasks']} rollouts failed, most often: "
-            + "; ".join(f"{n}x {error[:160]}" for error, n in errors.items()) + ")")
+    return f" ({sum(errors.values())} of {result['tasks']} rollouts failed, most often: {most_often(errors)})"
 
 
 def evaluate_held_out(run: Run, after: int) -> dict:

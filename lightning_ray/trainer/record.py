@@ -199,6 +199,11 @@ def common_errors(rollouts, most: int = 3) -> dict[str, int]:
     return dict(Counter(said(r.error) for r in rollouts if r.status == "failed").most_common(most))
 
 
+def most_often(errors: dict[str, int], width: int = 160) -> str:
+    """common_errors' errors in a line: "32x AgentCommandFailed: ...; 2x ..."."""
+    return "; ".join(f"{n}x {error[:width]}" for error, n in errors.items())
+
+
 def line(record: dict) -> dict:
     """The record as metrics.jsonl holds it, checked against IterationRecord: a field without a row in the docs'
     table fails here."""
@@ -224,9 +229,8 @@ def summary(r: dict) -> str:
               "no signal: policy unchanged")
     held_out = f" | held-out {r['eval']['accuracy']:.3f}" if "eval" in r else ""
     rounds = f" ({r['sampling_rounds']} rounds)" if r["sampling_rounds"] > 1 else ""
-    failed = (f"\n  {r['failed_rollouts']} of {r['rollouts']} rollouts failed, most often: " +
-              "; ".join(f"{n}x {error[:160]}" for error, n in r["rollout_errors"].items())
-              if r.get("rollout_errors") else "")
+    failed = (f"\n  {r['failed_rollouts']} of {r['rollouts']} rollouts failed, most often: "
+              f"{most_often(r['rollout_errors'])}" if r.get("rollout_errors") else "")
     return (f"iter {r['iteration']}: reward {r['reward_mean']:.3f} | groups with signal {r['groups_with_signal']}"
             f"{rounds} | {update}{held_out} | " + " ".join(f"{k} {v:.1f}s" for k, v in r["seconds"].items()) +
             failed)
