@@ -4,7 +4,8 @@ Only the policy's calls become transitions (an agent may call other models too, 
 one of its agents: algorithm/select.py picks them by model and agent name), ordered by time, and only
 as the policy server recorded them (origin "server"): spans sent through the store's API cannot make training data;
 and only the calls the agent got an answer to (`answered`): an errored or aborted one stays in the trace, untrained;
-and no call a teacher answered (serving/teacher.py), unless the batch is imitation (`imitation`: the sft objective).
+and no call a teacher answered (serving/teacher.py), unless the batch is imitation (`imitation`: the sft objective);
+of a call's n choices, the one the agent went on from where a later call tells (`_gone_on_from`).
 Each transition carries the episode's final reward — the task's reward function's verdict, or, where a task opts in
 (`task.agent_rewards`), the last reward its agent emitted — and, as its step reward, the intermediate rewards
 recorded after that call and before the next: automatic ones (AIR, algorithm/air.py, stored by the platform) and,
@@ -49,7 +50,7 @@ def _transitions(rollout: Rollout, spans: list[Span], policy_model: str, agent_r
     select = select or Selection.of(policy_model)
     selected = [c for c in select.calls(recorded_calls(spans), spans)
                 if (imitation or semconv.TEACHER not in c.attributes) and not _after_the_end(c, rollout)]
-    calls = sorted(filter(answered, selected), key=lambda s: s.start_time)
+    calls = _gone_on_from(sorted(filter(answered, selected), key=lambda s: s.start_time))
     step_rewards, step_of = [0.0] * len(calls), {c.span_id: i for i, c in enumerate(calls)}
     for r in intermediate if calls else []:
         step = step_of.get(r.attributes.get(semconv.REWARD_CALL))  # to the call it names, else to the last call
@@ -205,6 +206,27 @@ def _constrained(span: Span) -> dict:
 def _temperature(span: Span) -> float:
     t = span.attributes.get(semconv.SAMPLING, {}).get("temperature", 1.0)
     return t if t > 0 else 1.0  # greedy: no temperature to score at
+
+
+def _gone_on_from(calls: list[Span]) -> list[Span]:
+    """A request with n > 1 is recorded as a span per choice (the same start and prompt). Where a later call's prompt
+    goes on from one choice (extends its prompt + response), that is the choice the agent used: its siblings are left
+    out, not trained with the episode's reward. Where none is gone on from (the episode's last call; an agent that
+    votes), all stay."""
+    def prompt(c: Span):
+        return c.attributes[semconv.PROMPT_TOKEN_IDS]
+
+    def continued(call: Span) -> bool:
+        p, response = len(prompt(call)), call.attributes[semconv.COMPLETION_TOKEN_IDS]
+        return any(c.start_time > call.start_time and len(prompt(c)) >= p + len(response)
+                   and np.array_equal(prompt(c)[:p], prompt(call))
+                   and np.array_equal(prompt(c)[p:p + len(response)], response) for c in calls)
+
+    def sibling_used(call: Span) -> bool:
+        return any(c is not call and c.start_time == call.start_time and np.array_equal(prompt(c), prompt(call))
+                   and continued(c) for c in calls)
+
+    return [c for c in calls if not sibling_used(c) or continued(c)]
 
 
 # A call the attempt's agent cannot have made: one that started after the rollout ended (a command agent's process

@@ -74,6 +74,18 @@ def test_a_call_made_after_the_rollout_ended_is_not_trained():
     assert [t.response_ids.tolist() for t in transitions_from_spans(rollout, spans, "policy")] == [[2], [3]]
 
 
+def test_of_a_calls_n_choices_the_one_the_agent_went_on_from_is_trained():
+    """n=3: a span per choice, all trained with the episode's reward, numbered as steps, though the agent went on from
+    the first only (a wrong expression it never used was reinforced). The choice a later prompt extends is kept, its
+    siblings left out; where none is gone on from (the last call), all stay."""
+    rollout = Rollout(rollout_id="ro-1", task=Task(task_id="t", input={}), attempt_id="at-1", reward=1.0)
+    first = [llm_span("ro-1", "policy", 1.0, [1, 2], completion) for completion in ([7], [8], [9])]
+    later = llm_span("ro-1", "policy", 2.0, [1, 2, 7, 5], [3])  # goes on from choice [7]
+    last = [llm_span("ro-1", "policy", 3.0, [1, 2, 7, 5, 3, 6], completion) for completion in ([4], [0])]
+    out = transitions_from_spans(rollout, [*first, later, *last], "policy")
+    assert [(t.response_ids.tolist(), t.step) for t in out] == [([7], 0), ([3], 1), ([4], 2), ([0], 3)]
+
+
 def agent_span(span_id, parent, attributes, name="invoke_agent"):
     return Span(span_id=span_id, parent_id=parent, rollout_id="ro-1", attempt_id="at-1", name=name,
                 attributes=attributes)
