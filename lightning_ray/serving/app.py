@@ -56,7 +56,7 @@ api = FastAPI(title="lightning_ray policy")
 http.install(api)
 # what an agent's own key may call (lightning_ray/auth.py); the rest (/health) needs the operator's key
 api.state.agent_routes = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
-                          ("POST", "/v1/embeddings"), ("GET", "/v1/models")}
+                          ("GET", "/v1/responses/{response_id}"), ("POST", "/v1/embeddings"), ("GET", "/v1/models")}
 APP_NAME = "policy"
 
 
@@ -154,6 +154,12 @@ class PolicyServer:
     @api.post("/v1/responses")
     async def responses(self, body: ResponsesRequest, request: Request):
         return http.answer(await create_response(self, body, await self.trace(request)))
+
+    @api.get("/v1/responses/{response_id}")
+    async def retrieve_response(self, response_id: str):
+        raise ApiError(404, f"response {response_id!r} is not stored: this server keeps no state (a request's `store` "
+                            "is ignored); keep the response the create call returned", param="response_id",
+                       code="response_not_found")
 
     @api.post("/v1/embeddings")
     async def embeddings(self, body: EmbeddingRequest, request: Request):

@@ -128,12 +128,13 @@ class PolicyMiddleware:
 def _agent_denied(scope: dict, agent: tuple[str, str], routes) -> ApiError | None:
     """Why an agent's key may not make this request: only the app's agent routes (app.state.agent_routes), and only
     for the attempt the key was minted for."""
-    route = (scope["method"], scope["path"].removeprefix(scope.get("root_path", "")))
-    if not any(getattr(r, "path_regex", None) and r.path_regex.match(route[1]) for r in scope["app"].routes):
-        return ApiError(404, f"no such path: {route[1]} (an agent's base URL ends in /v1: its client adds the "
-                             "rest)", code="not_found")
-    if route not in routes:
-        return ApiError(403, f"an agent's key cannot call {' '.join(route)}: it reaches the policy and its own "
+    method, path = scope["method"], scope["path"].removeprefix(scope.get("root_path", ""))
+    if (matched := next((r for r in scope["app"].routes
+                         if getattr(r, "path_regex", None) and r.path_regex.match(path)), None)) is None:
+        return ApiError(404, f"no such path: {path} (an agent's base URL ends in /v1: its client adds the rest)",
+                        code="not_found")
+    if (method, matched.path) not in routes:  # (the route's template: /v1/responses/{response_id})
+        return ApiError(403, f"an agent's key cannot call {method} {path}: it reaches the policy and its own "
                              f"attempt's spans only", code="permission_denied")
     named = dict(scope["headers"])
     for header, value in zip((ROLLOUT_HEADER, ATTEMPT_HEADER), agent):

@@ -455,6 +455,13 @@ def test_responses_text_format_json_schema(server):
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
 
 
+def test_a_stored_response_is_asked_for_in_vain_clearly(server):
+    """responses.retrieve(id): a bare 404 "Not Found" before; this server keeps no response to give back."""
+    with pytest.raises(openai.NotFoundError, match="is not stored: this server keeps no state") as error:
+        client(server).responses.retrieve("resp_123")
+    assert error.value.body["code"] == "response_not_found" and error.value.body["param"] == "response_id"
+
+
 OPERATE = {"name": "operate", "parameters": {"type": "object", "properties": {"op": {"enum": ["+", "-", "*"]}},
                                              "required": ["op"]}}
 UNIT = {"name": "unit", "parameters": {"type": "object", "properties": {"metric": {"type": "boolean"}},
